@@ -1,0 +1,65 @@
+//! Attention at GPT-2 small geometry: the fused CPU kernel against the reference path.
+//!
+//! `cargo bench -p mha --bench attention`; PyTorch's numbers for the same shapes come from
+//! `scripts/bench_attention_torch.py`. Results: docs/PERFORMANCE.md.
+#![allow(missing_docs)]
+
+use candle_core::{DType, Device, Tensor};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use mha::{sdpa, sdpa_reference, Mask, MhaConfig, MultiHeadAttention, SdpaParams};
+
+fn heads(b: usize, h: usize, t: usize, d: usize) -> Tensor {
+    Tensor::randn(0f32, 1.0, (b, h, t, d), &Device::Cpu).unwrap()
+}
+
+fn bench_sdpa(c: &mut Criterion) {
+    let mut group = c.benchmark_group("sdpa");
+    group.sample_size(10);
+    // (name, batch, q_len, kv_len, causal): heads 12 × 64 throughout.
+    let shapes = [
+        ("b1_t512", 1, 512, 512, false),
+        ("b8_t128", 8, 128, 128, false),
+        ("b1_t1024_causal", 1, 1024, 1024, true),
+        ("decode_1_vs_1024", 1, 1, 1024, true),
+    ];
+    for (name, b, tq, tk, causal) in shapes {
+        let (q, k, v) = (
+            heads(b, 12, tq, 64),
+            heads(b, 12, tk, 64),
+            heads(b, 12, tk, 64),
+        );
+        let mask = if causal {
+            Mask::causal(tk - tq)
+        } else {
+            Mask::NONE
+        };
+        let p = SdpaParams::inference(0.125);
+        group.bench_function(BenchmarkId::new("fused", name), |bench| {
+            bench.iter(|| sdpa(&q, &k, &v, &mask, &p).unwrap())
+        });
+        group.bench_function(BenchmarkId::new("reference", name), |bench| {
+            bench.iter(|| sdpa_reference(&q, &k, &v, &mask, &p).unwrap())
+        });
+    }
+    group.finish();
+}
+
+fn bench_module(c: &mut Criterion) {
+    let mut group = c.benchmark_group("mha_forward");
+    group.sample_size(10);
+    let vb = candle_nn::VarBuilder::zeros(DType::F32, &Device::Cpu);
+    let attn = MultiHeadAttention::new(&MhaConfig::new(768, 12), vb).unwrap();
+    for (b, t) in [(1, 512), (8, 128)] {
+        let xs = Tensor::randn(0f32, 1.0, (b, t, 768), &Device::Cpu).unwrap();
+        group.bench_function(BenchmarkId::new("causal", format!("b{b}_t{t}")), |bench| {
+            bench.iter(|| {
+                attn.forward(&xs, &xs, &xs, &Mask::causal(0), false)
+                    .unwrap()
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_sdpa, bench_module);
+criterion_main!(benches);

@@ -1,0 +1,349 @@
+//! Scaled dot-product attention and the multi-head attention module.
+
+use candle_core::{bail, DType, Result, Tensor, D};
+use candle_nn::VarBuilder;
+
+use crate::layout::{self, Projections, WeightLayout};
+use crate::{kernel, Dropout, KvCache, Mask, MhaConfig};
+
+/// How to run [`sdpa`] beyond its tensors and mask.
+#[derive(Debug, Clone, Copy)]
+pub struct SdpaParams<'a> {
+    /// Factor applied to `q·k`, usually `1/sqrt(head_dim)`.
+    pub scale: f64,
+    /// Dropout on the attention weights, applied only when `train` is true.
+    pub dropout: Option<&'a Dropout>,
+    /// Training mode: dropout on, and the fast inference kernels off.
+    pub train: bool,
+    /// Return the attention weights `[batch, n_heads, q_len, kv_len]` (after dropout, as
+    /// PyTorch does).
+    pub need_weights: bool,
+}
+
+impl SdpaParams<'_> {
+    /// Inference with the given scale: no dropout, no weights returned.
+    pub fn inference(scale: f64) -> Self {
+        SdpaParams {
+            scale,
+            dropout: None,
+            train: false,
+            need_weights: false,
+        }
+    }
+}
+
+/// Checks `q [b, h, tq, d]`, `k [b, h_kv, tk, d]`, `v [b, h_kv, tk, dv]`.
+fn check_heads(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(usize, usize, usize, usize)> {
+    let dims = |t: &Tensor, name: &str| match t.dims() {
+        &[a, b, c, d] => Ok((a, b, c, d)),
+        s => bail!("attention: {name} must be [batch, heads, seq, head_dim], got {s:?}"),
+    };
+    let (b, h, tq, d) = dims(q, "query")?;
+    let (kb, hkv, tk, kd) = dims(k, "key")?;
+    let (vb, vh, vt, _) = dims(v, "value")?;
+    if kb != b || vb != b || kd != d || (vh, vt) != (hkv, tk) {
+        bail!(
+            "attention: query {:?}, key {:?} and value {:?} disagree (batch, heads, key length or head_dim)",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )
+    }
+    if hkv == 0 || h % hkv != 0 {
+        bail!("attention: {hkv} key/value heads do not divide {h} query heads")
+    }
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        bail!(
+            "attention: query, key and value dtypes differ: {:?}, {:?}, {:?}",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        )
+    }
+    Ok((b, h, tq, tk))
+}
+
+/// Scaled dot-product attention on heads: `softmax(q·kᵀ·scale + mask)·v`.
+///
+/// Picks the fused CPU kernel when it computes the same thing (f32 on CPU, no additive mask,
+/// no weights asked for, no dropout, no gradient needed) and the reference path
+/// [`sdpa_reference`] otherwise. Keys and values may have fewer heads than queries
+/// (grouped-query attention): query head `i` reads key/value head `i / (h / h_kv)`.
+///
+/// # Shapes
+/// - `q`: `[batch, n_heads, q_len, head_dim]`
+/// - `k`: `[batch, n_kv_heads, kv_len, head_dim]`
+/// - `v`: `[batch, n_kv_heads, kv_len, v_head_dim]`
+/// - returns `[batch, n_heads, q_len, v_head_dim]`, and the weights
+///   `[batch, n_heads, q_len, kv_len]` when asked for.
+pub fn sdpa(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    p: &SdpaParams,
+) -> Result<(Tensor, Option<Tensor>)> {
+    check_heads(q, k, v)?;
+    let dropout_on = p.dropout.is_some_and(|d| d.is_active(p.train));
+    let fast = q.device().is_cpu()
+        && q.dtype() == DType::F32
+        && mask.additive.is_none()
+        && !p.need_weights
+        && !dropout_on
+        && !(q.track_op() || k.track_op() || v.track_op());
+    if fast {
+        return Ok((kernel::flash_attn_cpu(q, k, v, mask, p.scale)?, None));
+    }
+    sdpa_reference(q, k, v, mask, p)
+}
+
+/// The plain path: materialise the scores, mask, softmax, multiply. Differentiable, any
+/// device and dtype (scores and softmax in f32). Every faster path is tested against it.
+///
+/// Shapes as in [`sdpa`].
+pub fn sdpa_reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    p: &SdpaParams,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (b, h, tq, tk) = check_heads(q, k, v)?;
+    let n_rep = h / k.dim(1)?;
+    let k = repeat_kv(k, n_rep)?;
+    let v = repeat_kv(v, n_rep)?;
+    // Scores in f32 at least (f64 stays f64, for gradient checks).
+    let compute = match q.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    let qc = q.to_dtype(compute)?.contiguous()?;
+    let kc = k.to_dtype(compute)?.contiguous()?;
+    // (b, h, tq, tk)
+    let scores = (qc.matmul(&kc.t()?)? * p.scale)?;
+    let scores = match mask.to_bias((b, h, tq, tk), q.device())? {
+        Some(bias) => scores.broadcast_add(&bias.to_dtype(compute)?)?,
+        None => scores,
+    };
+    let weights = masked_softmax(&scores)?;
+    let weights = match p.dropout {
+        Some(d) => d.forward(&weights, p.train)?,
+        None => weights,
+    };
+    // (b, h, tq, dv)
+    let ys = weights.to_dtype(v.dtype())?.matmul(&v.contiguous()?)?;
+    Ok((ys, p.need_weights.then_some(weights)))
+}
+
+/// `[b, h_kv, t, d]` to `[b, h_kv·n_rep, t, d]`, each kv head repeated `n_rep` times in
+/// place (PyTorch's `repeat_interleave`, as in `enable_gqa=True`).
+pub fn repeat_kv(xs: &Tensor, n_rep: usize) -> Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(xs.clone());
+    }
+    let (b, h_kv, t, d) = xs.dims4()?;
+    xs.unsqueeze(2)?
+        .broadcast_as((b, h_kv, n_rep, t, d))?
+        .reshape((b, h_kv * n_rep, t, d))
+}
+
+/// Softmax over the last dimension where `-inf` entries get weight 0 and a row that is all
+/// `-inf` gets all zeros instead of NaN. Built from differentiable ops (Candle's fused
+/// `softmax_last_dim` has no backward).
+pub fn masked_softmax(scores: &Tensor) -> Result<Tensor> {
+    // Softmax is invariant to the shift, so the max needs no gradient; clamping it keeps
+    // `-inf - -inf` (a fully masked row) out of the computation.
+    let max = scores
+        .max_keepdim(D::Minus1)?
+        .detach()
+        .maximum(f32::MIN as f64)?;
+    let e = scores.broadcast_sub(&max)?.exp()?;
+    // A row with any visible key sums to at least 1; only empty rows hit the clamp.
+    let sum = e
+        .sum_keepdim(D::Minus1)?
+        .maximum(f32::MIN_POSITIVE as f64)?;
+    e.broadcast_div(&sum)
+}
+
+/// Attention weights returned by [`MultiHeadAttention::forward_with_weights`].
+#[derive(Debug, Clone)]
+pub struct AttnWeights {
+    /// `[batch, n_heads, q_len, kv_len]`, each row summing to 1 (0 for a fully masked row).
+    pub per_head: Tensor,
+}
+
+impl AttnWeights {
+    /// Weights averaged over heads, `[batch, q_len, kv_len]` (PyTorch's
+    /// `average_attn_weights=True`).
+    pub fn averaged(&self) -> Result<Tensor> {
+        self.per_head.mean(1)
+    }
+}
+
+/// Multi-head attention with separate query, key and value inputs.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use mha::{Mask, MhaConfig, MultiHeadAttention};
+///
+/// let dev = Device::Cpu;
+/// let varmap = candle_nn::VarMap::new();
+/// let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+/// let attn = MultiHeadAttention::new(&MhaConfig::new(64, 8), vb)?;
+/// let xs = Tensor::randn(0f32, 1.0, (2, 10, 64), &dev)?; // [batch, seq, d_model]
+/// let ys = attn.forward(&xs, &xs, &xs, &Mask::causal(0), false)?;
+/// assert_eq!(ys.dims(), &[2, 10, 64]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct MultiHeadAttention {
+    cfg: MhaConfig,
+    proj: Projections,
+    dropout: Dropout,
+}
+
+impl MultiHeadAttention {
+    /// Loads (or, from a `VarMap`, creates) the layer with `q_proj/k_proj/v_proj/o_proj`
+    /// linears.
+    pub fn new(cfg: &MhaConfig, vb: VarBuilder) -> Result<Self> {
+        Self::load(cfg, &WeightLayout::hf(), vb)
+    }
+
+    /// Loads the layer from a checkpoint in the given layout.
+    pub fn load(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            proj: layout::load(cfg, layout, vb)?,
+            dropout: Dropout::new(cfg.dropout, cfg.seed)?,
+        })
+    }
+
+    /// The configuration this layer was built with.
+    pub fn config(&self) -> &MhaConfig {
+        &self.cfg
+    }
+
+    /// Attention of `query` over `key`/`value`.
+    ///
+    /// # Shapes
+    /// - `query`: `[batch, q_len, d_model]`
+    /// - `key`: `[batch, kv_len, kdim]`, `value`: `[batch, kv_len, vdim]`
+    /// - returns `[batch, q_len, d_model]`
+    pub fn forward(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        mask: &Mask,
+        train: bool,
+    ) -> Result<Tensor> {
+        Ok(self.run(query, key, value, mask, None, false, train)?.0)
+    }
+
+    /// As [`Self::forward`], also returning the attention weights of every head.
+    pub fn forward_with_weights(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        mask: &Mask,
+        train: bool,
+    ) -> Result<(Tensor, AttnWeights)> {
+        match self.run(query, key, value, mask, None, true, train)? {
+            (ys, Some(per_head)) => Ok((ys, AttnWeights { per_head })),
+            _ => bail!("attention weights were not computed"),
+        }
+    }
+
+    /// Inference with a KV cache: the keys and values of `key`/`value` are appended to
+    /// `cache` and `query` attends to everything cached. For decoding use
+    /// `Mask::causal(cache.len())` taken before the call; a key padding mask then covers
+    /// all `cache.len() + kv_len` positions.
+    pub fn forward_cached(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        mask: &Mask,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        Ok(self
+            .run(query, key, value, mask, Some(cache), false, false)?
+            .0)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        mask: &Mask,
+        cache: Option<&mut KvCache>,
+        need_weights: bool,
+        train: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let cfg = &self.cfg;
+        let (h, h_kv, hd) = (cfg.n_heads, cfg.kv_heads(), cfg.head_dim());
+        let (b, tq) = check_input(query, "query", None, cfg.d_model)?;
+        let (_, tk) = check_input(key, "key", Some(b), cfg.k_dim())?;
+        let (_, tv) = check_input(value, "value", Some(b), cfg.v_dim())?;
+        if tk != tv {
+            bail!("attention: key length {tk} and value length {tv} differ")
+        }
+        let self_attention = query.id() == key.id() && key.id() == value.id();
+        let (q, k, v) = match (&self.proj.qkv, self_attention) {
+            // One product for all three when the checkpoint stores them fused.
+            (Some(qkv), true) => {
+                let qkv = qkv.forward(query)?;
+                let kv = cfg.kv_width();
+                (
+                    qkv.narrow(2, 0, cfg.d_model)?,
+                    qkv.narrow(2, cfg.d_model, kv)?,
+                    qkv.narrow(2, cfg.d_model + kv, kv)?,
+                )
+            }
+            _ => (
+                self.proj.q.forward(query)?,
+                self.proj.k.forward(key)?,
+                self.proj.v.forward(value)?,
+            ),
+        };
+        // (b, t, h·hd) -> (b, h, t, hd)
+        let q = q.reshape((b, tq, h, hd))?.transpose(1, 2)?;
+        let k = k.reshape((b, tk, h_kv, hd))?.transpose(1, 2)?;
+        let v = v.reshape((b, tk, h_kv, hd))?.transpose(1, 2)?;
+        let (k, v) = match cache {
+            Some(cache) => cache.append(&k, &v)?,
+            None => (k, v),
+        };
+        let params = SdpaParams {
+            scale: cfg.softmax_scale(),
+            dropout: Some(&self.dropout),
+            train,
+            need_weights,
+        };
+        let (ys, weights) = sdpa(&q, &k, &v, mask, &params)?;
+        // (b, h, tq, hd) -> (b, tq, h·hd)
+        let ys = ys.transpose(1, 2)?.reshape((b, tq, cfg.d_model))?;
+        Ok((self.proj.o.forward(&ys)?, weights))
+    }
+}
+
+/// Checks a `[batch, seq, width]` input and returns `(batch, seq)`.
+fn check_input(
+    xs: &Tensor,
+    name: &str,
+    batch: Option<usize>,
+    width: usize,
+) -> Result<(usize, usize)> {
+    match (xs.dims(), batch) {
+        (&[b, t, w], None) if w == width => Ok((b, t)),
+        (&[b, t, w], Some(bb)) if w == width && b == bb => Ok((b, t)),
+        (dims, _) => bail!(
+            "attention: {name} must be [batch{}, seq, {width}], got {dims:?}",
+            batch.map(|b| format!(" = {b}")).unwrap_or_default()
+        ),
+    }
+}

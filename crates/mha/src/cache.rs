@@ -1,0 +1,116 @@
+//! A pre-allocated key/value cache for incremental decoding.
+
+use candle_core::{bail, Result, Tensor};
+
+/// Keys and values of the tokens seen so far, `[batch, n_kv_heads, len, head_dim]` each.
+///
+/// Storage is allocated once for `capacity` positions on the first append and written in
+/// place, so a decode step copies only the new token's keys and values. Past `capacity` it
+/// doubles. The cache belongs to the caller and is passed in `&mut`, so one attention
+/// module can serve many sequences at once.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    /// An empty cache that will hold `capacity` positions before it has to grow.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            k: None,
+            v: None,
+            len: 0,
+            capacity: capacity.max(1),
+        }
+    }
+
+    /// Number of cached positions: the causal offset of the next query.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets every cached position; the storage is kept for the next sequence.
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+
+    /// Cached keys and values, `[batch, n_kv_heads, len, head_dim]`, or `None` when empty.
+    pub fn current(&self) -> Result<Option<(Tensor, Tensor)>> {
+        match (&self.k, &self.v) {
+            (Some(k), Some(v)) if self.len > 0 => {
+                Ok(Some((k.narrow(2, 0, self.len)?, v.narrow(2, 0, self.len)?)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Appends `k` and `v` (`[batch, n_kv_heads, new, head_dim]`) and returns every cached
+    /// position, the new ones included.
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, h, new, d) = k.dims4()?;
+        if v.dims4()? != (b, h, new, d) {
+            bail!(
+                "cache: keys {:?} and values {:?} must have the same shape",
+                k.dims(),
+                v.dims()
+            )
+        }
+        let fits = |t: &Option<Tensor>| match t {
+            Some(t) => {
+                let (tb, th, _, td) = t.dims4().unwrap_or_default();
+                (tb, th, td) == (b, h, d)
+                    && t.dtype() == k.dtype()
+                    && t.device().same_device(k.device())
+            }
+            None => false,
+        };
+        if self.len > 0 && !(fits(&self.k) && fits(&self.v)) {
+            bail!(
+                "cache holds keys of another shape, dtype or device than {:?} {:?}; reset it first",
+                k.dims(),
+                k.dtype()
+            )
+        }
+        let needed = self.len + new;
+        let allocated = self.k.as_ref().map_or(0, |t| t.dim(2).unwrap_or(0));
+        if !fits(&self.k) || needed > allocated {
+            let mut cap = self.capacity.max(allocated);
+            while cap < needed {
+                cap *= 2;
+            }
+            self.k = Some(grow(self.k.as_ref(), self.len, (b, h, cap, d), k)?);
+            self.v = Some(grow(self.v.as_ref(), self.len, (b, h, cap, d), v)?);
+        }
+        match (&self.k, &self.v) {
+            (Some(ck), Some(cv)) => {
+                ck.slice_set(&k.contiguous()?, 2, self.len)?;
+                cv.slice_set(&v.contiguous()?, 2, self.len)?;
+                self.len = needed;
+                Ok((ck.narrow(2, 0, needed)?, cv.narrow(2, 0, needed)?))
+            }
+            _ => bail!("cache storage missing after allocation"),
+        }
+    }
+}
+
+/// New storage of `shape` holding the first `len` positions of `old`.
+fn grow(
+    old: Option<&Tensor>,
+    len: usize,
+    shape: (usize, usize, usize, usize),
+    like: &Tensor,
+) -> Result<Tensor> {
+    let fresh = Tensor::zeros(shape, like.dtype(), like.device())?;
+    if let (Some(old), true) = (old, len > 0) {
+        fresh.slice_set(&old.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
+    }
+    Ok(fresh)
+}

@@ -1,0 +1,118 @@
+//! The shape of a multi-head attention layer.
+
+use candle_core::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+/// Configuration of [`crate::MultiHeadAttention`], named as `torch.nn.MultiheadAttention`
+/// names its arguments where it has them.
+///
+/// Build it with struct update syntax:
+/// `MhaConfig { n_kv_heads: Some(2), ..MhaConfig::new(64, 8) }`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MhaConfig {
+    /// Width of the query input and of the output (`embed_dim` in PyTorch).
+    pub d_model: usize,
+    /// Number of query heads; must divide `d_model`.
+    pub n_heads: usize,
+    /// Number of key/value heads: `None` is `n_heads` (classic attention), `1` is multi-query
+    /// attention, anything else that divides `n_heads` is grouped-query attention.
+    pub n_kv_heads: Option<usize>,
+    /// Width of the key input (`kdim`); `None` is `d_model`.
+    pub kdim: Option<usize>,
+    /// Width of the value input (`vdim`); `None` is `d_model`.
+    pub vdim: Option<usize>,
+    /// Whether the four projections have biases.
+    pub bias: bool,
+    /// Dropout probability on the attention weights (after softmax), in `[0, 1)`.
+    pub dropout: f32,
+    /// Factor applied to the scores `q·k`; `None` is `1/sqrt(head_dim)`.
+    pub scale: Option<f64>,
+    /// Seed of the dropout mask stream, so that training runs can be repeated.
+    pub seed: u64,
+}
+
+impl Default for MhaConfig {
+    fn default() -> Self {
+        Self::new(512, 8)
+    }
+}
+
+impl MhaConfig {
+    /// A classic attention layer: `n_heads` heads over `d_model`, biases, no dropout.
+    pub fn new(d_model: usize, n_heads: usize) -> Self {
+        Self {
+            d_model,
+            n_heads,
+            n_kv_heads: None,
+            kdim: None,
+            vdim: None,
+            bias: true,
+            dropout: 0.0,
+            scale: None,
+            seed: 0,
+        }
+    }
+
+    /// Width of one head: `d_model / n_heads`.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads.max(1)
+    }
+
+    /// Number of key/value heads after defaulting.
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
+    /// Width of the key input after defaulting.
+    pub fn k_dim(&self) -> usize {
+        self.kdim.unwrap_or(self.d_model)
+    }
+
+    /// Width of the value input after defaulting.
+    pub fn v_dim(&self) -> usize {
+        self.vdim.unwrap_or(self.d_model)
+    }
+
+    /// Output width of the key and value projections: `kv_heads * head_dim`.
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads() * self.head_dim()
+    }
+
+    /// The factor applied to the scores after defaulting.
+    pub fn softmax_scale(&self) -> f64 {
+        self.scale
+            .unwrap_or_else(|| 1.0 / (self.head_dim() as f64).sqrt())
+    }
+
+    /// Checks every invariant; the error names the offending values.
+    pub fn validate(&self) -> Result<()> {
+        let (d, h) = (self.d_model, self.n_heads);
+        if d == 0 || h == 0 {
+            bail!("attention needs d_model > 0 and n_heads > 0, got d_model={d}, n_heads={h}")
+        }
+        if d % h != 0 {
+            bail!("n_heads={h} does not divide d_model={d}")
+        }
+        let kv = self.kv_heads();
+        if kv == 0 || h % kv != 0 {
+            bail!("n_kv_heads={kv} must be positive and divide n_heads={h}")
+        }
+        if self.k_dim() == 0 || self.v_dim() == 0 {
+            bail!(
+                "kdim and vdim must be positive, got kdim={}, vdim={}",
+                self.k_dim(),
+                self.v_dim()
+            )
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            bail!("dropout must be in [0, 1), got {}", self.dropout)
+        }
+        if let Some(s) = self.scale {
+            if !s.is_finite() {
+                bail!("scale must be finite, got {s}")
+            }
+        }
+        Ok(())
+    }
+}

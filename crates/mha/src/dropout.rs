@@ -1,0 +1,83 @@
+//! Dropout that can be replayed: the same seed gives the same masks in the same order.
+//!
+//! Candle's CPU random generator cannot be seeded, so masks come from a counter-based
+//! generator (SplitMix64 over `seed`, call number and element index). The counter is
+//! atomic, so modules stay `&self` and `Send + Sync`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use candle_core::{bail, Result, Tensor};
+
+/// Inverted dropout: in training, zeroes each element with probability `p` and scales the
+/// rest by `1 / (1 - p)`; outside training, the identity.
+#[derive(Debug)]
+pub struct Dropout {
+    p: f32,
+    seed: u64,
+    calls: AtomicU64,
+}
+
+impl Clone for Dropout {
+    fn clone(&self) -> Self {
+        Self {
+            p: self.p,
+            seed: self.seed,
+            calls: AtomicU64::new(self.calls.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+impl Dropout {
+    /// A dropout with probability `p` in `[0, 1)` whose masks are drawn from `seed`.
+    pub fn new(p: f32, seed: u64) -> Result<Self> {
+        if !(0.0..1.0).contains(&p) {
+            bail!("dropout probability must be in [0, 1), got {p}")
+        }
+        Ok(Self {
+            p,
+            seed,
+            calls: AtomicU64::new(0),
+        })
+    }
+
+    /// The drop probability.
+    pub fn p(&self) -> f32 {
+        self.p
+    }
+
+    /// True when a call with this `train` flag changes its input.
+    pub fn is_active(&self, train: bool) -> bool {
+        train && self.p > 0.0
+    }
+
+    /// Applies dropout when `train` is true; returns `xs` itself otherwise.
+    pub fn forward(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        if !self.is_active(train) {
+            return Ok(xs.clone());
+        }
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        let stream = splitmix64(self.seed ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let keep_scale = 1.0 / (1.0 - self.p);
+        // 24 random bits give a uniform f32 in [0, 1) with every value exact.
+        let threshold = (self.p as f64 * (1u64 << 24) as f64) as u64;
+        let mask: Vec<f32> = (0..xs.elem_count() as u64)
+            .map(|i| {
+                let r = splitmix64(stream.wrapping_add(i)) >> 40;
+                if r >= threshold {
+                    keep_scale
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, xs.shape(), xs.device())?.to_dtype(xs.dtype())?;
+        xs * mask
+    }
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}

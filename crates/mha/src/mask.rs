@@ -1,0 +1,161 @@
+//! Attention masks whose meaning is written in their type.
+//!
+//! Candle's models disagree on what a `1` in a `u8` mask means; here no bare tensor is a
+//! mask. Causal masking is an offset, key padding says whether its ones keep or ignore,
+//! and an additive mask is added to the scores. The three combine.
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+
+/// Which keys of each batch row are padding.
+#[derive(Debug, Clone, Copy)]
+pub enum KeyPadding<'a> {
+    /// `[batch, kv_len]`, non-zero where the key is a real token that may be attended
+    /// (the polarity of Hugging Face's `attention_mask`).
+    Keep(&'a Tensor),
+    /// `[batch, kv_len]`, non-zero where the key is padding to be ignored
+    /// (the polarity of PyTorch's `key_padding_mask`).
+    Ignore(&'a Tensor),
+}
+
+/// Everything that hides keys from queries.
+///
+/// A query row whose keys are all hidden attends to nothing: its output is zero, not NaN.
+///
+/// ```
+/// use mha::Mask;
+/// let prefill = Mask::causal(0);
+/// let decode_step = Mask::causal(17); // 17 tokens already in the cache
+/// assert_eq!(decode_step.causal, Some(17));
+/// assert!(Mask::NONE.is_empty() && !prefill.is_empty());
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Mask<'a> {
+    /// `Some(offset)`: query `i` sits at absolute position `offset + i` and sees the keys
+    /// `0..=offset + i`. With a KV cache, `offset` is the number of cached tokens.
+    pub causal: Option<usize>,
+    /// Padding keys to hide, per batch row.
+    pub key_padding: Option<KeyPadding<'a>>,
+    /// Added to the scores before softmax (`-inf` hides a key); any float dtype, any shape
+    /// that broadcasts to `[batch, n_heads, q_len, kv_len]`.
+    pub additive: Option<&'a Tensor>,
+}
+
+impl<'a> Mask<'a> {
+    /// No masking at all.
+    pub const NONE: Mask<'static> = Mask {
+        causal: None,
+        key_padding: None,
+        additive: None,
+    };
+
+    /// Causal masking for queries starting at absolute position `offset`.
+    pub fn causal(offset: usize) -> Self {
+        Mask {
+            causal: Some(offset),
+            ..Default::default()
+        }
+    }
+
+    /// Adds key padding in Hugging Face polarity (non-zero = real token).
+    pub fn with_keep(self, keep: &'a Tensor) -> Self {
+        Mask {
+            key_padding: Some(KeyPadding::Keep(keep)),
+            ..self
+        }
+    }
+
+    /// Adds key padding in PyTorch polarity (non-zero = padding).
+    pub fn with_ignore(self, ignore: &'a Tensor) -> Self {
+        Mask {
+            key_padding: Some(KeyPadding::Ignore(ignore)),
+            ..self
+        }
+    }
+
+    /// Adds a float mask added to the scores.
+    pub fn with_additive(self, additive: &'a Tensor) -> Self {
+        Mask {
+            additive: Some(additive),
+            ..self
+        }
+    }
+
+    /// True when the mask hides nothing.
+    pub fn is_empty(&self) -> bool {
+        self.causal.is_none() && self.key_padding.is_none() && self.additive.is_none()
+    }
+
+    /// The key padding as a `u8` tensor `[batch, kv_len]` with 1 where the key is kept.
+    pub fn keep_keys(&self, b_sz: usize, kv_len: usize, device: &Device) -> Result<Option<Tensor>> {
+        let (t, keep_polarity) = match self.key_padding {
+            None => return Ok(None),
+            Some(KeyPadding::Keep(t)) => (t, true),
+            Some(KeyPadding::Ignore(t)) => (t, false),
+        };
+        if t.dims() != [b_sz, kv_len] {
+            bail!(
+                "key padding mask must be [batch, kv_len] = [{b_sz}, {kv_len}], got {:?}",
+                t.dims()
+            )
+        }
+        let t = t.to_device(device)?;
+        // `ne` on the dtype itself: works for u8, u32, i64 and floats alike.
+        let zero = Tensor::zeros((), t.dtype(), device)?.broadcast_as(t.shape())?;
+        let keep = if keep_polarity {
+            t.ne(&zero)?
+        } else {
+            t.eq(&zero)?
+        };
+        Ok(Some(keep))
+    }
+
+    /// The whole mask as one f32 tensor to add to the scores, broadcastable to
+    /// `[b_sz, n_heads, q_len, kv_len]`, with `-inf` where a key is hidden; `None` when the
+    /// mask is empty. This is the reference path: it materialises `q_len × kv_len`.
+    pub fn to_bias(
+        &self,
+        (b_sz, n_heads, q_len, kv_len): (usize, usize, usize, usize),
+        device: &Device,
+    ) -> Result<Option<Tensor>> {
+        let mut bias: Option<Tensor> = None;
+        let mut add = |t: Tensor| -> Result<()> {
+            bias = Some(match bias.take() {
+                None => t,
+                Some(b) => b.broadcast_add(&t)?,
+            });
+            Ok(())
+        };
+        if let Some(offset) = self.causal {
+            // (q_len, kv_len): key j is visible to query i iff j <= offset + i.
+            let rows = Tensor::arange(offset as u32, (offset + q_len) as u32, device)?
+                .reshape((q_len, 1))?;
+            let cols = Tensor::arange(0u32, kv_len as u32, device)?.reshape((1, kv_len))?;
+            let visible = cols.broadcast_le(&rows)?;
+            add(keep_to_bias(&visible)?)?;
+        }
+        if let Some(keep) = self.keep_keys(b_sz, kv_len, device)? {
+            add(keep_to_bias(&keep)?.reshape((b_sz, 1, 1, kv_len))?)?;
+        }
+        if let Some(a) = self.additive {
+            let full = (b_sz, n_heads, q_len, kv_len);
+            if a.rank() > 4 || a.broadcast_as(full).is_err() {
+                bail!(
+                    "additive mask of shape {:?} does not broadcast to [batch, heads, q_len, kv_len] = {full:?}",
+                    a.dims()
+                )
+            }
+            if !a.dtype().is_float() {
+                bail!("additive mask must be a float tensor, got {:?}", a.dtype())
+            }
+            add(a.to_device(device)?.to_dtype(DType::F32)?)?;
+        }
+        Ok(bias)
+    }
+}
+
+/// `u8` keep flags to an f32 bias: 0 where kept, `-inf` where hidden.
+fn keep_to_bias(keep: &Tensor) -> Result<Tensor> {
+    let zeros = Tensor::zeros(keep.shape(), DType::F32, keep.device())?;
+    let neg_inf = Tensor::full(f32::NEG_INFINITY, keep.shape(), keep.device())?;
+    keep.where_cond(&zeros, &neg_inf)
+}

@@ -1,0 +1,521 @@
+//! Behaviour that must hold for any weights: causality, cached decoding, padding
+//! invariance, dropout, gradients, the fused kernel against the reference path, and a
+//! loop-over-heads reference against the batched implementation.
+
+mod common;
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use candle_nn::{VarBuilder, VarMap};
+use common::{assert_close, max_abs_diff};
+use mha::{
+    masked_softmax, sdpa, sdpa_reference, Dropout, KvCache, Mask, MhaConfig, MultiHeadAttention,
+    SdpaParams, WeightLayout,
+};
+use proptest::prelude::*;
+
+const DEV: Device = Device::Cpu;
+
+/// A layer with random weights (and random biases: zero biases hide mistakes).
+fn layer(cfg: &MhaConfig, layout: &WeightLayout, dtype: DType) -> (VarMap, MultiHeadAttention) {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, dtype, &DEV);
+    let attn = MultiHeadAttention::load(cfg, layout, vb).unwrap();
+    for (name, var) in varmap.data().lock().unwrap().iter() {
+        if name.contains("bias") {
+            let noise = Tensor::randn(0f32, 0.1, var.shape(), &DEV)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            var.set(&noise).unwrap();
+        }
+    }
+    (varmap, attn)
+}
+
+fn randn(shape: &[usize]) -> Tensor {
+    Tensor::randn(0f32, 1.0, shape, &DEV).unwrap()
+}
+
+fn layouts() -> Vec<WeightLayout> {
+    vec![
+        WeightLayout::hf(),
+        WeightLayout::Gpt2Conv1d,
+        WeightLayout::TorchInProj,
+    ]
+}
+
+#[test]
+fn loop_over_heads_equals_batched() -> Result<()> {
+    // One head at a time with plain ops, then concatenate, then project.
+    let cfg = MhaConfig::new(24, 4);
+    let (varmap, attn) = layer(&cfg, &WeightLayout::tutorial(), DType::F32);
+    let w = |n: &str| varmap.data().lock().unwrap()[n].as_tensor().clone();
+    let xs = randn(&[2, 5, 24]);
+    let proj = |name: &str, x: &Tensor| -> Result<Tensor> {
+        x.broadcast_matmul(&w(&format!("{name}.weight")).t()?)?
+            .broadcast_add(&w(&format!("{name}.bias")))
+    };
+    let (q, k, v) = (proj("W_q", &xs)?, proj("W_k", &xs)?, proj("W_v", &xs)?);
+    let hd = cfg.head_dim();
+    let mut heads = Vec::new();
+    for h in 0..cfg.n_heads {
+        let (qh, kh, vh) = (
+            q.narrow(2, h * hd, hd)?,
+            k.narrow(2, h * hd, hd)?,
+            v.narrow(2, h * hd, hd)?,
+        );
+        let scores = (qh.matmul(&kh.t()?)? / (hd as f64).sqrt())?;
+        let weights = candle_nn::ops::softmax(&scores, D::Minus1)?;
+        heads.push(weights.matmul(&vh)?);
+    }
+    let expected = proj("W_o", &Tensor::cat(&heads, 2)?)?;
+    let got = attn.forward(&xs, &xs, &xs, &Mask::NONE, false)?;
+    assert_close(&got, &expected, 1e-5, 1e-5, "loop over heads");
+    Ok(())
+}
+
+#[test]
+fn future_tokens_do_not_change_the_past() -> Result<()> {
+    for layout in layouts() {
+        let cfg = MhaConfig::new(16, 4);
+        let (_vm, attn) = layer(&cfg, &layout, DType::F32);
+        let xs = randn(&[2, 9, 16]);
+        let changed = Tensor::cat(&[xs.narrow(1, 0, 5)?, randn(&[2, 4, 16])], 1)?;
+        let a = attn.forward(&xs, &xs, &xs, &Mask::causal(0), false)?;
+        let b = attn.forward(&changed, &changed, &changed, &Mask::causal(0), false)?;
+        let past = |t: &Tensor| t.narrow(1, 0, 5);
+        assert_close(&past(&a)?, &past(&b)?, 1e-6, 0.0, "causal past");
+        // And the future did change, so the check above is not vacuous.
+        assert!(max_abs_diff(&a.narrow(1, 5, 4)?, &b.narrow(1, 5, 4)?) > 1e-3);
+    }
+    Ok(())
+}
+
+#[test]
+fn cached_decoding_equals_full_pass() -> Result<()> {
+    for (layout, n_kv) in layouts().into_iter().zip([Some(2), None, Some(1)]) {
+        let cfg = MhaConfig {
+            n_kv_heads: n_kv,
+            ..MhaConfig::new(32, 4)
+        };
+        let (_vm, attn) = layer(&cfg, &layout, DType::F32);
+        let xs = randn(&[2, 11, 32]);
+        let full = attn.forward(&xs, &xs, &xs, &Mask::causal(0), false)?;
+        // Capacity 4 forces the cache to grow twice on the way.
+        let mut cache = KvCache::new(4);
+        let mut parts = Vec::new();
+        let prefill = xs.narrow(1, 0, 5)?;
+        parts.push(attn.forward_cached(
+            &prefill,
+            &prefill,
+            &prefill,
+            &Mask::causal(0),
+            &mut cache,
+        )?);
+        for t in 5..11 {
+            let x = xs.narrow(1, t, 1)?;
+            let mask = Mask::causal(cache.len());
+            parts.push(attn.forward_cached(&x, &x, &x, &mask, &mut cache)?);
+        }
+        assert_eq!(cache.len(), 11);
+        let stepped = Tensor::cat(&parts, 1)?;
+        assert_close(&stepped, &full, 1e-5, 1e-4, &format!("cached {layout:?}"));
+    }
+    Ok(())
+}
+
+#[test]
+fn left_padded_rows_equal_rows_run_alone() -> Result<()> {
+    let cfg = MhaConfig::new(16, 2);
+    let (_vm, attn) = layer(&cfg, &WeightLayout::Gpt2Conv1d, DType::F32);
+    let lens = [7usize, 4, 1];
+    let t = 7;
+    let rows: Vec<Tensor> = lens.iter().map(|&n| randn(&[1, n, 16])).collect();
+    // Left padding with garbage that must not leak.
+    let padded: Vec<Tensor> = rows
+        .iter()
+        .zip(&lens)
+        .map(|(r, &n)| {
+            if n == t {
+                Ok(r.clone())
+            } else {
+                Tensor::cat(&[randn(&[1, t - n, 16]), r.clone()], 1)
+            }
+        })
+        .collect::<Result<_>>()?;
+    let batch = Tensor::cat(&padded, 0)?;
+    let keep: Vec<u8> = lens
+        .iter()
+        .flat_map(|&n| (0..t).map(move |j| u8::from(j >= t - n)))
+        .collect();
+    let keep = Tensor::from_vec(keep, (3, t), &DEV)?;
+    let mask = Mask::causal(0).with_keep(&keep);
+    let out = attn.forward(&batch, &batch, &batch, &mask, false)?;
+    // The same through the reference path (weights requested).
+    let (out_ref, _) = attn.forward_with_weights(&batch, &batch, &batch, &mask, false)?;
+    for (i, (row, &n)) in rows.iter().zip(&lens).enumerate() {
+        let alone = attn.forward(row, row, row, &Mask::causal(0), false)?;
+        let got = out.narrow(0, i, 1)?.narrow(1, t - n, n)?;
+        assert_close(&got, &alone, 1e-5, 1e-4, &format!("row {i} (fast)"));
+        let got = out_ref.narrow(0, i, 1)?.narrow(1, t - n, n)?;
+        assert_close(&got, &alone, 1e-5, 1e-4, &format!("row {i} (reference)"));
+    }
+    // Padding positions see no key at all (left padding + causal): zeros, not NaN.
+    let flat = common::flat(&out)?;
+    assert!(flat.iter().all(|x| x.is_finite()));
+    Ok(())
+}
+
+#[test]
+fn fully_masked_rows_give_zero_weights_not_nan() -> Result<()> {
+    let scores = Tensor::new(
+        &[
+            [f32::NEG_INFINITY, f32::NEG_INFINITY],
+            [0.0, f32::NEG_INFINITY],
+        ],
+        &DEV,
+    )?;
+    let w = masked_softmax(&scores)?.to_vec2::<f32>()?;
+    assert_eq!(w, vec![vec![0.0, 0.0], vec![1.0, 0.0]]);
+    // And through both sdpa paths: every key ignored for batch row 1.
+    let (q, k, v) = (
+        randn(&[2, 2, 3, 4]),
+        randn(&[2, 2, 5, 4]),
+        randn(&[2, 2, 5, 4]),
+    );
+    let keep = Tensor::new(&[[1u8, 1, 0, 1, 1], [0, 0, 0, 0, 0]], &DEV)?;
+    let mask = Mask::NONE.with_keep(&keep);
+    for (name, out) in [
+        (
+            "fast",
+            sdpa(&q, &k, &v, &mask, &SdpaParams::inference(0.5))?.0,
+        ),
+        (
+            "reference",
+            sdpa_reference(&q, &k, &v, &mask, &SdpaParams::inference(0.5))?.0,
+        ),
+    ] {
+        let row1 = common::flat(&out.narrow(0, 1, 1)?)?;
+        assert!(row1.iter().all(|&x| x == 0.0), "{name}: {row1:?}");
+        assert!(common::flat(&out)?.iter().all(|x| x.is_finite()), "{name}");
+    }
+    Ok(())
+}
+
+#[test]
+fn dropout_is_identity_outside_training_and_repeatable_inside() -> Result<()> {
+    let cfg = MhaConfig {
+        dropout: 0.5,
+        seed: 7,
+        ..MhaConfig::new(16, 4)
+    };
+    let (_vm, attn) = layer(&cfg, &WeightLayout::hf(), DType::F32);
+    let plain = MultiHeadAttention::load(
+        &MhaConfig {
+            dropout: 0.0,
+            ..cfg.clone()
+        },
+        &WeightLayout::hf(),
+        VarBuilder::from_varmap(&_vm, DType::F32, &DEV),
+    )?;
+    let xs = randn(&[2, 6, 16]);
+    let (eval, w_eval) = attn.forward_with_weights(&xs, &xs, &xs, &Mask::NONE, false)?;
+    let (no_drop, w_plain) = plain.forward_with_weights(&xs, &xs, &xs, &Mask::NONE, false)?;
+    assert_eq!(common::flat(&eval)?, common::flat(&no_drop)?);
+    assert_eq!(
+        common::flat(&w_eval.per_head)?,
+        common::flat(&w_plain.per_head)?
+    );
+
+    let (train, w_train) = attn.forward_with_weights(&xs, &xs, &xs, &Mask::NONE, true)?;
+    assert!(
+        max_abs_diff(&train, &eval) > 1e-3,
+        "dropout changed nothing"
+    );
+    // Dropped weights are 0 or the kept weight scaled by 1/(1-p).
+    let (wt, we) = (
+        common::flat(&w_train.per_head)?,
+        common::flat(&w_eval.per_head)?,
+    );
+    let zeros = wt.iter().filter(|&&x| x == 0.0).count();
+    for (a, b) in wt.iter().zip(&we) {
+        assert!(*a == 0.0 || (a - 2.0 * b).abs() < 1e-6);
+    }
+    let frac = zeros as f64 / wt.len() as f64;
+    assert!((0.35..0.65).contains(&frac), "dropped fraction {frac}");
+
+    // Same seed, same sequence of calls: same masks.
+    let a = Dropout::new(0.3, 42)?;
+    let b = Dropout::new(0.3, 42)?;
+    let ones = Tensor::ones((64, 64), DType::F32, &DEV)?;
+    for _ in 0..3 {
+        assert_eq!(
+            common::flat(&a.forward(&ones, true)?)?,
+            common::flat(&b.forward(&ones, true)?)?
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn gradients_match_finite_differences() -> Result<()> {
+    // f64 so that central differences are accurate; dropout off, masks on.
+    let cfg = MhaConfig {
+        n_kv_heads: Some(1),
+        ..MhaConfig::new(8, 2)
+    };
+    for layout in layouts() {
+        let (varmap, attn) = layer(&cfg, &layout, DType::F64);
+        let xs = Var::from_tensor(&randn(&[2, 4, 8]).to_dtype(DType::F64)?)?;
+        let keep = Tensor::new(&[[1u8, 1, 1, 1], [0, 1, 1, 1]], &DEV)?;
+        let mask = Mask::causal(0).with_keep(&keep);
+        let target = randn(&[2, 4, 8]).to_dtype(DType::F64)?;
+        let loss = |x: &Tensor| -> Result<Tensor> {
+            (attn.forward(x, x, x, &mask, true)? * &target)?.sum_all()
+        };
+        let grads = loss(xs.as_tensor())?.backward()?;
+        let mut checked = 0;
+        let mut vars: Vec<(String, Var)> = varmap
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        vars.push(("input".into(), xs.clone()));
+        for (name, var) in &vars {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("{layout:?}: no gradient for {name}"));
+            let g = g.flatten_all()?.to_vec1::<f64>()?;
+            let base = var.as_tensor().flatten_all()?.to_vec1::<f64>()?;
+            // A few coordinates of each parameter.
+            for i in (0..base.len()).step_by(base.len().div_ceil(5)) {
+                let eps = 1e-5;
+                let mut bumped = base.clone();
+                bumped[i] += eps;
+                var.set(&Tensor::from_vec(bumped.clone(), var.shape(), &DEV)?)?;
+                let up = loss(xs.as_tensor())?.to_scalar::<f64>()?;
+                bumped[i] -= 2.0 * eps;
+                var.set(&Tensor::from_vec(bumped, var.shape(), &DEV)?)?;
+                let down = loss(xs.as_tensor())?.to_scalar::<f64>()?;
+                var.set(&Tensor::from_vec(base.clone(), var.shape(), &DEV)?)?;
+                let numeric = (up - down) / (2.0 * eps);
+                assert!(
+                    (numeric - g[i]).abs() <= 1e-6 + 1e-4 * numeric.abs(),
+                    "{layout:?} {name}[{i}]: autograd {} vs finite difference {numeric}",
+                    g[i]
+                );
+                checked += 1;
+            }
+        }
+        assert!(
+            checked >= 20,
+            "{layout:?}: only {checked} coordinates checked"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn training_mode_keeps_gradients_with_dropout() -> Result<()> {
+    // With dropout on, every parameter still receives a gradient (no fused op drops it).
+    let cfg = MhaConfig {
+        dropout: 0.2,
+        ..MhaConfig::new(16, 4)
+    };
+    let (varmap, attn) = layer(&cfg, &WeightLayout::Gpt2Conv1d, DType::F32);
+    let xs = randn(&[2, 5, 16]);
+    let loss = attn
+        .forward(&xs, &xs, &xs, &Mask::causal(0), true)?
+        .sqr()?
+        .sum_all()?;
+    let grads = loss.backward()?;
+    for (name, var) in varmap.data().lock().unwrap().iter() {
+        let g = grads.get(var.as_tensor()).expect(name);
+        assert!(g.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0, "{name}");
+    }
+    Ok(())
+}
+
+#[test]
+fn half_precision_tracks_f32() -> Result<()> {
+    let cfg = MhaConfig::new(32, 4);
+    let (vm, attn32) = layer(&cfg, &WeightLayout::hf(), DType::F32);
+    let xs = randn(&[2, 7, 32]);
+    let want = attn32.forward(&xs, &xs, &xs, &Mask::causal(0), false)?;
+    for dtype in [DType::F16, DType::BF16] {
+        let ts = vm
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect();
+        let attn = MultiHeadAttention::new(&cfg, VarBuilder::from_tensors(ts, dtype, &DEV))?;
+        let x = xs.to_dtype(dtype)?;
+        let got = attn.forward(&x, &x, &x, &Mask::causal(0), false)?;
+        assert_eq!(got.dtype(), dtype);
+        assert_close(&got, &want, 2e-2, 2e-2, &format!("{dtype:?}"));
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_inputs_are_errors() -> Result<()> {
+    let bad_configs = [
+        (MhaConfig::new(10, 3), "does not divide"),
+        (MhaConfig::new(0, 1), "d_model > 0"),
+        (MhaConfig::new(8, 0), "n_heads > 0"),
+        (
+            MhaConfig {
+                n_kv_heads: Some(3),
+                ..MhaConfig::new(16, 4)
+            },
+            "n_kv_heads=3",
+        ),
+        (
+            MhaConfig {
+                dropout: 1.0,
+                ..MhaConfig::new(16, 4)
+            },
+            "dropout",
+        ),
+        (
+            MhaConfig {
+                dropout: f32::NAN,
+                ..MhaConfig::new(16, 4)
+            },
+            "dropout",
+        ),
+    ];
+    for (cfg, needle) in bad_configs {
+        let vb = VarBuilder::zeros(DType::F32, &DEV);
+        let err = MultiHeadAttention::new(&cfg, vb).unwrap_err().to_string();
+        assert!(err.contains(needle), "{cfg:?}: {err}");
+    }
+
+    let cfg = MhaConfig::new(16, 4);
+    let (_vm, attn) = layer(&cfg, &WeightLayout::hf(), DType::F32);
+    let x = randn(&[2, 5, 16]);
+    let cases: Vec<(Tensor, Tensor, Tensor, &str)> = vec![
+        (randn(&[5, 16]), x.clone(), x.clone(), "query must be"),
+        (randn(&[2, 5, 15]), x.clone(), x.clone(), "query must be"),
+        (x.clone(), randn(&[3, 5, 16]), x.clone(), "key must be"),
+        (x.clone(), x.clone(), randn(&[2, 4, 16]), "differ"),
+        (x.clone(), x.clone(), x.to_dtype(DType::F64)?, ""),
+    ];
+    for (q, k, v, needle) in cases {
+        let err = attn
+            .forward(&q, &k, &v, &Mask::NONE, false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(needle), "{err}");
+    }
+    let wrong_keep = Tensor::ones((2, 4), DType::U8, &DEV)?;
+    let err = attn
+        .forward(&x, &x, &x, &Mask::NONE.with_keep(&wrong_keep), false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("[batch, kv_len] = [2, 5]"), "{err}");
+    let wrong_add = randn(&[3, 5, 5]);
+    let err = attn
+        .forward(&x, &x, &x, &Mask::NONE.with_additive(&wrong_add), false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("does not broadcast"), "{err}");
+    let int_add = Tensor::zeros((5, 5), DType::U8, &DEV)?;
+    let err = attn
+        .forward(&x, &x, &x, &Mask::NONE.with_additive(&int_add), false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("float"), "{err}");
+
+    // Checkpoint problems name the tensor and the shapes.
+    let mut ts = std::collections::HashMap::new();
+    ts.insert("c_attn.weight".to_string(), randn(&[16, 47]));
+    ts.insert("c_attn.bias".to_string(), randn(&[48]));
+    let vb = VarBuilder::from_tensors(ts.clone(), DType::F32, &DEV);
+    let err = MultiHeadAttention::load(&cfg, &WeightLayout::Gpt2Conv1d, vb)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("c_attn.weight") && err.contains("48"), "{err}");
+    ts.insert("c_attn.weight".to_string(), randn(&[16, 48]));
+    let vb = VarBuilder::from_tensors(ts, DType::F32, &DEV);
+    let err = MultiHeadAttention::load(&cfg, &WeightLayout::Gpt2Conv1d, vb)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("c_proj.weight"), "{err}");
+    // Heads that do not fit the kernel's expectations.
+    let err = sdpa(
+        &randn(&[1, 3, 2, 4]),
+        &randn(&[1, 2, 2, 4]),
+        &randn(&[1, 2, 2, 4]),
+        &Mask::NONE,
+        &SdpaParams::inference(1.0),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("do not divide"), "{err}");
+    Ok(())
+}
+
+/// Key padding for `b` rows of `t` keys from proptest's bits: row `i` keeps key `j` unless
+/// bit `(i·t + j) % 64` is set (fully padded rows happen and must give zeros).
+fn keep_mask(b: usize, t: usize, bits: u64) -> Tensor {
+    let v: Vec<u8> = (0..b * t)
+        .map(|i| u8::from(bits >> (i % 64) & 1 == 0))
+        .collect();
+    Tensor::from_vec(v, (b, t), &DEV).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 48,
+        rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    /// The fused CPU kernel equals the reference path for any shape, GQA factor, causal
+    /// offset and key padding.
+    #[test]
+    fn fused_kernel_equals_reference(
+        b in 1usize..3,
+        h_kv in 1usize..3,
+        rep in 1usize..4,
+        tq in 1usize..40,
+        extra in 0usize..300,
+        d in 1usize..20,
+        causal in any::<bool>(),
+        padded in any::<bool>(),
+        bits in any::<u64>(),
+        seed in any::<u64>(),
+    ) {
+        let tk = tq + extra;
+        let h = h_kv * rep;
+        let gen = |shape: &[usize], salt: u64| {
+            // Deterministic inputs per case.
+            let n: usize = shape.iter().product();
+            let v: Vec<f32> = (0..n as u64)
+                .map(|i| {
+                    let x = (seed ^ salt).wrapping_add(i).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    ((x >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+                })
+                .collect();
+            Tensor::from_vec(v, shape, &DEV).unwrap()
+        };
+        let q = gen(&[b, h, tq, d], 1);
+        let k = gen(&[b, h_kv, tk, d], 2);
+        let v = gen(&[b, h_kv, tk, d + 1], 3);
+        let keep = keep_mask(b, tk, bits);
+        let mut mask = if causal { Mask::causal(tk - tq) } else { Mask::NONE };
+        if padded {
+            mask = mask.with_keep(&keep);
+        }
+        let p = SdpaParams::inference(1.0 / (d as f64).sqrt());
+        let fast = mha::kernel::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
+        let (slow, _) = sdpa_reference(&q, &k, &v, &mask, &p).unwrap();
+        assert_close(&fast, &slow, 1e-5, 1e-4, "fused vs reference");
+    }
+}
