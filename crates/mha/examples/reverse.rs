@@ -208,7 +208,7 @@ fn main() -> Result<()> {
             &tgt.flatten_all()?,
         )?;
         opt.backward_step(&loss)?;
-        if step % 100 == 0 {
+        if step % 20 == 0 {
             let pred = model.reverse(&test_src)?;
             let right = pred.eq(&test_tgt)?.to_dtype(DType::F32)?;
             let token_acc = right.mean_all()?.to_scalar::<f32>()?;

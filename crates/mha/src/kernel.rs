@@ -9,12 +9,12 @@
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::Mask;
+use crate::{simd, Mask};
 
 /// Query rows per block.
-const BR: usize = 32;
+const BR: usize = 64;
 /// Keys per block.
-const BC: usize = 256;
+const BC: usize = 128;
 
 /// Fused attention of `q [b, h, tq, d]` over `k [b, h_kv, tk, d]`, `v [b, h_kv, tk, dv]`
 /// with causal masking and key padding; additive masks go through the reference path.
@@ -240,9 +240,7 @@ impl Block<'_> {
                         }
                     }
                 }
-                let row_max = row[..visible]
-                    .iter()
-                    .fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+                let row_max = simd::max(&row[..visible]);
                 let m_new = m[r].max(row_max);
                 if m_new == f32::NEG_INFINITY {
                     // Nothing visible yet: this block contributes nothing to the row.
@@ -250,17 +248,12 @@ impl Block<'_> {
                     continue;
                 }
                 let corr = (m[r] - m_new).exp();
-                let mut sum = 0f32;
-                for x in row.iter_mut() {
-                    *x = (*x - m_new).exp();
-                    sum += *x;
-                }
+                // Hidden keys hold -inf and become exactly 0.
+                let sum = simd::exp_sub_sum(row, m_new);
                 l[r] = l[r] * corr + sum;
                 m[r] = m_new;
                 if corr != 1.0 {
-                    for o in &mut out[r * self.dv..(r + 1) * self.dv] {
-                        *o *= corr;
-                    }
+                    simd::scale(&mut out[r * self.dv..(r + 1) * self.dv], corr);
                 }
             }
             // O[rows, dv] += P[rows, bc] · V[j0.., dv]
@@ -293,9 +286,7 @@ impl Block<'_> {
         for r in 0..rows {
             // A row that saw no key keeps its zeros.
             let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
-            for o in &mut out[r * self.dv..(r + 1) * self.dv] {
-                *o *= inv;
-            }
+            simd::scale(&mut out[r * self.dv..(r + 1) * self.dv], inv);
         }
     }
 }

@@ -47,6 +47,7 @@ mod dropout;
 pub mod kernel;
 mod layout;
 mod mask;
+mod simd;
 
 pub use attention::{
     masked_softmax, repeat_kv, sdpa, sdpa_reference, AttnWeights, MultiHeadAttention, SdpaParams,

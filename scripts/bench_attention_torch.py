@@ -1,0 +1,35 @@
+"""PyTorch's F.scaled_dot_product_attention on the shapes of crates/mha/benches/attention.rs.
+
+    /tmp/ref/bin/python scripts/bench_attention_torch.py [threads]
+
+Prints the median time of each shape; run it right before or after the criterion bench, on
+an idle machine, with the same number of threads (RAYON_NUM_THREADS for ours).
+"""
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+torch.set_num_threads(threads)
+shapes = [
+    ("b1_t512", 1, 512, 512, False),
+    ("b8_t128", 8, 128, 128, False),
+    ("b1_t1024_causal", 1, 1024, 1024, True),
+    ("decode_1_vs_1024", 1, 1, 1024, False),  # one query sees every cached key
+]
+with torch.inference_mode():
+    for name, b, tq, tk, causal in shapes:
+        q = torch.randn(b, 12, tq, 64)
+        k = torch.randn(b, 12, tk, 64)
+        v = torch.randn(b, 12, tk, 64)
+        for _ in range(5):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        times = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            times.append(time.perf_counter() - t0)
+        print(f"torch sdpa {name:18} median {statistics.median(times) * 1e3:8.3f} ms  (threads {threads})")
