@@ -3,7 +3,7 @@
 use candle_core::{bail, DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
-use crate::layout::{self, Projections, WeightLayout};
+use crate::layout::{self, Proj, Projections, WeightLayout};
 use crate::{kernel, Dropout, KvCache, Mask, MhaConfig};
 
 /// How to run [`sdpa`] beyond its tensors and mask.
@@ -222,6 +222,22 @@ impl MultiHeadAttention {
     /// The configuration this layer was built with.
     pub fn config(&self) -> &MhaConfig {
         &self.cfg
+    }
+
+    /// The fused q/k/v projection, `[d_model, d_model + 2·kv_width]`, when the checkpoint
+    /// stored one (GPT-2's `c_attn`, PyTorch's `in_proj_weight`).
+    pub fn fused_qkv(&self) -> Option<&Proj> {
+        self.proj.qkv.as_ref()
+    }
+
+    /// The query, key and value projections (views into the fused one when there is one).
+    pub fn qkv_proj(&self) -> [&Proj; 3] {
+        [&self.proj.q, &self.proj.k, &self.proj.v]
+    }
+
+    /// The output projection.
+    pub fn out_proj(&self) -> &Proj {
+        &self.proj.o
     }
 
     /// Attention of `query` over `key`/`value`.

@@ -1,0 +1,234 @@
+//! Sampling and batched generation with a KV cache.
+
+use candle_core::{bail, DType, Result, Tensor};
+
+use crate::{Gpt, GptCache, Logits};
+
+/// How the next token is chosen.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 is greedy (argmax, ties to the lowest id).
+    pub temperature: f64,
+    /// Keep only the `k` most likely tokens.
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of most likely tokens whose probability reaches `p`, in (0, 1].
+    pub top_p: Option<f64>,
+    /// Divide positive logits (multiply negative ones) of tokens already in the sequence by
+    /// this (CTRL's penalty, as Hugging Face applies it); 1 is off.
+    pub repeat_penalty: f32,
+    /// Seed of the sampling stream; every row of a batch starts from it, so a row samples as
+    /// it would alone.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            repeat_penalty: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Checks the ranges; the error names the value.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            bail!("temperature must be >= 0, got {}", self.temperature)
+        }
+        if self.top_k == Some(0) {
+            bail!("top-k must be at least 1")
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                bail!("top-p must be in (0, 1], got {p}")
+            }
+        }
+        if !(self.repeat_penalty > 0.0 && self.repeat_penalty.is_finite()) {
+            bail!("repeat penalty must be > 0, got {}", self.repeat_penalty)
+        }
+        Ok(())
+    }
+}
+
+/// Picks tokens from logits; one per sequence, as its random stream is its own.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    state: u64,
+}
+
+impl Sampler {
+    /// A sampler whose stream starts at `params.seed`.
+    pub fn new(params: SamplingParams) -> Result<Self> {
+        params.validate()?;
+        Ok(Self {
+            state: params.seed,
+            params,
+        })
+    }
+
+    /// A uniform number in `[0, 1)` (SplitMix64: stable across platforms and versions).
+    fn uniform(&mut self) -> f64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// The next token given the logits of one position and the tokens so far.
+    pub fn sample(&mut self, logits: &[f32], context: &[u32]) -> Result<u32> {
+        if logits.is_empty() {
+            bail!("no logits to sample from")
+        }
+        if let Some(bad) = logits.iter().position(|x| x.is_nan()) {
+            bail!("logit {bad} is NaN: the model produced invalid numbers")
+        }
+        let mut logits = logits.to_vec();
+        let p = &self.params;
+        if p.repeat_penalty != 1.0 {
+            let mut seen = context.to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            for &id in &seen {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l = if *l < 0.0 { *l * p.repeat_penalty } else { *l / p.repeat_penalty };
+                }
+            }
+        }
+        if p.temperature == 0.0 {
+            return Ok(argmax(&logits));
+        }
+        // Candidates, most likely first (stable: ties keep the lower id first).
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        if let Some(k) = p.top_k {
+            order.truncate(k);
+        }
+        let max = logits[order[0]] as f64;
+        let mut probs: Vec<f64> = order
+            .iter()
+            .map(|&i| ((logits[i] as f64 - max) / p.temperature).exp())
+            .collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= total);
+        if let Some(top_p) = p.top_p {
+            let mut cum = 0.0;
+            let keep = probs
+                .iter()
+                .position(|&x| {
+                    cum += x;
+                    cum >= top_p
+                })
+                .map_or(probs.len(), |i| i + 1);
+            order.truncate(keep);
+            probs.truncate(keep);
+            let total: f64 = probs.iter().sum();
+            probs.iter_mut().for_each(|x| *x /= total);
+        }
+        let mut u = self.uniform();
+        for (&id, &prob) in order.iter().zip(&probs) {
+            if u < prob {
+                return Ok(id as u32);
+            }
+            u -= prob;
+        }
+        Ok(order[order.len() - 1] as u32)
+    }
+}
+
+/// Index of the largest value; the lowest index wins a tie.
+pub fn argmax(xs: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// Most new tokens per prompt.
+    pub max_new_tokens: usize,
+    /// How tokens are picked.
+    pub sampling: SamplingParams,
+    /// Tokens that end a sequence (included in its output).
+    pub stop_tokens: Vec<u32>,
+}
+
+/// Generates continuations of `prompts` as one left-padded batch with a KV cache.
+///
+/// `on_token(row, token)` sees each new token as it is chosen (for streaming) and may
+/// return `false` to end that row (a stop text, say). Returns the new tokens of each row.
+/// Each row's tokens equal those of its prompt run alone.
+pub fn generate(
+    model: &Gpt,
+    prompts: &[Vec<u32>],
+    opts: &GenerateOptions,
+    mut on_token: impl FnMut(usize, u32) -> bool,
+) -> Result<Vec<Vec<u32>>> {
+    let cfg = model.config();
+    let b = prompts.len();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    if b == 0 || prompts.iter().any(Vec::is_empty) {
+        bail!("every prompt needs at least one token")
+    }
+    if longest + opts.max_new_tokens > cfg.n_positions {
+        bail!(
+            "prompt of {longest} tokens + {} new tokens exceeds the model's context of {} positions",
+            opts.max_new_tokens,
+            cfg.n_positions
+        )
+    }
+    let dev = model.device();
+    let mut samplers = vec![Sampler::new(opts.sampling.clone())?; b];
+    // Left padding: every row's last prompt token sits at the same column.
+    let mut ids = Vec::with_capacity(b * longest);
+    let mut keep = Vec::with_capacity(b * longest);
+    for p in prompts {
+        let pad = longest - p.len();
+        ids.extend(std::iter::repeat_n(0u32, pad).chain(p.iter().copied()));
+        keep.extend(std::iter::repeat_n(0u8, pad).chain(std::iter::repeat_n(1u8, p.len())));
+    }
+    let padded = prompts.iter().any(|p| p.len() != longest);
+    let mut keep_t = Tensor::from_vec(keep, (b, longest), dev)?;
+    let mut cache = GptCache::new(cfg, longest + opts.max_new_tokens);
+    let mut input = Tensor::from_vec(ids, (b, longest), dev)?;
+    let mut history: Vec<Vec<u32>> = prompts.to_vec();
+    let mut out = vec![Vec::new(); b];
+    let mut done = vec![false; b];
+    for _ in 0..opts.max_new_tokens {
+        let keep_arg = padded.then_some(&keep_t);
+        // (b, 1, vocab)
+        let logits = model.infer(&input, keep_arg, Some(&mut cache), Logits::Last)?;
+        let logits = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut next = Vec::with_capacity(b);
+        for (row, row_logits) in logits.iter().enumerate() {
+            if done[row] {
+                next.push(0);
+                continue;
+            }
+            let tok = samplers[row].sample(row_logits, &history[row])?;
+            history[row].push(tok);
+            out[row].push(tok);
+            let go_on = on_token(row, tok);
+            done[row] = !go_on || opts.stop_tokens.contains(&tok);
+            next.push(tok);
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+        input = Tensor::from_vec(next, (b, 1), dev)?;
+        if padded {
+            keep_t = Tensor::cat(&[&keep_t, &Tensor::ones((b, 1), DType::U8, dev)?], 1)?;
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,349 @@
+//! The GPT model: embeddings, blocks, final LayerNorm, tied language-model head.
+
+use std::collections::HashMap;
+
+use candle_core::{bail, DType, ModuleT, Result, Tensor, D};
+use candle_nn::{Init, VarBuilder};
+use mha::{Dropout, KvCache, Mask, Proj};
+
+use crate::{Block, GptConfig, LayerNorm, NormPlacement};
+
+/// Which positions get logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Every position: `[b, t, vocab]`.
+    All,
+    /// Only the last position, `[b, 1, vocab]`: all that decoding needs, and the LM head
+    /// is the largest matrix of a small model.
+    Last,
+}
+
+/// One [`KvCache`] per block, owned by the caller.
+#[derive(Debug, Clone)]
+pub struct GptCache {
+    layers: Vec<KvCache>,
+}
+
+impl GptCache {
+    /// An empty cache for `cfg`'s blocks, pre-allocated for `capacity` positions.
+    pub fn new(cfg: &GptConfig, capacity: usize) -> Self {
+        Self {
+            layers: (0..cfg.n_layer).map(|_| KvCache::new(capacity)).collect(),
+        }
+    }
+
+    /// Number of cached positions.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, KvCache::len)
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets the cached positions and keeps the storage.
+    pub fn reset(&mut self) {
+        self.layers.iter_mut().for_each(KvCache::reset)
+    }
+}
+
+/// A GPT-2 language model.
+///
+/// Checkpoint names are Hugging Face's: `transformer.wte`, `transformer.wpe`,
+/// `transformer.h.{i}`, `transformer.ln_f`, and `lm_head` when not tied.
+#[derive(Debug, Clone)]
+pub struct Gpt {
+    cfg: GptConfig,
+    wte: Tensor,
+    wpe: Tensor,
+    drop: Dropout,
+    h: Vec<Block>,
+    ln_f: Option<LayerNorm>,
+    lm_head: Proj,
+    lm_head_weight: Option<Tensor>,
+}
+
+impl Gpt {
+    /// Builds the model from `vb` rooted at the checkpoint's top level (the body under
+    /// `transformer.`). From a `VarMap` it creates GPT-2's initialisation.
+    pub fn new(cfg: &GptConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let t = vb.pp("transformer");
+        let (v, d) = (cfg.vocab_size, cfg.n_embd);
+        let normal = |stdev| Init::Randn { mean: 0.0, stdev };
+        let wte = t.get_with_hints((v, d), "wte.weight", normal(0.02))?;
+        let wpe = t.get_with_hints((cfg.n_positions, d), "wpe.weight", normal(0.01))?;
+        let h = (0..cfg.n_layer)
+            .map(|i| Block::new(cfg, i, t.pp(format!("h.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = match cfg.norm_placement {
+            NormPlacement::Pre => Some(LayerNorm::new(d, cfg.layer_norm_epsilon, t.pp("ln_f"))?),
+            NormPlacement::Post => None,
+        };
+        let lm_head_weight = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(vb.get_with_hints((v, d), "lm_head.weight", normal(0.02))?)
+        };
+        let lm_head = Proj::from_linear(lm_head_weight.as_ref().unwrap_or(&wte), None)?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            wte,
+            wpe,
+            drop: Dropout::new(cfg.embd_pdrop, cfg.seed)?,
+            h,
+            ln_f,
+            lm_head,
+            lm_head_weight,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GptConfig {
+        &self.cfg
+    }
+
+    /// The blocks.
+    pub fn blocks(&self) -> &[Block] {
+        &self.h
+    }
+
+    /// Dtype of the weights.
+    pub fn dtype(&self) -> DType {
+        self.wte.dtype()
+    }
+
+    /// Device of the weights.
+    pub fn device(&self) -> &candle_core::Device {
+        self.wte.device()
+    }
+
+    /// Inference logits for `ids [b, t]`.
+    ///
+    /// - `keep`: `[b, past + t]`, 1 for real tokens and 0 for padding (Hugging Face's
+    ///   `attention_mask`), covering the cached positions too. Positions then count only
+    ///   real tokens, as Hugging Face does for GPT-2, so a left-padded row gives the logits
+    ///   of its prompt run alone.
+    /// - `cache`: keys and values of earlier positions; `ids` are appended to it.
+    pub fn infer(
+        &self,
+        ids: &Tensor,
+        keep: Option<&Tensor>,
+        cache: Option<&mut GptCache>,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        Ok(self.run(ids, keep, cache, false, false, logits)?.0)
+    }
+
+    /// Logits `[b, t, vocab]` and the attention weights of every block,
+    /// `n_layer × [b, n_head, t, t]`.
+    pub fn forward_with_weights(&self, ids: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
+        self.run(ids, None, None, false, true, Logits::All)
+    }
+
+    /// Mean cross-entropy of predicting `ids[:, 1:]` from `ids[:, :-1]`: the loss of
+    /// Hugging Face's `GPT2LMHeadModel(input_ids, labels=input_ids)`.
+    pub fn loss(&self, ids: &Tensor, train: bool) -> Result<Tensor> {
+        let logits = self.forward_t(ids, train)?;
+        next_token_loss(&logits, ids)
+    }
+
+    /// Checks `ids` and turns them into `u32`.
+    fn check_ids(&self, ids: &Tensor, past: usize) -> Result<Tensor> {
+        let (_, t) = match ids.dims() {
+            &[b, t] if b > 0 && t > 0 => (b, t),
+            dims => bail!("token ids must be [batch, seq] with both > 0, got {dims:?}"),
+        };
+        let ids = match ids.dtype() {
+            DType::U32 => ids.clone(),
+            DType::U8 | DType::I64 | DType::I32 | DType::I16 => {
+                if ids.to_dtype(DType::I64)?.min_all()?.to_scalar::<i64>()? < 0 {
+                    bail!("token ids must not be negative")
+                }
+                ids.to_dtype(DType::U32)?
+            }
+            dt => bail!("token ids must be integers, got {dt:?}"),
+        };
+        let max = ids.max_all()?.to_scalar::<u32>()?;
+        if max as usize >= self.cfg.vocab_size {
+            bail!(
+                "token id {max} is outside the vocabulary (vocab_size = {})",
+                self.cfg.vocab_size
+            )
+        }
+        if past + t > self.cfg.n_positions {
+            bail!(
+                "{} tokens exceed the model's context of {} positions",
+                past + t,
+                self.cfg.n_positions
+            )
+        }
+        Ok(ids)
+    }
+
+    /// Position ids `[b, t]` of the last `t` of `past + t` positions.
+    fn positions(&self, b: usize, t: usize, past: usize, keep: Option<&Tensor>) -> Result<Tensor> {
+        let dev = self.wte.device();
+        let Some(keep) = keep else {
+            let pos = Tensor::arange(past as u32, (past + t) as u32, dev)?;
+            return pos.unsqueeze(0)?.broadcast_as((b, t))?.contiguous();
+        };
+        if keep.dims() != [b, past + t] {
+            bail!(
+                "attention mask must be [batch, past + seq] = [{b}, {}], got {:?}",
+                past + t,
+                keep.dims()
+            )
+        }
+        // Hugging Face: cumsum(mask) - 1, with padding positions clamped to 0.
+        let zero = Tensor::zeros((), keep.dtype(), keep.device())?.broadcast_as(keep.shape())?;
+        let rows = keep.ne(&zero)?.to_vec2::<u8>()?;
+        let pos: Vec<u32> = rows
+            .iter()
+            .flat_map(|row| {
+                let mut seen = 0u32;
+                let all: Vec<u32> = row
+                    .iter()
+                    .map(|&k| {
+                        seen += u32::from(k);
+                        seen.saturating_sub(1)
+                    })
+                    .collect();
+                all[past..].to_vec()
+            })
+            .collect();
+        Tensor::from_vec(pos, (b, t), dev)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        ids: &Tensor,
+        keep: Option<&Tensor>,
+        mut cache: Option<&mut GptCache>,
+        train: bool,
+        need_weights: bool,
+        logits: Logits,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let ids = self.check_ids(ids, past)?;
+        let (b, t) = ids.dims2()?;
+        if let Some(c) = &cache {
+            if c.layers.len() != self.h.len() {
+                bail!("cache has {} layers, the model {}", c.layers.len(), self.h.len())
+            }
+        }
+        let pos = self.positions(b, t, past, keep)?;
+        // (b, t, d)
+        let tok = self.wte.embedding_rows(&ids)?;
+        let xs = (tok + self.wpe.embedding_rows(&pos)?)?;
+        let mut xs = self.drop.forward(&xs, train)?;
+        let mask = match keep {
+            Some(k) => Mask::causal(past).with_keep(k),
+            None => Mask::causal(past),
+        };
+        let mut weights = Vec::new();
+        for (i, block) in self.h.iter().enumerate() {
+            xs = if need_weights {
+                let (ys, w) = block.forward_with_weights(&xs, &mask, train)?;
+                weights.push(w);
+                ys
+            } else {
+                let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
+                block.forward(&xs, &mask, layer_cache, train)?
+            };
+        }
+        if logits == Logits::Last {
+            xs = xs.narrow(1, t - 1, 1)?;
+        }
+        if let Some(ln_f) = &self.ln_f {
+            xs = ln_f.forward(&xs)?;
+        }
+        Ok((self.lm_head.forward(&xs)?, weights))
+    }
+
+    /// Every weight under its Hugging Face name (`transformer.` prefix; no `lm_head` when
+    /// tied), as `save_pretrained` writes them.
+    pub fn named_tensors(&self) -> Result<HashMap<String, Tensor>> {
+        let mut out = HashMap::new();
+        let mut put = |name: String, t: &Tensor| {
+            out.insert(name, t.clone());
+        };
+        put("transformer.wte.weight".into(), &self.wte);
+        put("transformer.wpe.weight".into(), &self.wpe);
+        let conv = |put: &mut dyn FnMut(String, &Tensor), name: String, p: &Proj| {
+            put(format!("{name}.weight"), p.weight_t());
+            if let Some(b) = p.bias() {
+                put(format!("{name}.bias"), b);
+            }
+        };
+        for (i, block) in self.h.iter().enumerate() {
+            let pre = format!("transformer.h.{i}");
+            let (ln_1, attn, ln_2, mlp) = block.parts();
+            for (n, ln) in [("ln_1", ln_1), ("ln_2", ln_2)] {
+                put(format!("{pre}.{n}.weight"), ln.weight());
+                put(format!("{pre}.{n}.bias"), ln.bias());
+            }
+            match attn.fused_qkv() {
+                Some(qkv) => conv(&mut put, format!("{pre}.attn.c_attn"), qkv),
+                None => bail!("block {i}: attention without fused c_attn weights"),
+            }
+            conv(&mut put, format!("{pre}.attn.c_proj"), attn.out_proj());
+            for (n, p) in mlp.projections() {
+                conv(&mut put, format!("{pre}.mlp.{n}"), p);
+            }
+        }
+        if let Some(ln_f) = &self.ln_f {
+            put("transformer.ln_f.weight".into(), ln_f.weight());
+            put("transformer.ln_f.bias".into(), ln_f.bias());
+        }
+        if let Some(w) = &self.lm_head_weight {
+            put("lm_head.weight".into(), w);
+        }
+        Ok(out)
+    }
+}
+
+impl ModuleT for Gpt {
+    /// Logits `[b, t, vocab]` for `ids [b, t]`, with dropout when `train`.
+    fn forward_t(&self, ids: &Tensor, train: bool) -> Result<Tensor> {
+        Ok(self.run(ids, None, None, train, false, Logits::All)?.0)
+    }
+}
+
+/// Row lookup that keeps the gradient of the table: `[v, d]` indexed by `[b, t]` ids.
+trait EmbeddingRows {
+    fn embedding_rows(&self, ids: &Tensor) -> Result<Tensor>;
+}
+
+impl EmbeddingRows for Tensor {
+    fn embedding_rows(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let d = self.dim(1)?;
+        self.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, d))
+    }
+}
+
+/// Mean cross-entropy of `logits [b, t, v]` predicting `ids[:, 1:]`.
+pub fn next_token_loss(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    if t < 2 {
+        bail!("the loss needs at least 2 tokens per row, got {t}")
+    }
+    let inputs = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?;
+    let targets = ids.narrow(1, 1, t - 1)?.flatten_all()?.to_dtype(DType::U32)?;
+    candle_nn::loss::cross_entropy(&inputs.to_dtype(DType::F32)?, &targets)
+}
+
+/// Log-probability of each next token, `[b, t - 1]`: entry `(i, j)` is
+/// `log p(ids[i, j + 1] | ids[i, ..= j])`.
+pub fn token_logprobs(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let (_, t, _) = logits.dims3()?;
+    if t < 2 {
+        bail!("log-probabilities need at least 2 tokens per row, got {t}")
+    }
+    let logp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?, D::Minus1)?;
+    let targets = ids.narrow(1, 1, t - 1)?.to_dtype(DType::U32)?.unsqueeze(2)?;
+    logp.contiguous()?.gather(&targets.contiguous()?, 2)?.squeeze(2)
+}

@@ -1,0 +1,45 @@
+//! Transformer blocks and a GPT-2 model on [Candle](https://github.com/huggingface/candle),
+//! built on the `mha` attention crate.
+//!
+//! - [`Block`]: LayerNorm, attention, MLP, residuals and dropout, pre- or post-norm;
+//! - [`Gpt`]: GPT-2 with tied (or separate) LM head, training mode with dropout and a
+//!   next-token loss, cached decoding, left-padded batches;
+//! - [`load_dir`] / [`save_dir`]: Hugging Face GPT-2 directories (`config.json` +
+//!   safetensors, sharded or not, with or without the `transformer.` prefix);
+//! - [`generate()`]: greedy and sampled generation (temperature, top-k, top-p, repeat
+//!   penalty), reproducible under a seed.
+//!
+//! ```
+//! use block::{generate, GenerateOptions, Gpt, GptConfig, Logits, SamplingParams};
+//! use candle_core::{DType, Device, Tensor};
+//!
+//! let cfg = GptConfig { vocab_size: 100, n_positions: 32, n_embd: 32, n_layer: 2, n_head: 4,
+//!                       ..GptConfig::gpt2() };
+//! let varmap = candle_nn::VarMap::new();
+//! let model = Gpt::new(&cfg, candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+//!
+//! let ids = Tensor::new(&[[1u32, 2, 3, 4]], &Device::Cpu)?;
+//! let logits = model.infer(&ids, None, None, Logits::All)?;
+//! assert_eq!(logits.dims(), &[1, 4, 100]);
+//!
+//! let opts = GenerateOptions { max_new_tokens: 5, sampling: SamplingParams::default(), stop_tokens: vec![] };
+//! let new = generate(&model, &[vec![1, 2, 3]], &opts, |_, _| true)?;
+//! assert_eq!(new[0].len(), 5);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+
+mod block;
+mod config;
+pub mod generate;
+mod gpt;
+mod load;
+mod mlp;
+mod norm;
+
+pub use block::Block;
+pub use config::{Activation, GptConfig, NormPlacement};
+pub use generate::{argmax, generate, GenerateOptions, Sampler, SamplingParams};
+pub use gpt::{next_token_loss, token_logprobs, Gpt, GptCache, Logits};
+pub use load::{load_dir, load_files, read_config, save_dir, weight_files, write_atomic};
+pub use mlp::Mlp;
+pub use norm::LayerNorm;

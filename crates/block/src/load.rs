@@ -1,0 +1,145 @@
+//! Reading and writing checkpoints in Hugging Face's GPT-2 layout: a directory with
+//! `config.json` and `model.safetensors` (or shards listed in
+//! `model.safetensors.index.json`).
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::{Gpt, GptConfig};
+
+/// Buffers that old checkpoints carry and the model recomputes.
+fn is_ignored_buffer(name: &str) -> bool {
+    name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")
+}
+
+fn io_err(path: &Path, e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("{}: {e}", path.display()))
+}
+
+/// Reads and checks `dir/config.json`.
+pub fn read_config(dir: &Path) -> Result<GptConfig> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| io_err(&path, e))?;
+    GptConfig::from_json(&text).map_err(|e| io_err(&path, e))
+}
+
+/// The safetensors files of a checkpoint directory: `model.safetensors`, or the shards
+/// named by `model.safetensors.index.json`.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index).map_err(|e| io_err(&index, e))?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| io_err(&index, e))?;
+        let Some(map) = json.get("weight_map").and_then(|m| m.as_object()) else {
+            bail!("{}: no weight_map object", index.display())
+        };
+        let mut files = BTreeSet::new();
+        for file in map.values() {
+            let Some(name) = file.as_str() else {
+                bail!("{}: weight_map values must be file names", index.display())
+            };
+            // Shards live beside the index; refuse paths that leave the directory.
+            if name.contains('/') || name.contains('\\') || name == ".." {
+                bail!("{}: shard name {name:?} is not a plain file name", index.display())
+            }
+            files.insert(dir.join(name));
+        }
+        return Ok(files.into_iter().collect());
+    }
+    bail!(
+        "{}: no model.safetensors or model.safetensors.index.json",
+        dir.display()
+    )
+}
+
+/// Opens the files and checks every tensor's dtype. Returns the opened files and whether
+/// the names carry the `transformer.` prefix.
+fn open(files: &[PathBuf]) -> Result<(MmapedSafetensors, bool)> {
+    for f in files {
+        if !f.is_file() {
+            bail!("{}: weight file not found", f.display())
+        }
+    }
+    // SAFETY: the files are mapped read-only; like every memory-mapped loader, this assumes
+    // nobody truncates them while the model is being built (tensors are copied out).
+    let st = unsafe { MmapedSafetensors::multi(files) }.map_err(|e| {
+        let names: Vec<_> = files.iter().map(|f| f.display().to_string()).collect();
+        candle_core::Error::Msg(format!("{}: not a valid safetensors file: {e}", names.join(", ")))
+    })?;
+    let mut prefixed = false;
+    let mut bare = false;
+    for (name, view) in st.tensors() {
+        if is_ignored_buffer(&name) {
+            continue;
+        }
+        use safetensors::Dtype as S;
+        if !matches!(view.dtype(), S::F32 | S::F16 | S::BF16 | S::F64) {
+            bail!(
+                "tensor {name} has dtype {:?}; model weights must be f32, f16, bf16 or f64",
+                view.dtype()
+            )
+        }
+        prefixed |= name == "transformer.wte.weight";
+        bare |= name == "wte.weight";
+    }
+    if !prefixed && !bare {
+        bail!("no token embedding (transformer.wte.weight or wte.weight): not a GPT-2 checkpoint")
+    }
+    Ok((st, prefixed))
+}
+
+/// Loads a model from a Hugging Face GPT-2 directory, converting weights to `dtype`.
+pub fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
+    let cfg = read_config(dir)?;
+    load_files(&cfg, &weight_files(dir)?, dtype, device)
+}
+
+/// Loads a model for `cfg` from safetensors files with or without the `transformer.`
+/// prefix.
+pub fn load_files(cfg: &GptConfig, files: &[PathBuf], dtype: DType, device: &Device) -> Result<Gpt> {
+    let (st, prefixed) = open(files)?;
+    let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
+    let vb = if prefixed {
+        vb
+    } else {
+        vb.rename_f(|name: &str| name.strip_prefix("transformer.").unwrap_or(name).to_string())
+    };
+    Gpt::new(cfg, vb)
+}
+
+/// Writes `model` as a Hugging Face GPT-2 directory (`config.json`, `model.safetensors`)
+/// that `transformers.GPT2LMHeadModel.from_pretrained` loads. Each file is written to a
+/// temporary name and renamed, so an interrupted save never leaves a half-written file.
+pub fn save_dir(model: &Gpt, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+    let tensors: HashMap<String, Tensor> = model
+        .named_tensors()?
+        .into_iter()
+        .map(|(k, v)| Ok((k, v.contiguous()?)))
+        .collect::<Result<_>>()?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let weights = dir.join("model.safetensors");
+    write_atomic(&weights, |tmp| {
+        safetensors::serialize_to_file(&tensors, Some(metadata), tmp).map_err(candle_core::Error::wrap)
+    })?;
+    let config = dir.join("config.json");
+    let json = model.config().to_json()?;
+    write_atomic(&config, |tmp| std::fs::write(tmp, &json).map_err(|e| io_err(tmp, e)))
+}
+
+/// Writes through `write` to `path.tmp`, then renames it over `path`.
+pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    write(&tmp)?;
+    std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))
+}
