@@ -69,7 +69,12 @@ impl Block {
 
     /// As [`Self::forward`] without a cache, also returning the attention weights
     /// `[b, n_head, t, t]`.
-    pub fn forward_with_weights(&self, xs: &Tensor, mask: &Mask, train: bool) -> Result<(Tensor, Tensor)> {
+    pub fn forward_with_weights(
+        &self,
+        xs: &Tensor,
+        mask: &Mask,
+        train: bool,
+    ) -> Result<(Tensor, Tensor)> {
         match self.run(xs, mask, None, train, true)? {
             (ys, Some(w)) => Ok((ys, w)),
             _ => candle_core::bail!("attention weights were not computed"),

@@ -151,8 +151,8 @@ impl GptConfig {
     /// Parses a `config.json` and checks it. Old configs that give `n_ctx` but no
     /// `n_positions` are read as they were meant.
     pub fn from_json(json: &str) -> Result<Self> {
-        let mut value: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
+        let mut value: serde_json::Value = serde_json::from_str(json)
+            .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
         if let Some(obj) = value.as_object_mut() {
             if !obj.contains_key("n_positions") {
                 if let Some(n_ctx) = obj.get("n_ctx").cloned() {
@@ -160,8 +160,8 @@ impl GptConfig {
                 }
             }
         }
-        let cfg: Self =
-            serde_json::from_value(value).map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
+        let cfg: Self = serde_json::from_value(value)
+            .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -170,7 +170,10 @@ impl GptConfig {
     pub fn to_json(&self) -> Result<String> {
         let mut value = serde_json::to_value(self).map_err(candle_core::Error::wrap)?;
         if let Some(obj) = value.as_object_mut() {
-            obj.insert("architectures".into(), serde_json::json!(["GPT2LMHeadModel"]));
+            obj.insert(
+                "architectures".into(),
+                serde_json::json!(["GPT2LMHeadModel"]),
+            );
             obj.insert("model_type".into(), serde_json::json!("gpt2"));
             obj.insert("n_ctx".into(), serde_json::json!(self.n_positions));
         }
@@ -200,7 +203,10 @@ impl GptConfig {
             bail!("config: n_inner must be positive")
         }
         if !(self.layer_norm_epsilon > 0.0 && self.layer_norm_epsilon.is_finite()) {
-            bail!("config: layer_norm_epsilon must be positive, got {}", self.layer_norm_epsilon)
+            bail!(
+                "config: layer_norm_epsilon must be positive, got {}",
+                self.layer_norm_epsilon
+            )
         }
         for (name, p) in [
             ("resid_pdrop", self.resid_pdrop),

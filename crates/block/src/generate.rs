@@ -96,7 +96,11 @@ impl Sampler {
             seen.dedup();
             for &id in &seen {
                 if let Some(l) = logits.get_mut(id as usize) {
-                    *l = if *l < 0.0 { *l * p.repeat_penalty } else { *l / p.repeat_penalty };
+                    *l = if *l < 0.0 {
+                        *l * p.repeat_penalty
+                    } else {
+                        *l / p.repeat_penalty
+                    };
                 }
             }
         }

@@ -231,7 +231,11 @@ impl Gpt {
         let (b, t) = ids.dims2()?;
         if let Some(c) = &cache {
             if c.layers.len() != self.h.len() {
-                bail!("cache has {} layers, the model {}", c.layers.len(), self.h.len())
+                bail!(
+                    "cache has {} layers, the model {}",
+                    c.layers.len(),
+                    self.h.len()
+                )
             }
         }
         let pos = self.positions(b, t, past, keep)?;
@@ -321,7 +325,8 @@ impl EmbeddingRows for Tensor {
     fn embedding_rows(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let d = self.dim(1)?;
-        self.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, d))
+        self.index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, d))
     }
 }
 
@@ -332,7 +337,10 @@ pub fn next_token_loss(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
         bail!("the loss needs at least 2 tokens per row, got {t}")
     }
     let inputs = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?;
-    let targets = ids.narrow(1, 1, t - 1)?.flatten_all()?.to_dtype(DType::U32)?;
+    let targets = ids
+        .narrow(1, 1, t - 1)?
+        .flatten_all()?
+        .to_dtype(DType::U32)?;
     candle_nn::loss::cross_entropy(&inputs.to_dtype(DType::F32)?, &targets)
 }
 
@@ -343,7 +351,15 @@ pub fn token_logprobs(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
     if t < 2 {
         bail!("log-probabilities need at least 2 tokens per row, got {t}")
     }
-    let logp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?, D::Minus1)?;
-    let targets = ids.narrow(1, 1, t - 1)?.to_dtype(DType::U32)?.unsqueeze(2)?;
-    logp.contiguous()?.gather(&targets.contiguous()?, 2)?.squeeze(2)
+    let logp = candle_nn::ops::log_softmax(
+        &logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?,
+        D::Minus1,
+    )?;
+    let targets = ids
+        .narrow(1, 1, t - 1)?
+        .to_dtype(DType::U32)?
+        .unsqueeze(2)?;
+    logp.contiguous()?
+        .gather(&targets.contiguous()?, 2)?
+        .squeeze(2)
 }

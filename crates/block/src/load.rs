@@ -48,7 +48,10 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             };
             // Shards live beside the index; refuse paths that leave the directory.
             if name.contains('/') || name.contains('\\') || name == ".." {
-                bail!("{}: shard name {name:?} is not a plain file name", index.display())
+                bail!(
+                    "{}: shard name {name:?} is not a plain file name",
+                    index.display()
+                )
             }
             files.insert(dir.join(name));
         }
@@ -72,7 +75,10 @@ fn open(files: &[PathBuf]) -> Result<(MmapedSafetensors, bool)> {
     // nobody truncates them while the model is being built (tensors are copied out).
     let st = unsafe { MmapedSafetensors::multi(files) }.map_err(|e| {
         let names: Vec<_> = files.iter().map(|f| f.display().to_string()).collect();
-        candle_core::Error::Msg(format!("{}: not a valid safetensors file: {e}", names.join(", ")))
+        candle_core::Error::Msg(format!(
+            "{}: not a valid safetensors file: {e}",
+            names.join(", ")
+        ))
     })?;
     let mut prefixed = false;
     let mut bare = false;
@@ -104,13 +110,22 @@ pub fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
 
 /// Loads a model for `cfg` from safetensors files with or without the `transformer.`
 /// prefix.
-pub fn load_files(cfg: &GptConfig, files: &[PathBuf], dtype: DType, device: &Device) -> Result<Gpt> {
+pub fn load_files(
+    cfg: &GptConfig,
+    files: &[PathBuf],
+    dtype: DType,
+    device: &Device,
+) -> Result<Gpt> {
     let (st, prefixed) = open(files)?;
     let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
     let vb = if prefixed {
         vb
     } else {
-        vb.rename_f(|name: &str| name.strip_prefix("transformer.").unwrap_or(name).to_string())
+        vb.rename_f(|name: &str| {
+            name.strip_prefix("transformer.")
+                .unwrap_or(name)
+                .to_string()
+        })
     };
     Gpt::new(cfg, vb)
 }
@@ -128,11 +143,14 @@ pub fn save_dir(model: &Gpt, dir: &Path) -> Result<()> {
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     let weights = dir.join("model.safetensors");
     write_atomic(&weights, |tmp| {
-        safetensors::serialize_to_file(&tensors, Some(metadata), tmp).map_err(candle_core::Error::wrap)
+        safetensors::serialize_to_file(&tensors, Some(metadata), tmp)
+            .map_err(candle_core::Error::wrap)
     })?;
     let config = dir.join("config.json");
     let json = model.config().to_json()?;
-    write_atomic(&config, |tmp| std::fs::write(tmp, &json).map_err(|e| io_err(tmp, e)))
+    write_atomic(&config, |tmp| {
+        std::fs::write(tmp, &json).map_err(|e| io_err(tmp, e))
+    })
 }
 
 /// Writes through `write` to `path.tmp`, then renames it over `path`.

@@ -1,0 +1,46 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use candle_core::{DType, Result, Tensor};
+
+/// Asserts `|a - b| <= atol + rtol·|b|` elementwise, skipping non-finite reference values,
+/// and reports the worst element.
+pub fn assert_close(a: &Tensor, b: &Tensor, atol: f32, rtol: f32, what: &str) {
+    assert_eq!(a.dims(), b.dims(), "{what}: shapes differ");
+    let a = flat(a).unwrap();
+    let b = flat(b).unwrap();
+    let mut worst = (0usize, 0f32, 0f32, 0f32); // index, excess over tolerance, a, b
+    let mut max_diff = 0f32;
+    for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
+        if !y.is_finite() {
+            continue;
+        }
+        let diff = (x - y).abs();
+        let excess = diff - (atol + rtol * y.abs());
+        max_diff = max_diff.max(if diff.is_nan() { f32::INFINITY } else { diff });
+        if excess > worst.1 || diff.is_nan() {
+            worst = (i, if diff.is_nan() { f32::INFINITY } else { excess }, x, y);
+        }
+    }
+    assert!(
+        worst.1 <= 0.0,
+        "{what}: element {} is {} vs reference {} (max |diff| {max_diff:e}, atol {atol:e}, rtol {rtol:e})",
+        worst.0,
+        worst.2,
+        worst.3
+    );
+}
+
+/// Largest absolute difference.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let a = flat(a).unwrap();
+    let b = flat(b).unwrap();
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+pub fn flat(t: &Tensor) -> Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}

@@ -1,0 +1,413 @@
+//! Behaviour of the GPT model for any weights: cached decoding, padded batches, training,
+//! gradients, post-norm blocks, sampling, and bad inputs.
+
+mod common;
+
+use block::{
+    generate, GenerateOptions, Gpt, GptCache, GptConfig, Logits, NormPlacement, Sampler,
+    SamplingParams,
+};
+use candle_core::{DType, Device, ModuleT, Result, Tensor, Var};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
+use common::assert_close;
+
+const DEV: Device = Device::Cpu;
+
+fn tiny(placement: NormPlacement) -> GptConfig {
+    GptConfig {
+        vocab_size: 50,
+        n_positions: 40,
+        n_embd: 16,
+        n_layer: 2,
+        n_head: 4,
+        norm_placement: placement,
+        ..GptConfig::gpt2()
+    }
+}
+
+/// A model with random weights, biases and norms included.
+fn model(cfg: &GptConfig, dtype: DType) -> (VarMap, Gpt) {
+    let varmap = VarMap::new();
+    let gpt = Gpt::new(cfg, VarBuilder::from_varmap(&varmap, dtype, &DEV)).unwrap();
+    for (name, var) in varmap.data().lock().unwrap().iter() {
+        if name.contains("bias") || name.contains("ln") {
+            let noise = (Tensor::randn(0f32, 0.1, var.shape(), &DEV)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                + var.as_tensor())
+            .unwrap();
+            var.set(&noise).unwrap();
+        }
+    }
+    (varmap, gpt)
+}
+
+fn ids(rows: &[&[u32]]) -> Tensor {
+    let t = rows[0].len();
+    Tensor::from_vec(rows.concat(), (rows.len(), t), &DEV).unwrap()
+}
+
+#[test]
+fn cached_decoding_equals_full_pass() -> Result<()> {
+    for placement in [NormPlacement::Pre, NormPlacement::Post] {
+        let cfg = tiny(placement);
+        let (_vm, gpt) = model(&cfg, DType::F32);
+        let seq = ids(&[
+            &[3, 14, 15, 9, 26, 5, 35, 8, 9, 7],
+            &[2, 7, 18, 28, 18, 28, 45, 9, 0, 4],
+        ]);
+        let full = gpt.infer(&seq, None, None, Logits::All)?;
+        let mut cache = GptCache::new(&cfg, 4);
+        let mut parts =
+            vec![gpt.infer(&seq.narrow(1, 0, 4)?, None, Some(&mut cache), Logits::All)?];
+        for t in 4..10 {
+            parts.push(gpt.infer(&seq.narrow(1, t, 1)?, None, Some(&mut cache), Logits::Last)?);
+        }
+        assert_close(
+            &Tensor::cat(&parts, 1)?,
+            &full,
+            1e-5,
+            1e-4,
+            &format!("{placement:?}"),
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn padded_batch_rows_equal_rows_run_alone() -> Result<()> {
+    let cfg = tiny(NormPlacement::Pre);
+    let (_vm, gpt) = model(&cfg, DType::F32);
+    let prompts: Vec<Vec<u32>> = vec![vec![1, 2, 3, 4, 5, 6, 7], vec![9, 8], vec![30]];
+    // Last-position logits of the padded prefill equal each prompt's own.
+    let longest = 7;
+    let mut flat = Vec::new();
+    let mut keep = Vec::new();
+    for p in &prompts {
+        flat.extend(std::iter::repeat_n(0u32, longest - p.len()).chain(p.iter().copied()));
+        keep.extend(
+            std::iter::repeat_n(0u8, longest - p.len()).chain(std::iter::repeat_n(1, p.len())),
+        );
+    }
+    let batch = Tensor::from_vec(flat, (3, longest), &DEV)?;
+    let keep = Tensor::from_vec(keep, (3, longest), &DEV)?;
+    let padded = gpt.infer(&batch, Some(&keep), None, Logits::Last)?;
+    for (i, p) in prompts.iter().enumerate() {
+        let alone = gpt.infer(&ids(&[p]), None, None, Logits::Last)?;
+        assert_close(
+            &padded.narrow(0, i, 1)?,
+            &alone,
+            1e-5,
+            1e-4,
+            &format!("row {i}"),
+        );
+    }
+    // And generation, greedy and sampled.
+    for sampling in [
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 0.9,
+            top_k: Some(20),
+            top_p: Some(0.9),
+            seed: 5,
+            ..Default::default()
+        },
+    ] {
+        let opts = GenerateOptions {
+            max_new_tokens: 12,
+            sampling,
+            stop_tokens: vec![],
+        };
+        let together = generate(&gpt, &prompts, &opts, |_, _| true)?;
+        for (i, p) in prompts.iter().enumerate() {
+            let alone = generate(&gpt, std::slice::from_ref(p), &opts, |_, _| true)?;
+            assert_eq!(together[i], alone[0], "row {i}, {:?}", opts.sampling);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn generation_stops_and_sampling_repeats_under_a_seed() -> Result<()> {
+    let cfg = tiny(NormPlacement::Pre);
+    let (_vm, gpt) = model(&cfg, DType::F32);
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        seed: 11,
+        ..Default::default()
+    };
+    let opts = GenerateOptions {
+        max_new_tokens: 20,
+        sampling: sampling.clone(),
+        stop_tokens: vec![],
+    };
+    let a = generate(&gpt, &[vec![1, 2]], &opts, |_, _| true)?;
+    let b = generate(&gpt, &[vec![1, 2]], &opts, |_, _| true)?;
+    assert_eq!(a, b);
+    let other = GenerateOptions {
+        sampling: SamplingParams {
+            seed: 12,
+            ..sampling
+        },
+        ..opts.clone()
+    };
+    assert_ne!(a, generate(&gpt, &[vec![1, 2]], &other, |_, _| true)?);
+    // A stop token ends the row, and is kept.
+    let stop = a[0][3];
+    let first = a[0].iter().position(|&t| t == stop).unwrap();
+    let stopped = generate(
+        &gpt,
+        &[vec![1, 2]],
+        &GenerateOptions {
+            stop_tokens: vec![stop],
+            ..opts.clone()
+        },
+        |_, _| true,
+    )?;
+    assert_eq!(stopped[0], a[0][..=first]);
+    // The callback can end a row.
+    let mut seen = 0;
+    let cut = generate(&gpt, &[vec![1, 2]], &opts, |_, _| {
+        seen += 1;
+        seen < 4
+    })?;
+    assert_eq!(cut[0].len(), 4);
+    Ok(())
+}
+
+#[test]
+fn sampler_follows_its_parameters() -> Result<()> {
+    let logits = [1.0f32, 3.0, 3.0, 0.5, 2.9];
+    // Greedy: ties go to the lowest id.
+    assert_eq!(
+        Sampler::new(SamplingParams::default())?.sample(&logits, &[])?,
+        1
+    );
+    // Repeat penalty pushes a seen token down.
+    let p = SamplingParams {
+        repeat_penalty: 2.0,
+        ..Default::default()
+    };
+    assert_eq!(Sampler::new(p)?.sample(&logits, &[1, 2])?, 4);
+    // top-k 2 at a high temperature never leaves the two best.
+    let p = SamplingParams {
+        temperature: 5.0,
+        top_k: Some(2),
+        seed: 3,
+        ..Default::default()
+    };
+    let mut s = Sampler::new(p)?;
+    let draws: Vec<u32> = (0..200).map(|_| s.sample(&logits, &[]).unwrap()).collect();
+    assert!(draws.iter().all(|&t| t == 1 || t == 2));
+    assert!(draws.contains(&1) && draws.contains(&2));
+    // A tiny top-p keeps only the most likely token.
+    let p = SamplingParams {
+        temperature: 1.0,
+        top_p: Some(1e-6),
+        seed: 3,
+        ..Default::default()
+    };
+    let mut s = Sampler::new(p)?;
+    assert!((0..50).all(|_| s.sample(&logits, &[]).unwrap() == 1));
+    for bad in [
+        SamplingParams {
+            top_p: Some(0.0),
+            ..Default::default()
+        },
+        SamplingParams {
+            top_p: Some(1.5),
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            top_k: Some(0),
+            ..Default::default()
+        },
+        SamplingParams {
+            repeat_penalty: 0.0,
+            ..Default::default()
+        },
+    ] {
+        assert!(Sampler::new(bad).is_err());
+    }
+    assert!(Sampler::new(SamplingParams::default())?
+        .sample(&[f32::NAN, 1.0], &[])
+        .is_err());
+    Ok(())
+}
+
+#[test]
+fn training_lowers_the_loss() -> Result<()> {
+    let cfg = GptConfig {
+        resid_pdrop: 0.1,
+        embd_pdrop: 0.1,
+        attn_pdrop: 0.1,
+        ..tiny(NormPlacement::Pre)
+    };
+    let (varmap, gpt) = model(&cfg, DType::F32);
+    let text: Vec<u32> = (0..33).map(|i| (i * 7 % 13) as u32).collect();
+    let batch = Tensor::from_vec(text, (1, 33), &DEV)?;
+    let before = gpt.loss(&batch, false)?.to_scalar::<f32>()?;
+    let mut opt = candle_nn::AdamW::new(
+        varmap.all_vars(),
+        candle_nn::ParamsAdamW {
+            lr: 1e-2,
+            ..Default::default()
+        },
+    )?;
+    for _ in 0..30 {
+        opt.backward_step(&gpt.loss(&batch, true)?)?;
+    }
+    let after = gpt.loss(&batch, false)?.to_scalar::<f32>()?;
+    assert!(after < 0.5 * before, "loss {before} -> {after}");
+    Ok(())
+}
+
+#[test]
+fn gradients_match_finite_differences() -> Result<()> {
+    let cfg = GptConfig {
+        vocab_size: 11,
+        n_positions: 8,
+        n_embd: 8,
+        n_layer: 2,
+        n_head: 2,
+        ..tiny(NormPlacement::Pre)
+    };
+    let (varmap, gpt) = model(&cfg, DType::F64);
+    let batch = ids(&[&[1, 5, 2, 9, 3, 3], &[4, 0, 10, 7, 6, 1]]);
+    // Sum of next-token log-probabilities, in f64 end to end.
+    let log_likelihood = |g: &Gpt| -> Result<Tensor> {
+        let logp = candle_nn::ops::log_softmax(&g.forward_t(&batch, false)?, 2)?;
+        let targets = batch.narrow(1, 1, 5)?.unsqueeze(2)?.contiguous()?;
+        logp.narrow(1, 0, 5)?
+            .contiguous()?
+            .gather(&targets, 2)?
+            .sum_all()
+    };
+    let loss = |g: &Gpt| log_likelihood(g)?.to_scalar::<f64>();
+    let loss_t = log_likelihood(&gpt)?;
+    let grads = loss_t.backward()?;
+    let vars: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let mut checked = 0;
+    for (name, var) in &vars {
+        let g = grads
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
+        let g = g.flatten_all()?.to_vec1::<f64>()?;
+        let base = var.as_tensor().flatten_all()?.to_vec1::<f64>()?;
+        for i in (0..base.len()).step_by(base.len().div_ceil(3)) {
+            let eps = 1e-5;
+            let mut v = base.clone();
+            v[i] += eps;
+            var.set(&Tensor::from_vec(v.clone(), var.shape(), &DEV)?)?;
+            let up = loss(&gpt)?;
+            v[i] -= 2.0 * eps;
+            var.set(&Tensor::from_vec(v, var.shape(), &DEV)?)?;
+            let down = loss(&gpt)?;
+            var.set(&Tensor::from_vec(base.clone(), var.shape(), &DEV)?)?;
+            let numeric = (up - down) / (2.0 * eps);
+            // Candle's tanh-GELU backward uses 6-digit constants: 1e-4 relative holds.
+            assert!(
+                (numeric - g[i]).abs() <= 1e-6 + 1e-4 * numeric.abs().max(g[i].abs()),
+                "{name}[{i}]: autograd {} vs finite difference {numeric}",
+                g[i]
+            );
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= vars.len() * 2,
+        "{checked} coordinates for {} tensors",
+        vars.len()
+    );
+    Ok(())
+}
+
+#[test]
+fn bad_inputs_are_errors() -> Result<()> {
+    let cfg = tiny(NormPlacement::Pre);
+    let (_vm, gpt) = model(&cfg, DType::F32);
+    let check = |ids: Tensor, needle: &str| {
+        let err = gpt
+            .infer(&ids, None, None, Logits::All)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(needle), "{err}");
+    };
+    check(
+        Tensor::new(&[[1u32, 50]], &DEV)?,
+        "token id 50 is outside the vocabulary",
+    );
+    check(Tensor::new(&[1u32, 2], &DEV)?, "[batch, seq]");
+    check(
+        Tensor::zeros((1, 41), DType::U32, &DEV)?,
+        "41 tokens exceed the model's context of 40",
+    );
+    check(Tensor::new(&[[1i64, -3]], &DEV)?, "negative");
+    check(Tensor::new(&[[1f32, 2.0]], &DEV)?, "integers");
+    let keep = Tensor::ones((1, 3), DType::U8, &DEV)?;
+    let err = gpt
+        .infer(
+            &Tensor::new(&[[1u32, 2]], &DEV)?,
+            Some(&keep),
+            None,
+            Logits::All,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("attention mask must be"), "{err}");
+    let opts = GenerateOptions {
+        max_new_tokens: 39,
+        sampling: SamplingParams::default(),
+        stop_tokens: vec![],
+    };
+    let err = generate(&gpt, &[vec![1, 2]], &opts, |_, _| true).unwrap_err();
+    assert!(
+        err.to_string().contains("exceeds the model's context"),
+        "{err}"
+    );
+    assert!(generate(&gpt, &[vec![]], &opts, |_, _| true).is_err());
+    for bad in [
+        GptConfig {
+            n_head: 3,
+            ..cfg.clone()
+        },
+        GptConfig {
+            n_embd: 0,
+            ..cfg.clone()
+        },
+        GptConfig {
+            resid_pdrop: 1.0,
+            ..cfg.clone()
+        },
+        GptConfig {
+            layer_norm_epsilon: 0.0,
+            ..cfg.clone()
+        },
+        GptConfig {
+            vocab_size: 0,
+            ..cfg.clone()
+        },
+    ] {
+        assert!(
+            Gpt::new(&bad, VarBuilder::zeros(DType::F32, &DEV)).is_err(),
+            "{bad:?}"
+        );
+    }
+    let err = GptConfig::from_json("{\"n_embd\": 10, \"n_head\": 4}").unwrap_err();
+    assert!(err.to_string().contains("n_head=4"), "{err}");
+    assert!(GptConfig::from_json("not json").is_err());
+    // n_ctx alone is read as n_positions.
+    let old = GptConfig::from_json("{\"n_ctx\": 77}")?;
+    assert_eq!(old.n_positions, 77);
+    Ok(())
+}
