@@ -65,3 +65,39 @@ build("inverse_layer_scale", 2, vocab_size=80, n_positions=24, n_embd=24, n_laye
       scale_attn_by_inverse_layer_idx=True)
 build("untied_exact_gelu", 3, vocab_size=64, n_positions=20, n_embd=16, n_layer=1, n_head=1,
       n_inner=40, activation_function="gelu", tie_word_embeddings=False)
+
+
+def nanogpt(name, seed):
+    """A nanoGPT `ckpt.pt` (bias=False, saved from a torch.compile'd model: `_orig_mod.`
+    prefix, nn.Linear [out, in] weights, exact GELU, tied head) and the logits of the same
+    weights in transformers' GPT2LMHeadModel with every bias zeroed."""
+    torch.manual_seed(seed)
+    args = dict(n_layer=2, n_head=2, n_embd=16, block_size=16, bias=False, vocab_size=40, dropout=0.0)
+    config = GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config).eval()
+    sd = {}
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias"):
+                p.zero_()
+                continue
+            if "ln" in pname:
+                p.add_(0.1 * torch.randn_like(p))
+            # Conv1D [in, out] -> nn.Linear [out, in]
+            conv = any(pname.endswith(f"{m}.weight") for m in ("c_attn", "c_proj", "c_fc"))
+            sd["_orig_mod." + pname] = (p.t() if conv else p).contiguous().clone()
+        sd["_orig_mod.lm_head.weight"] = sd["_orig_mod.transformer.wte.weight"]
+    out = os.path.join(ROOT, name)
+    os.makedirs(out, exist_ok=True)
+    torch.save({"model": sd, "model_args": args, "iter_num": 5, "best_val_loss": torch.tensor(2.5),
+                "config": {"dataset": "shakespeare_char"}}, os.path.join(out, "ckpt.pt"))
+    input_ids = torch.randint(0, 40, (2, 10))
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    save_file({"input_ids": input_ids, "logits": logits.contiguous()},
+              os.path.join(out, "expected.safetensors"))
+    print(f"{name}: nanoGPT checkpoint")
+
+
+nanogpt("nanogpt", 4)

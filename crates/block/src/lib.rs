@@ -6,6 +6,7 @@
 //!   next-token loss, cached decoding, left-padded batches;
 //! - [`load_dir`] / [`save_dir`]: Hugging Face GPT-2 directories (`config.json` +
 //!   safetensors, sharded or not, with or without the `transformer.` prefix);
+//! - [`load_nanogpt`]: nanoGPT `ckpt.pt` checkpoints;
 //! - [`generate()`]: greedy and sampled generation (temperature, top-k, top-p, repeat
 //!   penalty), reproducible under a seed.
 //!
@@ -34,6 +35,7 @@ pub mod generate;
 mod gpt;
 mod load;
 mod mlp;
+mod nanogpt;
 mod norm;
 
 pub use block::Block;
@@ -42,4 +44,5 @@ pub use generate::{argmax, generate, GenerateOptions, Sampler, SamplingParams};
 pub use gpt::{next_token_loss, token_logprobs, Gpt, GptCache, Logits};
 pub use load::{load_dir, load_files, read_config, save_dir, weight_files, write_atomic};
 pub use mlp::Mlp;
+pub use nanogpt::{load_nanogpt, nanogpt_config};
 pub use norm::LayerNorm;

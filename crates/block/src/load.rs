@@ -134,6 +134,12 @@ pub fn load_files(
 /// that `transformers.GPT2LMHeadModel.from_pretrained` loads. Each file is written to a
 /// temporary name and renamed, so an interrupted save never leaves a half-written file.
 pub fn save_dir(model: &Gpt, dir: &Path) -> Result<()> {
+    if model.config().norm_placement != crate::NormPlacement::Pre {
+        // transformers would read the file as a pre-norm GPT-2 and silently differ.
+        bail!(
+            "post-norm models have no Hugging Face GPT-2 layout; only pre-norm models can be saved"
+        )
+    }
     std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
     let tensors: HashMap<String, Tensor> = model
         .named_tensors()?

@@ -264,3 +264,27 @@ fn bad_checkpoints_are_errors_that_name_the_problem() {
     let err = load_err(&tmp.path().join("nowhere"));
     assert!(err.contains("config.json"), "{err}");
 }
+
+/// A nanoGPT `ckpt.pt` (compiled-model prefix, `nn.Linear` layout, `bias=False`) against
+/// the same weights in transformers with zero biases.
+#[test]
+fn nanogpt_checkpoint_matches_transformers() {
+    let exp = expected("nanogpt");
+    let model = block::load_nanogpt(
+        &fixture("nanogpt").join("ckpt.pt"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    assert_eq!(model.config().n_head, 2);
+    let got = logits(&model, &exp["input_ids"]);
+    assert_close(&got, &exp["logits"], 1e-4, 0.0, "nanoGPT logits");
+    let err = block::load_nanogpt(
+        &fixture("tiny").join("model.safetensors"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("not a PyTorch zip checkpoint"), "{err}");
+}

@@ -1,0 +1,38 @@
+"""Checks that checkpoints written by `block::save_dir` load in transformers and give our
+logits. Run it after changing the writer:
+
+    /tmp/ref/bin/python scripts/gpt2_roundtrip.py
+
+For each fixture (Hugging Face directories and the nanoGPT ckpt.pt), the `resave` example
+loads it, saves it as a Hugging Face directory and records our logits; transformers'
+GPT2LMHeadModel.from_pretrained then loads that directory. Exits non-zero when any logit
+differs by more than 1e-4.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+from safetensors.torch import load_file
+from transformers import GPT2LMHeadModel
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+FIX = os.path.join(ROOT, "crates", "block", "tests", "fixtures")
+sources = [os.path.join(FIX, n) for n in ("tiny", "inverse_layer_scale", "untied_exact_gelu")]
+sources.append(os.path.join(FIX, "nanogpt", "ckpt.pt"))
+worst = 0.0
+with tempfile.TemporaryDirectory() as tmp:
+    for i, src in enumerate(sources):
+        out = os.path.join(tmp, str(i))
+        subprocess.run(["cargo", "run", "-q", "-p", "block", "--example", "resave", "--", src, out],
+                       cwd=ROOT, check=True)
+        ours = load_file(os.path.join(out, "ours.safetensors"))
+        model = GPT2LMHeadModel.from_pretrained(out).eval()
+        with torch.no_grad():
+            theirs = model(ours["input_ids"]).logits
+        diff = (theirs - ours["logits"]).abs().max().item()
+        worst = max(worst, diff)
+        print(f"{os.path.relpath(src, ROOT)}: max |logit diff| {diff:.3e}")
+print(f"worst {worst:.3e}")
+sys.exit(0 if worst <= 1e-4 else 1)
