@@ -120,8 +120,8 @@ pub fn load_nanogpt(path: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
     // bias=False: the missing biases are zeros.
     let d = cfg.n_embd;
     let mut zeros = |name: String, len: usize| -> Result<()> {
-        if !tensors.contains_key(&name) {
-            tensors.insert(name, Tensor::zeros(len, DType::F32, &Device::Cpu)?);
+        if let std::collections::hash_map::Entry::Vacant(e) = tensors.entry(name) {
+            e.insert(Tensor::zeros(len, DType::F32, &Device::Cpu)?);
         }
         Ok(())
     };
