@@ -109,6 +109,26 @@ impl Gpt {
         &self.h
     }
 
+    /// Token embedding `[vocab, d]`.
+    pub fn wte(&self) -> &Tensor {
+        &self.wte
+    }
+
+    /// Position embedding `[n_positions, d]`.
+    pub fn wpe(&self) -> &Tensor {
+        &self.wpe
+    }
+
+    /// Final LayerNorm (pre-norm models).
+    pub fn ln_f(&self) -> Option<&LayerNorm> {
+        self.ln_f.as_ref()
+    }
+
+    /// Language-model head: `[.., d]` to `[.., vocab]`.
+    pub fn lm_head(&self) -> &Proj {
+        &self.lm_head
+    }
+
     /// Dtype of the weights.
     pub fn dtype(&self) -> DType {
         self.wte.dtype()

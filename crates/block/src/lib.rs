@@ -37,12 +37,17 @@ mod load;
 mod mlp;
 mod nanogpt;
 mod norm;
+mod optim;
 
 pub use block::Block;
 pub use config::{Activation, GptConfig, NormPlacement};
 pub use generate::{argmax, generate, GenerateOptions, Sampler, SamplingParams};
 pub use gpt::{next_token_loss, token_logprobs, Gpt, GptCache, Logits};
-pub use load::{load_dir, load_files, read_config, save_dir, weight_files, write_atomic};
+pub use load::{
+    load_bytes, load_dir, load_files, read_config, save_dir, save_dir_as, weight_files,
+    write_atomic,
+};
 pub use mlp::Mlp;
 pub use nanogpt::{load_nanogpt, nanogpt_config};
 pub use norm::LayerNorm;
+pub use optim::{AdamW, AdamWParams};

@@ -63,6 +63,61 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     )
 }
 
+/// Checks every tensor's dtype; returns whether the names carry the `transformer.` prefix.
+fn check_tensors<'a>(
+    tensors: impl Iterator<Item = (String, safetensors::tensor::TensorView<'a>)>,
+) -> Result<bool> {
+    let mut prefixed = false;
+    let mut bare = false;
+    for (name, view) in tensors {
+        if is_ignored_buffer(&name) {
+            continue;
+        }
+        use safetensors::Dtype as S;
+        if !matches!(view.dtype(), S::F32 | S::F16 | S::BF16 | S::F64) {
+            bail!(
+                "tensor {name} has dtype {:?}; model weights must be f32, f16, bf16 or f64",
+                view.dtype()
+            )
+        }
+        prefixed |= name == "transformer.wte.weight";
+        bare |= name == "wte.weight";
+    }
+    if !prefixed && !bare {
+        bail!("no token embedding (transformer.wte.weight or wte.weight): not a GPT-2 checkpoint")
+    }
+    Ok(prefixed)
+}
+
+/// Names without the prefix are looked up bare.
+fn with_prefix_fallback(vb: VarBuilder<'_>, prefixed: bool) -> VarBuilder<'_> {
+    if prefixed {
+        vb
+    } else {
+        vb.rename_f(|name: &str| {
+            name.strip_prefix("transformer.")
+                .unwrap_or(name)
+                .to_string()
+        })
+    }
+}
+
+/// Loads a model from a `config.json` text and safetensors bytes held in memory (an
+/// embedded model, say).
+pub fn load_bytes(
+    config_json: &str,
+    weights: &'static [u8],
+    dtype: DType,
+    device: &Device,
+) -> Result<Gpt> {
+    let cfg = GptConfig::from_json(config_json)?;
+    let st = candle_core::safetensors::SliceSafetensors::new(weights)
+        .map_err(|e| candle_core::Error::Msg(format!("not a valid safetensors buffer: {e}")))?;
+    let prefixed = check_tensors(st.tensors().into_iter())?;
+    let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
+    Gpt::new(&cfg, with_prefix_fallback(vb, prefixed))
+}
+
 /// Opens the files and checks every tensor's dtype. Returns the opened files and whether
 /// the names carry the `transformer.` prefix.
 fn open(files: &[PathBuf]) -> Result<(MmapedSafetensors, bool)> {
@@ -80,25 +135,7 @@ fn open(files: &[PathBuf]) -> Result<(MmapedSafetensors, bool)> {
             names.join(", ")
         ))
     })?;
-    let mut prefixed = false;
-    let mut bare = false;
-    for (name, view) in st.tensors() {
-        if is_ignored_buffer(&name) {
-            continue;
-        }
-        use safetensors::Dtype as S;
-        if !matches!(view.dtype(), S::F32 | S::F16 | S::BF16 | S::F64) {
-            bail!(
-                "tensor {name} has dtype {:?}; model weights must be f32, f16, bf16 or f64",
-                view.dtype()
-            )
-        }
-        prefixed |= name == "transformer.wte.weight";
-        bare |= name == "wte.weight";
-    }
-    if !prefixed && !bare {
-        bail!("no token embedding (transformer.wte.weight or wte.weight): not a GPT-2 checkpoint")
-    }
+    let prefixed = check_tensors(st.tensors().into_iter())?;
     Ok((st, prefixed))
 }
 
@@ -134,6 +171,11 @@ pub fn load_files(
 /// that `transformers.GPT2LMHeadModel.from_pretrained` loads. Each file is written to a
 /// temporary name and renamed, so an interrupted save never leaves a half-written file.
 pub fn save_dir(model: &Gpt, dir: &Path) -> Result<()> {
+    save_dir_as(model, dir, model.dtype())
+}
+
+/// As [`save_dir`], storing the weights as `dtype` (f16 halves the file).
+pub fn save_dir_as(model: &Gpt, dir: &Path, dtype: DType) -> Result<()> {
     if model.config().norm_placement != crate::NormPlacement::Pre {
         // transformers would read the file as a pre-norm GPT-2 and silently differ.
         bail!(
@@ -144,7 +186,7 @@ pub fn save_dir(model: &Gpt, dir: &Path) -> Result<()> {
     let tensors: HashMap<String, Tensor> = model
         .named_tensors()?
         .into_iter()
-        .map(|(k, v)| Ok((k, v.contiguous()?)))
+        .map(|(k, v)| Ok((k, v.to_dtype(dtype)?.contiguous()?)))
         .collect::<Result<_>>()?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     let weights = dir.join("model.safetensors");

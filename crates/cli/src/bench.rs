@@ -1,0 +1,127 @@
+//! `gpt bench`: prefill and decode speed, and peak memory.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use block::{argmax, GptCache, Logits};
+use candle_core::{DType, Tensor};
+use clap::Args;
+
+use crate::common::{self, Format, Loaded, ModelArgs};
+
+/// Options of `gpt bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// Tokens to decode after the prompt (greedy, with the KV cache).
+    #[arg(long, default_value_t = 64)]
+    pub new_tokens: usize,
+    /// Sequences run together.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Timed repetitions; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "text")]
+    pub format: Format,
+}
+
+/// Peak resident memory of this process (Linux), in bytes.
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Runs `gpt bench`.
+pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
+    let Loaded { model, source, .. } = common::load(margs)?;
+    let cfg = model.config();
+    if a.prompt_len == 0 || a.batch == 0 || a.runs == 0 {
+        bail!("--prompt-len, --batch and --runs must be at least 1")
+    }
+    if a.prompt_len + a.new_tokens > cfg.n_positions {
+        bail!(
+            "--prompt-len {} + --new-tokens {} exceed the model's context of {}",
+            a.prompt_len,
+            a.new_tokens,
+            cfg.n_positions
+        )
+    }
+    let dev = model.device().clone();
+    // A fixed pseudo-random prompt.
+    let ids: Vec<u32> = (0..a.batch * a.prompt_len)
+        .map(|i| ((i as u64 * 2_654_435_761) % cfg.vocab_size as u64) as u32)
+        .collect();
+    let prompt = Tensor::from_vec(ids, (a.batch, a.prompt_len), &dev)?;
+    let mut prefill = Vec::new();
+    let mut decode = Vec::new();
+    // One untimed run warms caches and the thread pool.
+    for run in 0..=a.runs {
+        let mut cache = GptCache::new(cfg, a.prompt_len + a.new_tokens);
+        let t0 = Instant::now();
+        let logits = model.infer(&prompt, None, Some(&mut cache), Logits::Last)?;
+        let mut rows = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let t1 = Instant::now();
+        for _ in 0..a.new_tokens {
+            let next: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
+            let input = Tensor::from_vec(next, (a.batch, 1), &dev)?;
+            let logits = model.infer(&input, None, Some(&mut cache), Logits::Last)?;
+            rows = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        }
+        let t2 = Instant::now();
+        if run > 0 {
+            prefill.push((a.batch * a.prompt_len) as f64 / (t1 - t0).as_secs_f64());
+            if a.new_tokens > 0 {
+                decode.push((a.batch * a.new_tokens) as f64 / (t2 - t1).as_secs_f64());
+            }
+        }
+    }
+    let prefill = median(prefill);
+    let decode = if decode.is_empty() {
+        0.0
+    } else {
+        median(decode)
+    };
+    let rss = peak_rss_bytes();
+    let threads = candle_core::utils::get_num_threads();
+    match a.format {
+        Format::Json => println!(
+            "{}",
+            serde_json::json!({
+                "model": source,
+                "device": format!("{:?}", dev.location()),
+                "dtype": format!("{:?}", model.dtype()).to_lowercase(),
+                "threads": threads,
+                "batch": a.batch,
+                "prompt_len": a.prompt_len,
+                "new_tokens": a.new_tokens,
+                "runs": a.runs,
+                "prefill_tokens_per_s": prefill,
+                "decode_tokens_per_s": decode,
+                "peak_rss_bytes": rss,
+            })
+        ),
+        Format::Text => {
+            println!(
+                "{source}: batch {}, prompt {} tokens, {} new tokens, {threads} threads (median of {} runs)",
+                a.batch, a.prompt_len, a.new_tokens, a.runs
+            );
+            println!("prefill: {prefill:.1} tokens/s");
+            println!("decode:  {decode:.1} tokens/s");
+            if let Some(r) = rss {
+                println!("peak memory: {:.1} MiB", r as f64 / (1024.0 * 1024.0));
+            }
+        }
+    }
+    Ok(())
+}

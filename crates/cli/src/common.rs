@@ -1,0 +1,330 @@
+//! What every subcommand shares: the device, the model and its tokenizer, token ids.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use block::Gpt;
+use candle_core::{DType, Device};
+use clap::{Args, ValueEnum};
+use tokenizers::Tokenizer;
+
+/// The small model built into the binary (see `models/default/README.md`).
+mod embedded {
+    pub const CONFIG: &str = include_str!("../../../models/default/config.json");
+    pub const WEIGHTS: &[u8] = include_bytes!("../../../models/default/model.safetensors");
+    pub const TOKENIZER: &[u8] = include_bytes!("../../../models/default/tokenizer.json");
+}
+
+/// Where the computation runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    /// CUDA, then Metal, then CPU, as built.
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// The first CUDA GPU (build with `--features cuda`).
+    Cuda,
+    /// The Metal GPU (build with `--features metal`).
+    Metal,
+}
+
+/// Weight precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DtypeArg {
+    /// 32-bit floats.
+    F32,
+    /// 16-bit floats.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl From<DtypeArg> for DType {
+    fn from(d: DtypeArg) -> Self {
+        match d {
+            DtypeArg::F32 => DType::F32,
+            DtypeArg::F16 => DType::F16,
+            DtypeArg::Bf16 => DType::BF16,
+        }
+    }
+}
+
+/// Output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// For people.
+    Text,
+    /// One JSON object per line, for scripts.
+    Json,
+}
+
+/// Options of every subcommand that runs a model.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// A Hugging Face GPT-2 directory, a nanoGPT ckpt.pt, or a model id on the Hugging Face
+    /// hub (e.g. openai-community/gpt2). Default: the small model built into gpt.
+    #[arg(long, global = true)]
+    pub model: Option<String>,
+    /// Device to run on.
+    #[arg(long, value_enum, default_value = "auto", global = true)]
+    pub device: DeviceArg,
+    /// Weight precision.
+    #[arg(long, value_enum, default_value = "f32", global = true)]
+    pub dtype: DtypeArg,
+}
+
+/// Picks the device; asking for one this binary was not built for says how to build it.
+pub fn device(arg: DeviceArg) -> Result<Device> {
+    match arg {
+        DeviceArg::Cpu => Ok(Device::Cpu),
+        DeviceArg::Cuda => {
+            if cfg!(feature = "cuda") {
+                Device::new_cuda(0).context("opening CUDA device 0")
+            } else {
+                bail!("this gpt was built without CUDA; rebuild with `cargo build --release --features cuda`")
+            }
+        }
+        DeviceArg::Metal => {
+            if cfg!(feature = "metal") {
+                Device::new_metal(0).context("opening the Metal device")
+            } else {
+                bail!("this gpt was built without Metal; rebuild with `cargo build --release --features metal`")
+            }
+        }
+        DeviceArg::Auto => {
+            if cfg!(feature = "cuda") {
+                if let Ok(d) = Device::new_cuda(0) {
+                    return Ok(d);
+                }
+            }
+            if cfg!(feature = "metal") {
+                if let Ok(d) = Device::new_metal(0) {
+                    return Ok(d);
+                }
+            }
+            Ok(Device::Cpu)
+        }
+    }
+}
+
+/// A model ready to run, with its tokenizer when it has one.
+pub struct Loaded {
+    pub model: Gpt,
+    pub tokenizer: Option<Tokenizer>,
+    /// What was loaded, for messages.
+    pub source: String,
+}
+
+fn tokenizer_file(path: &Path) -> Result<Option<Tokenizer>> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    Tokenizer::from_file(path)
+        .map(Some)
+        .map_err(|e| anyhow!("{}: not a valid tokenizer.json: {e}", path.display()))
+}
+
+/// Loads what `--model` names.
+pub fn load(args: &ModelArgs) -> Result<Loaded> {
+    let dev = device(args.device)?;
+    let dtype: DType = args.dtype.into();
+    let Some(spec) = &args.model else {
+        let model = block::load_bytes(embedded::CONFIG, embedded::WEIGHTS, dtype, &dev)
+            .context("the built-in model")?;
+        let tokenizer = Tokenizer::from_bytes(embedded::TOKENIZER)
+            .map_err(|e| anyhow!("the built-in tokenizer: {e}"))?;
+        return Ok(Loaded {
+            model,
+            tokenizer: Some(tokenizer),
+            source: "built-in model".into(),
+        });
+    };
+    let path = PathBuf::from(spec);
+    if path.is_dir() {
+        let model = block::load_dir(&path, dtype, &dev)?;
+        let tokenizer = tokenizer_file(&path.join("tokenizer.json"))?;
+        return Ok(Loaded {
+            model,
+            tokenizer,
+            source: spec.clone(),
+        });
+    }
+    if path.is_file() {
+        if path.extension().is_some_and(|e| e == "pt") {
+            let model = block::load_nanogpt(&path, dtype, &dev)?;
+            let tokenizer = tokenizer_file(&path.with_file_name("tokenizer.json"))?;
+            return Ok(Loaded {
+                model,
+                tokenizer,
+                source: spec.clone(),
+            });
+        }
+        if let Some(dir) = path
+            .parent()
+            .filter(|_| path.extension().is_some_and(|e| e == "safetensors"))
+        {
+            let cfg = block::read_config(dir)?;
+            let model = block::load_files(&cfg, std::slice::from_ref(&path), dtype, &dev)?;
+            let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
+            return Ok(Loaded {
+                model,
+                tokenizer,
+                source: spec.clone(),
+            });
+        }
+        bail!("{spec}: expected a model directory, a .safetensors file or a nanoGPT .pt checkpoint")
+    }
+    // Not a local path: a hub id such as `gpt2` or `openai-community/gpt2`.
+    if spec.starts_with('.')
+        || spec.starts_with('/')
+        || spec.matches('/').count() > 1
+        || spec.contains('\\')
+    {
+        bail!("{spec}: no such file or directory")
+    }
+    let dir = hub_download(spec)?;
+    let model = block::load_dir(&dir, dtype, &dev)?;
+    let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
+    Ok(Loaded {
+        model,
+        tokenizer,
+        source: spec.clone(),
+    })
+}
+
+/// Fetches a model's files from the Hugging Face hub into its cache; returns the directory.
+#[cfg(feature = "hub")]
+fn hub_download(id: &str) -> Result<PathBuf> {
+    let offline = |e: &dyn std::fmt::Display| {
+        anyhow!(
+            "could not fetch {id:?} from the Hugging Face hub ({e}); \
+             to run a local checkpoint pass its directory: --model DIR"
+        )
+    };
+    let api = hf_hub::api::sync::ApiBuilder::new()
+        .with_progress(false)
+        .build()
+        .map_err(|e| offline(&e))?;
+    let repo = api.model(id.to_string());
+    let config = repo.get("config.json").map_err(|e| offline(&e))?;
+    let dir = config
+        .parent()
+        .ok_or_else(|| anyhow!("hub cache path without a parent"))?
+        .to_path_buf();
+    if repo.get("model.safetensors").is_err() {
+        let index = repo
+            .get("model.safetensors.index.json")
+            .map_err(|e| offline(&e))?;
+        let text = std::fs::read_to_string(&index)?;
+        let json: serde_json::Value = serde_json::from_str(&text)?;
+        let mut shards: Vec<String> = json["weight_map"]
+            .as_object()
+            .map(|m| {
+                m.values()
+                    .filter_map(|v| v.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        shards.sort();
+        shards.dedup();
+        for shard in shards {
+            repo.get(&shard).map_err(|e| offline(&e))?;
+        }
+    }
+    // Optional: a model without a tokenizer still runs on token ids.
+    let _ = repo.get("tokenizer.json");
+    Ok(dir)
+}
+
+#[cfg(not(feature = "hub"))]
+fn hub_download(id: &str) -> Result<PathBuf> {
+    bail!("{id}: no such directory, and this gpt was built without hub support (feature `hub`)")
+}
+
+/// Parses `1,2,3` into token ids.
+pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
+    let ids = s
+        .split(',')
+        .map(|t| {
+            let t = t.trim();
+            t.parse::<u32>().map_err(|_| {
+                anyhow!("token ids must be non-negative integers separated by commas, got {t:?}")
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if ids.is_empty() {
+        bail!("no token ids given")
+    }
+    Ok(ids)
+}
+
+/// Checks ids against the vocabulary.
+pub fn check_ids(ids: &[u32], model: &Gpt) -> Result<()> {
+    let vocab = model.config().vocab_size;
+    if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+        bail!("token id {bad} is outside the vocabulary of {vocab} tokens")
+    }
+    Ok(())
+}
+
+/// Encodes text, or says why it cannot.
+pub fn encode(tokenizer: Option<&Tokenizer>, text: &str) -> Result<Vec<u32>> {
+    let tok = tokenizer.ok_or_else(|| {
+        anyhow!("this model has no tokenizer.json, so it cannot read text; pass token ids instead (--prompt-ids / --ids)")
+    })?;
+    let enc = tok
+        .encode(text, false)
+        .map_err(|e| anyhow!("tokenizing: {e}"))?;
+    Ok(enc.get_ids().to_vec())
+}
+
+/// Decodes ids, or shows them when there is no tokenizer.
+pub fn decode(tokenizer: Option<&Tokenizer>, ids: &[u32]) -> Result<String> {
+    match tokenizer {
+        Some(t) => t.decode(ids, false).map_err(|e| anyhow!("decoding: {e}")),
+        None => Ok(ids.iter().map(|i| format!("<{i}>")).collect()),
+    }
+}
+
+/// Each token's text, for labels.
+pub fn token_texts(tokenizer: Option<&Tokenizer>, ids: &[u32]) -> Vec<String> {
+    ids.iter()
+        .map(
+            |&i| match tokenizer.and_then(|t| t.decode(&[i], false).ok()) {
+                Some(s) => s.replace('\n', "\\n"),
+                None => format!("<{i}>"),
+            },
+        )
+        .collect()
+}
+
+/// Which end to drop from a prompt longer than the context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Truncate {
+    /// Keep the end of the prompt.
+    Left,
+    /// Keep the beginning.
+    Right,
+}
+
+/// Fits `ids` into `room` tokens, or explains why not.
+pub fn fit(
+    ids: Vec<u32>,
+    room: usize,
+    truncate: Option<Truncate>,
+    context: usize,
+) -> Result<Vec<u32>> {
+    if ids.len() <= room {
+        return Ok(ids);
+    }
+    match truncate {
+        None => bail!(
+            "the prompt has {} tokens but only {room} fit in the model's context of {context} \
+             (with the new tokens asked for); shorten it or pass --truncate left|right",
+            ids.len()
+        ),
+        Some(Truncate::Left) => Ok(ids[ids.len() - room..].to_vec()),
+        Some(Truncate::Right) => Ok(ids[..room].to_vec()),
+    }
+}

@@ -1,0 +1,217 @@
+//! `gpt generate`: continue prompts.
+
+use std::io::Write;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use block::{GenerateOptions, SamplingParams};
+use clap::Args;
+use tokenizers::Tokenizer;
+
+use crate::common::{self, Format, Loaded, ModelArgs, Truncate};
+
+/// Options of `gpt generate`.
+#[derive(Debug, Clone, Args)]
+pub struct GenerateArgs {
+    /// Prompt text; give it several times to run a padded batch.
+    #[arg(long, action = clap::ArgAction::Append, required_unless_present = "prompt_ids")]
+    pub prompt: Vec<String>,
+    /// Prompt as token ids, e.g. 464,3290,318.
+    #[arg(long, conflicts_with = "prompt")]
+    pub prompt_ids: Option<String>,
+    /// Most new tokens per prompt (default: 64, or what the context leaves).
+    #[arg(long)]
+    pub max_new_tokens: Option<usize>,
+    /// Softmax temperature; 0 is greedy (ties to the lowest id).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Sample only among the k most likely tokens.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Sample only among the most likely tokens that make up probability p, in (0, 1].
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// Penalty on tokens already present (1 is off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Seed of the sampling.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Stop when this text appears (may be given several times); it is not printed.
+    #[arg(long, action = clap::ArgAction::Append)]
+    pub stop: Vec<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "text")]
+    pub format: Format,
+    /// Drop tokens from this end of a prompt that does not fit in the context.
+    #[arg(long, value_enum)]
+    pub truncate: Option<Truncate>,
+}
+
+/// Text of `new` so far that is safe to show: no half-decoded character at its end, and
+/// nothing that could still turn into a stop text. Returns `(text, stopped)`.
+fn visible(
+    tok: Option<&Tokenizer>,
+    new: &[u32],
+    stops: &[String],
+    finished: bool,
+) -> Result<(String, bool)> {
+    let text = common::decode(tok, new)?;
+    if let Some(cut) = stops.iter().filter_map(|s| text.find(s.as_str())).min() {
+        return Ok((text[..cut].to_string(), true));
+    }
+    if finished {
+        return Ok((text, false));
+    }
+    // A byte-level token can end inside a character: hold back U+FFFD at the end.
+    let mut end = text.trim_end_matches('\u{FFFD}').len();
+    // Hold back a tail that could be the start of a stop text.
+    let longest = stops.iter().map(String::len).max().unwrap_or(0);
+    if longest > 1 {
+        end = end.min(text.len().saturating_sub(longest - 1));
+    }
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    Ok((text[..end].to_string(), false))
+}
+
+/// Runs `gpt generate`.
+pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
+    if a.stop.iter().any(String::is_empty) {
+        bail!("--stop text must not be empty")
+    }
+    let Loaded {
+        model, tokenizer, ..
+    } = common::load(margs)?;
+    let tok = tokenizer.as_ref();
+    let cfg = model.config().clone();
+    let asked = a.max_new_tokens.unwrap_or(0);
+    if asked >= cfg.n_positions {
+        bail!(
+            "--max-new-tokens {asked} leaves no room for a prompt in the model's context of {}",
+            cfg.n_positions
+        )
+    }
+    let room = cfg.n_positions - asked;
+    let prompts: Vec<Vec<u32>> = match &a.prompt_ids {
+        Some(ids) => vec![common::parse_ids(ids)?],
+        None => a
+            .prompt
+            .iter()
+            .map(|p| common::encode(tok, p))
+            .collect::<Result<_>>()?,
+    };
+    let mut fitted = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        if p.is_empty() {
+            bail!("a prompt encodes to no tokens; give some text")
+        }
+        common::check_ids(&p, &model)?;
+        fitted.push(common::fit(p, room, a.truncate, cfg.n_positions)?);
+    }
+    let longest = fitted.iter().map(Vec::len).max().unwrap_or(0);
+    let max_new_tokens = match a.max_new_tokens {
+        Some(n) => n,
+        None if longest >= cfg.n_positions => bail!(
+            "the prompt fills the model's context of {} tokens; nothing can be generated (see --truncate)",
+            cfg.n_positions
+        ),
+        None => 64.min(cfg.n_positions - longest),
+    };
+    let sampling = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        repeat_penalty: a.repeat_penalty,
+        seed: a.seed,
+    };
+    sampling.validate()?;
+    let opts = GenerateOptions {
+        max_new_tokens,
+        sampling,
+        stop_tokens: cfg.eos_token_id.into_iter().collect(),
+    };
+    let stream = a.format == Format::Text && fitted.len() == 1;
+    let mut stdout = std::io::stdout().lock();
+    if stream {
+        write!(stdout, "{}", common::decode(tok, &fitted[0])?)?;
+        stdout.flush()?;
+    }
+    let mut news: Vec<Vec<u32>> = vec![Vec::new(); fitted.len()];
+    let mut shown = vec![0usize; fitted.len()];
+    let mut stopped = vec![false; fitted.len()];
+    let mut error = None;
+    let started = Instant::now();
+    let mut first_token_at = None;
+    let out = block::generate(&model, &fitted, &opts, |row, t| {
+        first_token_at.get_or_insert_with(Instant::now);
+        news[row].push(t);
+        match visible(tok, &news[row], &a.stop, false) {
+            Ok((text, stop)) => {
+                if stream && text.len() > shown[row] {
+                    let _ = write!(stdout, "{}", &text[shown[row]..]);
+                    let _ = stdout.flush();
+                    shown[row] = text.len();
+                }
+                stopped[row] = stop;
+                !stop
+            }
+            Err(e) => {
+                error = Some(e);
+                false
+            }
+        }
+    })?;
+    if let Some(e) = error {
+        return Err(e);
+    }
+    let decode_end = Instant::now();
+    for (row, new) in out.iter().enumerate() {
+        let (text, stop) = visible(tok, new, &a.stop, true)?;
+        let reason = if stop || stopped[row] {
+            "stop_text"
+        } else if new.last().is_some_and(|t| opts.stop_tokens.contains(t)) {
+            "end_of_text"
+        } else {
+            "length"
+        };
+        match a.format {
+            Format::Text if stream => {
+                if text.len() > shown[row] {
+                    write!(stdout, "{}", &text[shown[row]..])?;
+                }
+                writeln!(stdout)?;
+            }
+            Format::Text => {
+                writeln!(stdout, "{}{}", common::decode(tok, &fitted[row])?, text)?;
+                if row + 1 < out.len() {
+                    writeln!(stdout, "---")?;
+                }
+            }
+            Format::Json => {
+                let obj = serde_json::json!({
+                    "prompt_ids": fitted[row],
+                    "new_ids": new,
+                    "text": text,
+                    "finish_reason": reason,
+                });
+                writeln!(stdout, "{obj}")?;
+            }
+        }
+    }
+    // Speed on stderr, so stdout stays the text.
+    let n_prompt: usize = fitted.iter().map(Vec::len).sum();
+    let n_new: usize = out.iter().map(Vec::len).sum();
+    if let Some(first) = first_token_at {
+        let prefill = (first - started).as_secs_f64();
+        let decode = (decode_end - first).as_secs_f64();
+        let decoded = n_new.saturating_sub(fitted.len());
+        eprintln!(
+            "prompt: {n_prompt} tokens in {prefill:.3} s ({:.1} tokens/s); generation: {n_new} tokens, {:.1} tokens/s",
+            n_prompt as f64 / prefill.max(1e-9),
+            if decoded > 0 { decoded as f64 / decode.max(1e-9) } else { 0.0 }
+        );
+    }
+    Ok(())
+}

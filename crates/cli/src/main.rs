@@ -1,0 +1,105 @@
+//! `gpt`: run, score, inspect, visualise, benchmark and train small GPT models.
+
+mod attention;
+mod bench;
+mod common;
+mod generate;
+mod inspect;
+mod plot;
+mod score;
+mod trace;
+mod train;
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+use common::ModelArgs;
+
+// glibc hands large freed buffers back to the OS, so every big temporary is faulted in
+// again on the next op; mimalloc keeps them (measured in docs/PERFORMANCE.md).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Run small GPT models from the command line.
+#[derive(Debug, Parser)]
+#[command(name = "gpt", version, about)]
+struct Cli {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// CPU threads (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Continue prompts (streamed), greedy or sampled.
+    Generate(generate::GenerateArgs),
+    /// Negative log-likelihood and perplexity of a text.
+    Score(score::ScoreArgs),
+    /// Configuration, tensors and parameter counts of a model.
+    Inspect(inspect::InspectArgs),
+    /// Attention weights as heatmaps (PNG/SVG) or in the terminal.
+    Attention(attention::AttentionArgs),
+    /// Prefill and decode speed, peak memory.
+    Bench(bench::BenchArgs),
+    /// One forward pass step by step, with every tensor's shape.
+    Trace(trace::TraceArgs),
+    /// Train a GPT on text files.
+    Train(train::TrainArgs),
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let m = &cli.model;
+    match &cli.command {
+        Command::Generate(a) => generate::run(a, m),
+        Command::Score(a) => score::run(a, m),
+        Command::Inspect(a) => inspect::run(a, m),
+        Command::Attention(a) => attention::run(a, m),
+        Command::Bench(a) => bench::run(a, m),
+        Command::Trace(a) => trace::run(a, m),
+        Command::Train(a) => train::run(a, m),
+    }
+}
+
+fn main() -> ExitCode {
+    // A bug must still end in one line, not a backtrace.
+    std::panic::set_hook(Box::new(|info| {
+        eprintln!("error: internal error: {info}");
+    }));
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            // Clap's message is several lines with usage; keep the first, as for every error.
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or("invalid arguments");
+            eprintln!("{} (see gpt --help)", first.trim_end());
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(n) = cli.threads {
+        if n == 0 {
+            eprintln!("error: --threads must be at least 1");
+            return ExitCode::FAILURE;
+        }
+        // Candle reads RAYON_NUM_THREADS for its matmul; rayon's pool for the rest.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global();
+    }
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the chain of causes joined, newlines folded.
+            let msg = format!("{e:#}").replace('\n', " ");
+            eprintln!("error: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}

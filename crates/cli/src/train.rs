@@ -1,0 +1,443 @@
+//! `gpt train`: train a small GPT on text files.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use block::{save_dir_as, write_atomic, AdamW, AdamWParams, Gpt, GptConfig};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use tokenizers::Tokenizer;
+
+use crate::common::{self, DtypeArg, ModelArgs};
+use crate::plot;
+
+/// Options of `gpt train`.
+#[derive(Debug, Clone, Args, Serialize, Deserialize)]
+pub struct TrainArgs {
+    /// Text files to train on (UTF-8).
+    #[arg(long, num_args = 1.., required = true)]
+    pub data: Vec<PathBuf>,
+    /// Output directory: the best model as a Hugging Face GPT-2 directory, the last
+    /// checkpoint (for --resume) in OUT/checkpoint, loss.csv and loss.png.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// A tokenizer.json to use; without it a byte-level BPE tokenizer is trained on the data.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Vocabulary size of the trained tokenizer.
+    #[arg(long, default_value_t = 2048)]
+    pub vocab_size: usize,
+    /// Number of blocks.
+    #[arg(long, default_value_t = 4)]
+    pub n_layer: usize,
+    /// Attention heads per block.
+    #[arg(long, default_value_t = 4)]
+    pub n_head: usize,
+    /// Model width.
+    #[arg(long, default_value_t = 128)]
+    pub n_embd: usize,
+    /// Context length in tokens.
+    #[arg(long, default_value_t = 128)]
+    pub block_size: usize,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+    /// Optimiser steps in all (a resumed run continues up to this count).
+    #[arg(long, default_value_t = 1000)]
+    pub steps: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// Linear warm-up steps, then cosine decay to lr/10.
+    #[arg(long, default_value_t = 100)]
+    pub warmup: usize,
+    /// AdamW weight decay (matrices only).
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    /// Dropout on embeddings, attention weights and residual branches.
+    #[arg(long, default_value_t = 0.1)]
+    pub dropout: f32,
+    /// Clip the gradient's global norm to this.
+    #[arg(long, default_value_t = 1.0)]
+    pub grad_clip: f64,
+    /// Validation loss (and checkpoint) every this many steps.
+    #[arg(long, default_value_t = 100)]
+    pub eval_every: usize,
+    /// Batches averaged for the validation loss.
+    #[arg(long, default_value_t = 8)]
+    pub eval_batches: usize,
+    /// Share of the tokens held out for validation (the end of the data).
+    #[arg(long, default_value_t = 0.1)]
+    pub val_fraction: f64,
+    /// Seed of initialisation, batches and dropout.
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+    /// Continue the run saved in this directory (its OUT/checkpoint).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Precision of the saved best model (the resume checkpoint is always f32).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub save_dtype: DtypeArg,
+    /// Hide the progress bar (log lines instead).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// What a checkpoint needs besides weights and optimizer moments.
+#[derive(Debug, Serialize, Deserialize)]
+struct TrainState {
+    step: usize,
+    best_val: f64,
+    rng: u64,
+    config: GptConfig,
+}
+
+/// SplitMix64: batches that replay exactly after a resume.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) % n as u64) as usize
+    }
+}
+
+/// Trains a byte-level BPE tokenizer on `files` (GPT-2's scheme, `<|endoftext|>` special).
+pub fn train_tokenizer(files: &[PathBuf], vocab_size: usize) -> Result<Tokenizer> {
+    use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::AddedToken;
+
+    if vocab_size < 257 {
+        bail!("--vocab-size must be at least 257 (256 bytes + <|endoftext|>), got {vocab_size}")
+    }
+    let mut tokenizer = Tokenizer::new(BPE::default());
+    let byte_level = ByteLevel::new(false, true, true);
+    tokenizer
+        .with_pre_tokenizer(Some(byte_level))
+        .with_decoder(Some(byte_level))
+        .with_post_processor(Some(byte_level));
+    let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
+        .vocab_size(vocab_size)
+        .min_frequency(2)
+        .show_progress(false)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .special_tokens(vec![AddedToken::from("<|endoftext|>", true)])
+        .build()
+        .into();
+    let names = files.iter().map(|f| f.display().to_string()).collect();
+    tokenizer
+        .train_from_files(&mut trainer, names)
+        .map_err(|e| anyhow!("training the tokenizer: {e}"))?;
+    Ok(tokenizer)
+}
+
+/// Reads and tokenizes the data; documents are separated by `<|endoftext|>` when the
+/// tokenizer has it.
+fn tokenize(files: &[PathBuf], tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+    let eot = tokenizer.token_to_id("<|endoftext|>");
+    let mut ids = Vec::new();
+    for f in files {
+        let bytes = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
+        let text = String::from_utf8(bytes)
+            .map_err(|e| anyhow!("{}: not UTF-8 text ({e})", f.display()))?;
+        // Paragraph by paragraph keeps the tokenizer's work small and parallel.
+        let parts: Vec<&str> = text.split_inclusive("\n\n").collect();
+        let encs = tokenizer
+            .encode_batch(parts, false)
+            .map_err(|e| anyhow!("tokenizing {}: {e}", f.display()))?;
+        for e in encs {
+            ids.extend_from_slice(e.get_ids());
+        }
+        ids.extend(eot);
+    }
+    Ok(ids)
+}
+
+fn batch(data: &[u32], b: usize, t: usize, rng: &mut Rng, dev: &Device) -> Result<Tensor> {
+    let mut rows = Vec::with_capacity(b * t);
+    for _ in 0..b {
+        let start = rng.below(data.len() - t + 1);
+        rows.extend_from_slice(&data[start..start + t]);
+    }
+    Ok(Tensor::from_vec(rows, (b, t), dev)?)
+}
+
+fn lr_at(step: usize, a: &TrainArgs) -> f64 {
+    let min_lr = a.lr / 10.0;
+    if step < a.warmup {
+        return a.lr * (step + 1) as f64 / a.warmup as f64;
+    }
+    let progress = (step - a.warmup) as f64 / (a.steps.saturating_sub(a.warmup)).max(1) as f64;
+    min_lr + 0.5 * (a.lr - min_lr) * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos())
+}
+
+fn val_loss(model: &Gpt, data: &[u32], a: &TrainArgs, dev: &Device) -> Result<f64> {
+    // The same batches at every evaluation, so the numbers compare.
+    let mut rng = Rng(a.seed ^ 0xE7A1);
+    let mut total = 0.0;
+    for _ in 0..a.eval_batches {
+        let x = batch(data, a.batch_size, a.block_size, &mut rng, dev)?;
+        total += model.loss(&x, false)?.to_scalar::<f32>()? as f64;
+    }
+    Ok(total / a.eval_batches as f64)
+}
+
+/// Writes the resume checkpoint: a directory written beside the old one and swapped in.
+fn save_checkpoint(out: &Path, model: &Gpt, opt: &AdamW, state: &TrainState) -> Result<()> {
+    let dir = out.join("checkpoint");
+    let tmp = out.join("checkpoint.tmp");
+    let old = out.join("checkpoint.old");
+    let _ = std::fs::remove_dir_all(&tmp);
+    save_dir_as(model, &tmp, DType::F32)?;
+    candle_core::safetensors::save(&opt.state()?, tmp.join("optimizer.safetensors"))?;
+    std::fs::write(tmp.join("state.json"), serde_json::to_string_pretty(state)?)?;
+    let _ = std::fs::remove_dir_all(&old);
+    if dir.exists() {
+        std::fs::rename(&dir, &old)?;
+    }
+    std::fs::rename(&tmp, &dir)?;
+    let _ = std::fs::remove_dir_all(&old);
+    Ok(())
+}
+
+/// The checkpoint to resume from: `checkpoint`, or `checkpoint.old` if a swap was cut short.
+fn checkpoint_dir(run: &Path) -> Result<PathBuf> {
+    for name in ["checkpoint", "checkpoint.old"] {
+        let d = run.join(name);
+        if d.join("state.json").is_file() {
+            return Ok(d);
+        }
+    }
+    bail!(
+        "{}: no checkpoint to resume from (expected {0}/checkpoint/state.json)",
+        run.display()
+    )
+}
+
+/// Runs `gpt train`.
+pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
+    let dev = common::device(margs.device)?;
+    if a.block_size < 2
+        || a.batch_size == 0
+        || a.steps == 0
+        || a.eval_every == 0
+        || a.eval_batches == 0
+    {
+        bail!("--block-size must be >= 2 and --batch-size, --steps, --eval-every, --eval-batches >= 1")
+    }
+    if !(0.0 < a.val_fraction && a.val_fraction < 1.0) {
+        bail!("--val-fraction must be in (0, 1), got {}", a.val_fraction)
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let resume = match &a.resume {
+        Some(run) => {
+            let dir = checkpoint_dir(run)?;
+            let state: TrainState =
+                serde_json::from_str(&std::fs::read_to_string(dir.join("state.json"))?)
+                    .with_context(|| format!("{}/state.json", dir.display()))?;
+            Some((dir, state))
+        }
+        None => None,
+    };
+    let tokenizer = match (&a.tokenizer, &resume) {
+        (Some(p), _) => Tokenizer::from_file(p).map_err(|e| anyhow!("{}: {e}", p.display()))?,
+        (None, Some(_)) => {
+            let p = a
+                .resume
+                .as_ref()
+                .map(|r| r.join("tokenizer.json"))
+                .unwrap_or_default();
+            Tokenizer::from_file(&p).map_err(|e| anyhow!("{}: {e}", p.display()))?
+        }
+        (None, None) => train_tokenizer(&a.data, a.vocab_size)?,
+    };
+    tokenizer
+        .save(a.out.join("tokenizer.json"), false)
+        .map_err(|e| anyhow!("saving tokenizer.json: {e}"))?;
+    let ids = tokenize(&a.data, &tokenizer)?;
+    let n_val = ((ids.len() as f64) * a.val_fraction) as usize;
+    let (train, val) = ids.split_at(ids.len() - n_val);
+    if train.len() <= a.block_size || val.len() <= a.block_size {
+        bail!(
+            "{} tokens of data are too few for --block-size {} (train {}, validation {})",
+            ids.len(),
+            a.block_size,
+            train.len(),
+            val.len()
+        )
+    }
+    let eot = tokenizer.token_to_id("<|endoftext|>");
+    let cfg = match &resume {
+        Some((_, s)) => s.config.clone(),
+        None => GptConfig {
+            vocab_size: tokenizer.get_vocab_size(true),
+            n_positions: a.block_size,
+            n_embd: a.n_embd,
+            n_layer: a.n_layer,
+            n_head: a.n_head,
+            resid_pdrop: a.dropout,
+            embd_pdrop: a.dropout,
+            attn_pdrop: a.dropout,
+            bos_token_id: eot,
+            eos_token_id: eot,
+            seed: a.seed,
+            ..GptConfig::gpt2()
+        },
+    };
+    cfg.validate()?;
+    let varmap = VarMap::new();
+    let model = Gpt::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+    let named: Vec<(String, candle_core::Var)> = {
+        let data = varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow!("variable map poisoned"))?;
+        let mut v: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        v.sort_by(|x, y| x.0.cmp(&y.0));
+        v
+    };
+    let mut opt = AdamW::new(
+        named.clone(),
+        AdamWParams {
+            lr: a.lr,
+            weight_decay: a.weight_decay,
+            ..Default::default()
+        },
+    )?;
+    let (mut step, mut best_val, mut rng) = (0, f64::INFINITY, Rng(a.seed));
+    if let Some((dir, state)) = &resume {
+        let weights = candle_core::safetensors::load(dir.join("model.safetensors"), &dev)?;
+        for (name, var) in &named {
+            let t = weights
+                .get(name)
+                .ok_or_else(|| anyhow!("{}: checkpoint lacks {name}", dir.display()))?;
+            var.set(&t.to_dtype(DType::F32)?)?;
+        }
+        opt.load_state(&candle_core::safetensors::load(
+            dir.join("optimizer.safetensors"),
+            &dev,
+        )?)?;
+        (step, best_val, rng) = (state.step, state.best_val, Rng(state.rng));
+        eprintln!(
+            "resuming {} at step {step} (best validation loss {best_val:.4})",
+            dir.display()
+        );
+    }
+    let n_params: usize = named.iter().map(|(_, v)| v.elem_count()).sum();
+    eprintln!(
+        "{n_params} parameters; {} training and {} validation tokens; vocabulary {}",
+        train.len(),
+        val.len(),
+        cfg.vocab_size
+    );
+    let csv_path = a.out.join("loss.csv");
+    let mut csv = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&csv_path)?;
+    if step == 0 {
+        csv.set_len(0)?;
+        writeln!(csv, "step,train_loss,val_loss,lr,tokens_per_s,elapsed_s")?;
+    }
+    let bar = if a.quiet {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(a.steps as u64)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+        )
+        .map_err(|e| anyhow!("{e}"))?,
+    );
+    bar.set_position(step as u64);
+    let started = Instant::now();
+    let tokens_per_step = (a.batch_size * a.block_size) as f64;
+    let mut smoothed = None::<f64>;
+    let mut last_val = f64::NAN;
+    while step < a.steps {
+        let t0 = Instant::now();
+        let lr = lr_at(step, a);
+        opt.set_lr(lr);
+        let x = batch(train, a.batch_size, a.block_size, &mut rng, &dev)?;
+        let loss = model.loss(&x, true)?;
+        let loss_v = loss.to_scalar::<f32>()? as f64;
+        if !loss_v.is_finite() {
+            bail!("the training loss became {loss_v} at step {step}; try a lower --lr")
+        }
+        let mut grads = loss.backward()?;
+        opt.clip_grad_norm(&mut grads, a.grad_clip)?;
+        opt.step(&grads)?;
+        step += 1;
+        let tok_s = tokens_per_step / t0.elapsed().as_secs_f64();
+        smoothed = Some(smoothed.map_or(loss_v, |s| 0.9 * s + 0.1 * loss_v));
+        let eval_now = step % a.eval_every == 0 || step == a.steps;
+        if eval_now {
+            last_val = val_loss(&model, val, a, &dev)?;
+            writeln!(
+                csv,
+                "{step},{:.5},{last_val:.5},{lr:.6e},{tok_s:.0},{:.1}",
+                smoothed.unwrap_or(loss_v),
+                started.elapsed().as_secs_f64()
+            )?;
+            csv.flush()?;
+            if last_val < best_val {
+                best_val = last_val;
+                save_dir_as(&model, &a.out, a.save_dtype.into())?;
+            }
+            let state = TrainState {
+                step,
+                best_val,
+                rng: rng.0,
+                config: cfg.clone(),
+            };
+            save_checkpoint(&a.out, &model, &opt, &state)?;
+            if a.quiet {
+                eprintln!(
+                    "step {step}: train {:.4} val {last_val:.4} ({tok_s:.0} tok/s)",
+                    smoothed.unwrap_or(loss_v)
+                );
+            }
+        }
+        bar.set_message(format!(
+            "loss {:.4} val {last_val:.4} {tok_s:.0} tok/s",
+            smoothed.unwrap_or(loss_v)
+        ));
+        bar.set_position(step as u64);
+    }
+    bar.finish();
+    let rows = read_loss_csv(&csv_path)?;
+    plot::loss_curve(&rows, &a.out.join("loss.png"))?;
+    write_atomic(&a.out.join("train_args.json"), |p| {
+        std::fs::write(p, serde_json::to_string_pretty(a).unwrap_or_default())
+            .map_err(candle_core::Error::wrap)
+    })?;
+    eprintln!(
+        "done: best validation loss {best_val:.4}; model in {}, curve in {}",
+        a.out.display(),
+        a.out.join("loss.png").display()
+    );
+    Ok(())
+}
+
+/// `(step, train, val)` rows of a loss.csv.
+pub fn read_loss_csv(path: &Path) -> Result<Vec<(f64, f64, f64)>> {
+    let text = std::fs::read_to_string(path)?;
+    let mut rows = Vec::new();
+    for line in text.lines().skip(1) {
+        let f: Vec<f64> = line.split(',').filter_map(|x| x.parse().ok()).collect();
+        if f.len() >= 3 {
+            rows.push((f[0], f[1], f[2]));
+        }
+    }
+    Ok(rows)
+}
