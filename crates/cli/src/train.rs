@@ -79,6 +79,10 @@ pub struct TrainArgs {
     /// Continue the run saved in this directory (its OUT/checkpoint).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Stop at this step with a checkpoint, as an interruption would (--resume continues
+    /// with the same schedule).
+    #[arg(long)]
+    pub stop_after: Option<usize>,
     /// Precision of the saved best model (the resume checkpoint is always f32).
     #[arg(long, value_enum, default_value = "f32")]
     pub save_dtype: DtypeArg,
@@ -107,6 +111,40 @@ impl Rng {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         ((z ^ (z >> 31)) % n as u64) as usize
     }
+}
+
+/// GPT-2's initialisation, drawn from `seed` (Candle's CPU generator cannot be seeded):
+/// N(0, 0.02) for matrices and the token embedding, N(0, 0.01) for positions, residual
+/// projections scaled by 1/sqrt(2·n_layer) as in GPT-2 and nanoGPT, LayerNorm 1/0, biases 0.
+fn init_weights(vars: &[(String, candle_core::Var)], cfg: &GptConfig, seed: u64) -> Result<()> {
+    let mut rng = Rng(seed ^ 0x1A17);
+    let mut normal = |n: usize, std: f64| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                // Box-Muller on two uniforms in (0, 1].
+                let u1 = (rng.below(1 << 24) as f64 + 1.0) / (1u64 << 24) as f64;
+                let u2 = rng.below(1 << 24) as f64 / (1u64 << 24) as f64;
+                (std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+            })
+            .collect()
+    };
+    let resid = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
+    for (name, var) in vars {
+        let n = var.elem_count();
+        let values = if name.ends_with(".bias") {
+            vec![0f32; n]
+        } else if name.contains(".ln_") {
+            vec![1f32; n]
+        } else if name.ends_with("wpe.weight") {
+            normal(n, 0.01)
+        } else if name.ends_with("c_proj.weight") {
+            normal(n, resid)
+        } else {
+            normal(n, 0.02)
+        };
+        var.set(&Tensor::from_vec(values, var.shape(), var.device())?)?;
+    }
+    Ok(())
 }
 
 /// Trains a byte-level BPE tokenizer on `files` (GPT-2's scheme, `<|endoftext|>` special).
@@ -314,6 +352,7 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
         },
     )?;
     let (mut step, mut best_val, mut rng) = (0, f64::INFINITY, Rng(a.seed));
+    init_weights(&named, &cfg, a.seed)?;
     if let Some((dir, state)) = &resume {
         let weights = candle_core::safetensors::load(dir.join("model.safetensors"), &dev)?;
         for (name, var) in &named {
@@ -364,7 +403,8 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
     let tokens_per_step = (a.batch_size * a.block_size) as f64;
     let mut smoothed = None::<f64>;
     let mut last_val = f64::NAN;
-    while step < a.steps {
+    let last_step = a.stop_after.unwrap_or(a.steps).min(a.steps);
+    while step < last_step {
         let t0 = Instant::now();
         let lr = lr_at(step, a);
         opt.set_lr(lr);
@@ -380,7 +420,7 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
         step += 1;
         let tok_s = tokens_per_step / t0.elapsed().as_secs_f64();
         smoothed = Some(smoothed.map_or(loss_v, |s| 0.9 * s + 0.1 * loss_v));
-        let eval_now = step % a.eval_every == 0 || step == a.steps;
+        let eval_now = step % a.eval_every == 0 || step == last_step;
         if eval_now {
             last_val = val_loss(&model, val, a, &dev)?;
             writeln!(

@@ -665,3 +665,92 @@ fn bad_inputs_give_one_clear_line() {
         "--threads",
     );
 }
+
+/// A small text: a few hundred words repeated with variations.
+fn small_corpus(dir: &Path) -> PathBuf {
+    let mut text = String::new();
+    for i in 0..60 {
+        text.push_str(&format!(
+            "The cat sat on the mat number {i}. The dog ran to the park and back again.\n\
+             A bird sang in the tall tree while the sun rose over the hill.\n\n"
+        ));
+    }
+    let path = dir.join("corpus.txt");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn train_args<'a>(data: &'a str, out: &'a str) -> Vec<&'a str> {
+    vec![
+        "train", "--data", data, "--out", out, "--vocab-size", "300", "--n-layer", "1", "--n-head", "2",
+        "--n-embd", "32", "--block-size", "32", "--batch-size", "8", "--lr", "3e-3", "--warmup", "5",
+        "--eval-every", "10", "--eval-batches", "2", "--quiet", "--device", "cpu",
+    ]
+}
+
+#[test]
+fn train_lowers_validation_loss_and_saves_a_loadable_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_corpus(dir.path());
+    let out = dir.path().join("run");
+    let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
+    args.extend(["--steps", "40"]);
+    ok(&args);
+    let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
+    let vals: Vec<f64> = csv.lines().skip(1).map(|l| l.split(',').nth(2).unwrap().parse().unwrap()).collect();
+    assert_eq!(vals.len(), 4, "{csv}");
+    assert!(vals[3] < vals[0] - 0.5, "validation loss did not fall: {vals:?}");
+    let png = image::open(out.join("loss.png")).unwrap();
+    assert_eq!((png.width(), png.height()), (800, 500));
+    // The output is a model directory `gpt` loads and runs.
+    let text = ok(&["generate", "--model", out.to_str().unwrap(), "--prompt", "The cat", "--max-new-tokens", "8"]);
+    assert!(text.starts_with("The cat"), "{text}");
+    let info = ok(&["inspect", "--model", out.to_str().unwrap(), "--format", "json"]);
+    let v: serde_json::Value = serde_json::from_str(info.trim()).unwrap();
+    assert_eq!(v["config"]["n_embd"], 32);
+    assert_eq!(v["tokenizer"], 300);
+}
+
+#[test]
+fn resume_continues_from_the_last_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_corpus(dir.path());
+    let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
+    // Dropout off, so the two runs must agree to rounding.
+    let mut a = train_args(data.to_str().unwrap(), straight.to_str().unwrap());
+    a.extend(["--steps", "30", "--dropout", "0"]);
+    ok(&a);
+    let mut b = train_args(data.to_str().unwrap(), resumed.to_str().unwrap());
+    b.extend(["--steps", "30", "--dropout", "0", "--stop-after", "20"]);
+    ok(&b);
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(resumed.join("checkpoint/state.json")).unwrap()).unwrap();
+    assert_eq!(state["step"], 20);
+    let mut c = train_args(data.to_str().unwrap(), resumed.to_str().unwrap());
+    c.extend(["--steps", "30", "--dropout", "0", "--resume", resumed.to_str().unwrap()]);
+    let out = gpt(&c);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at step 20"));
+    let load = |p: &Path| candle_core::safetensors::load(p, &Device::Cpu).unwrap();
+    let (wa, wb) = (load(&straight.join("checkpoint/model.safetensors")), load(&resumed.join("checkpoint/model.safetensors")));
+    let (oa, ob) = (load(&straight.join("checkpoint/optimizer.safetensors")), load(&resumed.join("checkpoint/optimizer.safetensors")));
+    assert_eq!(oa["step"].to_scalar::<i64>().unwrap(), 30);
+    assert_eq!(ob["step"].to_scalar::<i64>().unwrap(), 30);
+    for (name, t) in wa.iter().chain(oa.iter()) {
+        let other = wb.get(name).or_else(|| ob.get(name)).unwrap();
+        let diff = (t.to_dtype(DType::F64).unwrap() - other.to_dtype(DType::F64).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+        assert!(diff < 1e-5, "{name} differs by {diff}");
+    }
+    // Both runs logged steps 10, 20, 30.
+    let steps = |p: &Path| -> Vec<String> {
+        std::fs::read_to_string(p.join("loss.csv")).unwrap().lines().skip(1).map(|l| l.split(',').next().unwrap().to_string()).collect()
+    };
+    assert_eq!(steps(&straight), steps(&resumed));
+}
