@@ -1,0 +1,1 @@
+//! Nothing here: the workspace root exists for its tests in `tests/`.
