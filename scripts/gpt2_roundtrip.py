@@ -3,7 +3,8 @@ logits. Run it after changing the writer:
 
     /tmp/ref/bin/python scripts/gpt2_roundtrip.py
 
-For each fixture (Hugging Face directories and the nanoGPT ckpt.pt), the `resave` example
+For each fixture (Hugging Face directories and the nanoGPT ckpt.pt) and the built-in model
+written by `gpt train`, the `resave` example
 loads it, saves it as a Hugging Face directory and records our logits; transformers'
 GPT2LMHeadModel.from_pretrained then loads that directory. Exits non-zero when any logit
 differs by more than 1e-4.
@@ -21,6 +22,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIX = os.path.join(ROOT, "crates", "block", "tests", "fixtures")
 sources = [os.path.join(FIX, n) for n in ("tiny", "inverse_layer_scale", "untied_exact_gelu")]
 sources.append(os.path.join(FIX, "nanogpt", "ckpt.pt"))
+# The built-in model, trained and saved by `gpt train` (f16 weights).
+sources.append(os.path.join(ROOT, "models", "default"))
 worst = 0.0
 with tempfile.TemporaryDirectory() as tmp:
     for i, src in enumerate(sources):

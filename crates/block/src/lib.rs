@@ -51,3 +51,8 @@ pub use mlp::Mlp;
 pub use nanogpt::{load_nanogpt, nanogpt_config};
 pub use norm::LayerNorm;
 pub use optim::{AdamW, AdamWParams};
+
+// The README's examples run as doctests.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -202,7 +202,11 @@ fn hub_download(id: &str) -> Result<PathBuf> {
              to run a local checkpoint pass its directory: --model DIR"
         )
     };
-    let api = hf_hub::api::sync::ApiBuilder::new()
+    if std::env::var_os("HF_HOME").is_none() && std::env::var_os("HOME").is_none() {
+        bail!("{id}: not a local path, and neither HF_HOME nor HOME is set for the Hugging Face cache")
+    }
+    // HF_HOME and HF_ENDPOINT are honoured; files already in the cache are not fetched again.
+    let api = hf_hub::api::sync::ApiBuilder::from_env()
         .with_progress(false)
         .build()
         .map_err(|e| offline(&e))?;

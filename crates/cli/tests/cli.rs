@@ -682,9 +682,34 @@ fn small_corpus(dir: &Path) -> PathBuf {
 
 fn train_args<'a>(data: &'a str, out: &'a str) -> Vec<&'a str> {
     vec![
-        "train", "--data", data, "--out", out, "--vocab-size", "300", "--n-layer", "1", "--n-head", "2",
-        "--n-embd", "32", "--block-size", "32", "--batch-size", "8", "--lr", "3e-3", "--warmup", "5",
-        "--eval-every", "10", "--eval-batches", "2", "--quiet", "--device", "cpu",
+        "train",
+        "--data",
+        data,
+        "--out",
+        out,
+        "--vocab-size",
+        "300",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "32",
+        "--batch-size",
+        "8",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "5",
+        "--eval-every",
+        "10",
+        "--eval-batches",
+        "2",
+        "--quiet",
+        "--device",
+        "cpu",
     ]
 }
 
@@ -697,15 +722,36 @@ fn train_lowers_validation_loss_and_saves_a_loadable_model() {
     args.extend(["--steps", "40"]);
     ok(&args);
     let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
-    let vals: Vec<f64> = csv.lines().skip(1).map(|l| l.split(',').nth(2).unwrap().parse().unwrap()).collect();
+    let vals: Vec<f64> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(2).unwrap().parse().unwrap())
+        .collect();
     assert_eq!(vals.len(), 4, "{csv}");
-    assert!(vals[3] < vals[0] - 0.5, "validation loss did not fall: {vals:?}");
+    assert!(
+        vals[3] < vals[0] - 0.5,
+        "validation loss did not fall: {vals:?}"
+    );
     let png = image::open(out.join("loss.png")).unwrap();
     assert_eq!((png.width(), png.height()), (800, 500));
     // The output is a model directory `gpt` loads and runs.
-    let text = ok(&["generate", "--model", out.to_str().unwrap(), "--prompt", "The cat", "--max-new-tokens", "8"]);
+    let text = ok(&[
+        "generate",
+        "--model",
+        out.to_str().unwrap(),
+        "--prompt",
+        "The cat",
+        "--max-new-tokens",
+        "8",
+    ]);
     assert!(text.starts_with("The cat"), "{text}");
-    let info = ok(&["inspect", "--model", out.to_str().unwrap(), "--format", "json"]);
+    let info = ok(&[
+        "inspect",
+        "--model",
+        out.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
     let v: serde_json::Value = serde_json::from_str(info.trim()).unwrap();
     assert_eq!(v["config"]["n_embd"], 32);
     assert_eq!(v["tokenizer"], 300);
@@ -723,17 +769,36 @@ fn resume_continues_from_the_last_checkpoint() {
     let mut b = train_args(data.to_str().unwrap(), resumed.to_str().unwrap());
     b.extend(["--steps", "30", "--dropout", "0", "--stop-after", "20"]);
     ok(&b);
-    let state: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(resumed.join("checkpoint/state.json")).unwrap()).unwrap();
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(resumed.join("checkpoint/state.json")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(state["step"], 20);
     let mut c = train_args(data.to_str().unwrap(), resumed.to_str().unwrap());
-    c.extend(["--steps", "30", "--dropout", "0", "--resume", resumed.to_str().unwrap()]);
+    c.extend([
+        "--steps",
+        "30",
+        "--dropout",
+        "0",
+        "--resume",
+        resumed.to_str().unwrap(),
+    ]);
     let out = gpt(&c);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stderr).contains("at step 20"));
     let load = |p: &Path| candle_core::safetensors::load(p, &Device::Cpu).unwrap();
-    let (wa, wb) = (load(&straight.join("checkpoint/model.safetensors")), load(&resumed.join("checkpoint/model.safetensors")));
-    let (oa, ob) = (load(&straight.join("checkpoint/optimizer.safetensors")), load(&resumed.join("checkpoint/optimizer.safetensors")));
+    let (wa, wb) = (
+        load(&straight.join("checkpoint/model.safetensors")),
+        load(&resumed.join("checkpoint/model.safetensors")),
+    );
+    let (oa, ob) = (
+        load(&straight.join("checkpoint/optimizer.safetensors")),
+        load(&resumed.join("checkpoint/optimizer.safetensors")),
+    );
     assert_eq!(oa["step"].to_scalar::<i64>().unwrap(), 30);
     assert_eq!(ob["step"].to_scalar::<i64>().unwrap(), 30);
     for (name, t) in wa.iter().chain(oa.iter()) {
@@ -750,7 +815,60 @@ fn resume_continues_from_the_last_checkpoint() {
     }
     // Both runs logged steps 10, 20, 30.
     let steps = |p: &Path| -> Vec<String> {
-        std::fs::read_to_string(p.join("loss.csv")).unwrap().lines().skip(1).map(|l| l.split(',').next().unwrap().to_string()).collect()
+        std::fs::read_to_string(p.join("loss.csv"))
+            .unwrap()
+            .lines()
+            .skip(1)
+            .map(|l| l.split(',').next().unwrap().to_string())
+            .collect()
     };
     assert_eq!(steps(&straight), steps(&resumed));
+}
+
+#[test]
+fn hub_ids_resolve_through_the_local_hub_cache() {
+    // The layout hf-hub keeps under $HF_HOME/hub; with the files there, nothing is fetched.
+    let home = tempfile::tempdir().unwrap();
+    let repo = home.path().join("hub/models--someone--tiny-gpt2");
+    let snap = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("tiny").join(f), snap.join(f)).unwrap();
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_gpt"))
+        .args([
+            "inspect",
+            "--model",
+            "someone/tiny-gpt2",
+            "--format",
+            "json",
+        ])
+        .env("HF_HOME", home.path())
+        .timeout(std::time::Duration::from_secs(60))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["parameters"]["total"], 29568);
+    assert_eq!(v["source"], "someone/tiny-gpt2");
+    // An id that is not in the cache, offline: a clear line saying how to pass a local path.
+    let out = Command::new(env!("CARGO_BIN_EXE_gpt"))
+        .args(["inspect", "--model", "someone/not-cached"])
+        .env("HF_HOME", home.path())
+        .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .timeout(std::time::Duration::from_secs(60))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--model DIR") && stderr.trim_end().lines().count() == 1,
+        "{stderr}"
+    );
 }

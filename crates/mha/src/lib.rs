@@ -57,8 +57,3 @@ pub use config::MhaConfig;
 pub use dropout::Dropout;
 pub use layout::{Proj, WeightLayout};
 pub use mask::{KeyPadding, Mask};
-
-// The README's examples run as doctests.
-#[doc = include_str!("../../../README.md")]
-#[cfg(doctest)]
-pub struct ReadmeDoctests;

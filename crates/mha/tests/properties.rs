@@ -45,6 +45,14 @@ fn layouts() -> Vec<WeightLayout> {
 }
 
 #[test]
+fn modules_are_shareable_across_threads() {
+    // The cache lives outside the module, so one layer can serve many threads.
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<MultiHeadAttention>();
+    send_sync::<KvCache>();
+}
+
+#[test]
 fn loop_over_heads_equals_batched() -> Result<()> {
     // One head at a time with plain ops, then concatenate, then project.
     let cfg = MhaConfig::new(24, 4);
