@@ -4,6 +4,8 @@
 //! reference, top-two margin < 1e-4, are not compared). Also: the other ways a checkpoint
 //! comes (no `transformer.` prefix, sharded, saved by us) and bad checkpoints.
 
+// The tolerance helpers live with the mha tests.
+#[path = "../../mha/tests/common/mod.rs"]
 mod common;
 
 use std::collections::HashMap;

@@ -1,6 +1,8 @@
 //! Behaviour of the GPT model for any weights: cached decoding, padded batches, training,
 //! gradients, post-norm blocks, sampling, and bad inputs.
 
+// The tolerance helpers live with the mha tests.
+#[path = "../../mha/tests/common/mod.rs"]
 mod common;
 
 use block::{
