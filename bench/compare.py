@@ -1,0 +1,93 @@
+"""`gpt bench` against Hugging Face transformers on the same checkpoint, same machine, in
+alternation.
+
+    /tmp/ref/bin/python bench/compare.py [--model DIR] [--threads 2] [--rounds 3]
+
+Without --model, a GPT-2 124M checkpoint with random weights is made by transformers in
+/tmp/gpt2-124m-random (not committed). Each round runs every workload once through
+`target/release/gpt bench` (build it first: cargo build --release --bin gpt) and once
+through transformers (f32, torch.set_num_threads = --threads, inference_mode, KV cache,
+greedy, `generate()` for decoding); the medians over rounds and the ratio ours / theirs (in tokens/s, higher is
+better for us) are printed.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+p = argparse.ArgumentParser()
+p.add_argument("--model", default="/tmp/gpt2-124m-random")
+p.add_argument("--threads", type=int, default=2)
+p.add_argument("--rounds", type=int, default=3)
+args = p.parse_args()
+
+if not os.path.exists(os.path.join(args.model, "config.json")):
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config()).save_pretrained(args.model, safe_serialization=True)
+torch.set_num_threads(args.threads)
+model = GPT2LMHeadModel.from_pretrained(args.model).eval()
+vocab = model.config.vocab_size
+
+# (name, batch, prompt_len, new_tokens)
+workloads = [
+    ("prefill 512, last logits", 1, 512, 0),
+    ("decode b1: 16 + 128 new", 1, 16, 128),
+    ("decode b8: 16 + 64 new", 8, 16, 64),
+]
+
+
+def prompt(b, n):
+    # The same ids `gpt bench` uses.
+    ids = [(i * 2654435761) % vocab for i in range(b * n)]
+    return torch.tensor(ids).view(b, n)
+
+
+@torch.inference_mode()
+def theirs(b, n, new):
+    ids = prompt(b, n)
+    t0 = time.perf_counter()
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    t1 = time.perf_counter()
+    if not new:
+        return b * n / (t1 - t0), 0.0
+    # Decode as people run it: generate() with its cache, greedy; its own prefill is
+    # subtracted using the prefill just timed.
+    t2 = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                   min_new_tokens=new, pad_token_id=0)
+    t3 = time.perf_counter()
+    return b * n / (t1 - t0), b * new / ((t3 - t2) - (t1 - t0))
+
+
+def ours(b, n, new):
+    cmd = [os.path.join(ROOT, "target", "release", "gpt"), "bench", "--model", args.model,
+           "--batch", str(b), "--prompt-len", str(n), "--new-tokens", str(new), "--runs", "1",
+           "--threads", str(args.threads), "--format", "json"]
+    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    return out["prefill_tokens_per_s"], out["decode_tokens_per_s"], out["peak_rss_bytes"]
+
+
+theirs(1, 8, 2)  # warm-up
+results = {w[0]: {"ours": [], "theirs": [], "rss": []} for w in workloads}
+for r in range(args.rounds):
+    for name, b, n, new in workloads:
+        o = ours(b, n, new)
+        t = theirs(b, n, new)
+        key = 1 if new else 0
+        results[name]["ours"].append(o[key])
+        results[name]["theirs"].append(t[key])
+        results[name]["rss"].append(o[2])
+
+print(f"threads {args.threads}, {args.rounds} rounds, torch {torch.__version__}, model {args.model}")
+print(f"{'workload':28} {'gpt tok/s':>10} {'transformers':>13} {'ratio':>6} {'gpt peak RSS':>13}")
+for name, _, _, _ in workloads:
+    o = statistics.median(results[name]["ours"])
+    t = statistics.median(results[name]["theirs"])
+    rss = max(results[name]["rss"]) / 2**20
+    print(f"{name:28} {o:10.1f} {t:13.1f} {o / t:6.2f} {rss:10.0f} MiB")
