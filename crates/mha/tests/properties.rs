@@ -282,7 +282,6 @@ fn gradients_match_finite_differences() -> Result<()> {
             (attn.forward(x, x, x, &mask, true)? * &target)?.sum_all()
         };
         let grads = loss(xs.as_tensor())?.backward()?;
-        let mut checked = 0;
         let mut vars: Vec<(String, Var)> = varmap
             .data()
             .lock()
@@ -291,32 +290,9 @@ fn gradients_match_finite_differences() -> Result<()> {
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         vars.push(("input".into(), xs.clone()));
-        for (name, var) in &vars {
-            let g = grads
-                .get(var.as_tensor())
-                .unwrap_or_else(|| panic!("{layout:?}: no gradient for {name}"));
-            let g = g.flatten_all()?.to_vec1::<f64>()?;
-            let base = var.as_tensor().flatten_all()?.to_vec1::<f64>()?;
-            // A few coordinates of each parameter.
-            for i in (0..base.len()).step_by(base.len().div_ceil(5)) {
-                let eps = 1e-5;
-                let mut bumped = base.clone();
-                bumped[i] += eps;
-                var.set(&Tensor::from_vec(bumped.clone(), var.shape(), &DEV)?)?;
-                let up = loss(xs.as_tensor())?.to_scalar::<f64>()?;
-                bumped[i] -= 2.0 * eps;
-                var.set(&Tensor::from_vec(bumped, var.shape(), &DEV)?)?;
-                let down = loss(xs.as_tensor())?.to_scalar::<f64>()?;
-                var.set(&Tensor::from_vec(base.clone(), var.shape(), &DEV)?)?;
-                let numeric = (up - down) / (2.0 * eps);
-                assert!(
-                    (numeric - g[i]).abs() <= 1e-6 + 1e-4 * numeric.abs(),
-                    "{layout:?} {name}[{i}]: autograd {} vs finite difference {numeric}",
-                    g[i]
-                );
-                checked += 1;
-            }
-        }
+        let checked = common::check_gradients(&vars, &grads, 5, 1e-4, || {
+            loss(xs.as_tensor())?.to_scalar::<f64>()
+        })?;
         assert!(
             checked >= 20,
             "{layout:?}: only {checked} coordinates checked"

@@ -1,7 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Result, Tensor, Var};
 
 /// Asserts `|a - b| <= atol + rtol·|b|` elementwise, skipping non-finite reference values,
 /// and reports the worst element.
@@ -43,4 +44,45 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 
 pub fn flat(t: &Tensor) -> Result<Vec<f32>> {
     t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}
+
+/// Compares each variable's autograd gradient with central finite differences (step 1e-5)
+/// on about `per_var` of its coordinates: `|fd - g| <= 1e-6 + rtol·max(|fd|, |g|)`.
+/// `loss` recomputes the loss from the variables' current values. Returns how many
+/// coordinates were checked.
+pub fn check_gradients(
+    vars: &[(String, Var)],
+    grads: &GradStore,
+    per_var: usize,
+    rtol: f64,
+    loss: impl Fn() -> Result<f64>,
+) -> Result<usize> {
+    let mut checked = 0;
+    for (name, var) in vars {
+        let g = grads
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
+        let g = g.flatten_all()?.to_vec1::<f64>()?;
+        let base = var.as_tensor().flatten_all()?.to_vec1::<f64>()?;
+        let set = |v: Vec<f64>| var.set(&Tensor::from_vec(v, var.shape(), var.device())?);
+        for i in (0..base.len()).step_by(base.len().div_ceil(per_var)) {
+            let eps = 1e-5;
+            let mut v = base.clone();
+            v[i] += eps;
+            set(v.clone())?;
+            let up = loss()?;
+            v[i] -= 2.0 * eps;
+            set(v)?;
+            let down = loss()?;
+            set(base.clone())?;
+            let numeric = (up - down) / (2.0 * eps);
+            assert!(
+                (numeric - g[i]).abs() <= 1e-6 + rtol * numeric.abs().max(g[i].abs()),
+                "{name}[{i}]: autograd {} vs finite difference {numeric}",
+                g[i]
+            );
+            checked += 1;
+        }
+    }
+    Ok(checked)
 }
