@@ -268,6 +268,10 @@ impl Gpt {
             None => Mask::causal(past),
         };
         let mut weights = Vec::new();
+        // Each stage's output is kept (a reference, not a copy) to name the first
+        // non-finite one if the logits come out NaN or Inf.
+        let mut stages = Vec::with_capacity(self.h.len() + 1);
+        stages.push(("the embeddings".to_string(), xs.clone()));
         for (i, block) in self.h.iter().enumerate() {
             xs = if need_weights {
                 let (ys, w) = block.forward_with_weights(&xs, &mask, train)?;
@@ -277,6 +281,7 @@ impl Gpt {
                 let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
                 block.forward(&xs, &mask, layer_cache, train)?
             };
+            stages.push((format!("block {i}"), xs.clone()));
         }
         if logits == Logits::Last {
             xs = xs.narrow(1, t - 1, 1)?;
@@ -284,7 +289,33 @@ impl Gpt {
         if let Some(ln_f) = &self.ln_f {
             xs = ln_f.forward(&xs)?;
         }
-        Ok((self.lm_head.forward(&xs)?, weights))
+        let logits = self.lm_head.forward(&xs)?;
+        if !train && !all_finite(&logits)? {
+            let culprit = stages
+                .iter()
+                .map(|(name, t)| Ok((name, all_finite(t)?)))
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .find(|(_, ok)| !ok)
+                .map_or(
+                    "the final LayerNorm or the LM head".to_string(),
+                    |(n, _)| n.clone(),
+                );
+            bail!("non-finite values (NaN or Inf) first appear in the output of {culprit}; check the weights (gpt --check-weights)")
+        }
+        Ok((logits, weights))
+    }
+
+    /// Checks every weight for NaN and Inf; the error names the first bad tensor.
+    pub fn check_weights(&self) -> Result<()> {
+        let mut named: Vec<_> = self.named_tensors()?.into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, t) in named {
+            if !all_finite(&t)? {
+                bail!("weight {name} contains NaN or Inf values")
+            }
+        }
+        Ok(())
     }
 
     /// Every weight under its Hugging Face name (`transformer.` prefix; no `lm_head` when
@@ -334,6 +365,15 @@ impl ModuleT for Gpt {
     fn forward_t(&self, ids: &Tensor, train: bool) -> Result<Tensor> {
         Ok(self.run(ids, None, None, train, false, Logits::All)?.0)
     }
+}
+
+/// True when no element is NaN or ±Inf (`0·x` is 0 for finite `x` only).
+fn all_finite(t: &Tensor) -> Result<bool> {
+    let s = (t * 0.0)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    Ok(s == 0.0)
 }
 
 /// Row lookup that keeps the gradient of the table: `[v, d]` indexed by `[b, t]` ids.

@@ -388,3 +388,24 @@ fn bad_inputs_are_errors() -> Result<()> {
     assert_eq!(old.n_positions, 77);
     Ok(())
 }
+
+#[test]
+fn non_finite_weights_are_reported_by_layer_and_by_name() -> Result<()> {
+    let cfg = tiny(NormPlacement::Pre);
+    let (varmap, gpt) = model(&cfg, DType::F32);
+    gpt.check_weights()?;
+    let ids = ids(&[&[1, 2, 3]]);
+    assert!(gpt.infer(&ids, None, None, Logits::All).is_ok());
+    let var = varmap.data().lock().unwrap()["transformer.h.1.mlp.c_fc.weight"].clone();
+    let mut w = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+    w[5] = f32::NAN;
+    var.set(&Tensor::from_vec(w, var.shape(), &DEV)?)?;
+    let err = gpt
+        .infer(&ids, None, None, Logits::All)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("output of block 1"), "{err}");
+    let err = gpt.check_weights().unwrap_err().to_string();
+    assert!(err.contains("transformer.h.1.mlp.c_fc.weight"), "{err}");
+    Ok(())
+}

@@ -72,6 +72,9 @@ pub struct ModelArgs {
     /// Weight precision.
     #[arg(long, value_enum, default_value = "f32", global = true)]
     pub dtype: DtypeArg,
+    /// Check every weight for NaN and Inf after loading.
+    #[arg(long, global = true)]
+    pub check_weights: bool,
 }
 
 /// Picks the device; asking for one this binary was not built for says how to build it.
@@ -125,8 +128,16 @@ fn tokenizer_file(path: &Path) -> Result<Option<Tokenizer>> {
         .map_err(|e| anyhow!("{}: not a valid tokenizer.json: {e}", path.display()))
 }
 
-/// Loads what `--model` names.
+/// Loads what `--model` names (and checks its weights with `--check-weights`).
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
+    let loaded = load_unchecked(args)?;
+    if args.check_weights {
+        loaded.model.check_weights()?;
+    }
+    Ok(loaded)
+}
+
+fn load_unchecked(args: &ModelArgs) -> Result<Loaded> {
     let dev = device(args.device)?;
     let dtype: DType = args.dtype.into();
     let Some(spec) = &args.model else {

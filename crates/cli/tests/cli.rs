@@ -872,3 +872,49 @@ fn hub_ids_resolve_through_the_local_hub_cache() {
         "{stderr}"
     );
 }
+
+#[test]
+fn nan_weights_are_caught_at_load_or_at_the_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut tensors =
+        candle_core::safetensors::load(fixture("tiny").join("model.safetensors"), &Device::Cpu)
+            .unwrap();
+    let name = "transformer.h.0.attn.c_proj.weight";
+    let mut w: Vec<f32> = tensors[name].flatten_all().unwrap().to_vec1().unwrap();
+    w[3] = f32::NAN;
+    let shape = tensors[name].shape().clone();
+    tensors.insert(
+        name.to_string(),
+        candle_core::Tensor::from_vec(w, shape, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, dir.path().join("model.safetensors")).unwrap();
+    std::fs::copy(
+        fixture("tiny").join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    let m = dir.path().to_str().unwrap();
+    fails(
+        &[
+            "generate",
+            "--model",
+            m,
+            "--prompt-ids",
+            "1,2",
+            "--max-new-tokens",
+            "3",
+        ],
+        "first appear in the output of block 0",
+    );
+    fails(
+        &[
+            "generate",
+            "--model",
+            m,
+            "--prompt-ids",
+            "1,2",
+            "--check-weights",
+        ],
+        name,
+    );
+}
