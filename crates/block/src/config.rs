@@ -17,6 +17,17 @@ pub enum Activation {
     Relu,
 }
 
+impl Activation {
+    /// Applies the activation elementwise.
+    pub fn apply(self, xs: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+        match self {
+            Activation::GeluNew => xs.gelu(),
+            Activation::Gelu => xs.gelu_erf(),
+            Activation::Relu => xs.relu(),
+        }
+    }
+}
+
 /// Where each block applies its LayerNorms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -43,12 +43,7 @@ impl Mlp {
 
     /// `[b, t, d]` to `[b, t, d]`.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let hs = self.c_fc.forward(xs)?;
-        let hs = match self.act {
-            Activation::GeluNew => hs.gelu()?,
-            Activation::Gelu => hs.gelu_erf()?,
-            Activation::Relu => hs.relu()?,
-        };
+        let hs = self.act.apply(&self.c_fc.forward(xs)?)?;
         self.c_proj.forward(&hs)
     }
 }

@@ -6,18 +6,14 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use clap::Args;
 
-use crate::common::{self, Loaded, ModelArgs};
+use crate::common::{self, Loaded, ModelArgs, PromptArgs};
 use crate::plot::{self, Heatmap};
 
 /// Options of `gpt attention`.
 #[derive(Debug, Clone, Args)]
 pub struct AttentionArgs {
-    /// Text whose attention to show.
-    #[arg(long, required_unless_present = "prompt_ids")]
-    pub prompt: Option<String>,
-    /// The prompt as token ids.
-    #[arg(long, conflicts_with = "prompt")]
-    pub prompt_ids: Option<String>,
+    #[command(flatten)]
+    pub prompt: PromptArgs,
     /// Block to show (from 0).
     #[arg(long, default_value_t = 0)]
     pub layer: usize,
@@ -57,11 +53,7 @@ pub fn run(a: &AttentionArgs, margs: &ModelArgs) -> Result<()> {
         model, tokenizer, ..
     } = common::load(margs)?;
     let cfg = model.config();
-    let ids = match (&a.prompt, &a.prompt_ids) {
-        (_, Some(ids)) => common::parse_ids(ids)?,
-        (Some(p), None) => common::encode(tokenizer.as_ref(), p)?,
-        (None, None) => bail!("give --prompt or --prompt-ids"),
-    };
+    let ids = a.prompt.ids(tokenizer.as_ref())?;
     if ids.is_empty() {
         bail!("the prompt encodes to no tokens")
     }

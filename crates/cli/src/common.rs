@@ -77,6 +77,28 @@ pub struct ModelArgs {
     pub check_weights: bool,
 }
 
+/// One prompt, as text or as token ids.
+#[derive(Debug, Clone, Args)]
+pub struct PromptArgs {
+    /// Prompt text.
+    #[arg(long, required_unless_present = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// The prompt as token ids, e.g. 464,3290,318.
+    #[arg(long, conflicts_with = "prompt")]
+    pub prompt_ids: Option<String>,
+}
+
+impl PromptArgs {
+    /// The prompt's token ids.
+    pub fn ids(&self, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>> {
+        match (&self.prompt, &self.prompt_ids) {
+            (_, Some(ids)) => parse_ids(ids),
+            (Some(p), None) => encode(tokenizer, p),
+            (None, None) => bail!("give --prompt or --prompt-ids"),
+        }
+    }
+}
+
 /// Picks the device; asking for one this binary was not built for says how to build it.
 pub fn device(arg: DeviceArg) -> Result<Device> {
     match arg {

@@ -5,17 +5,13 @@ use block::NormPlacement;
 use candle_core::{Tensor, D};
 use clap::Args;
 
-use crate::common::{self, Loaded, ModelArgs};
+use crate::common::{self, Loaded, ModelArgs, PromptArgs};
 
 /// Options of `gpt trace`.
 #[derive(Debug, Clone, Args)]
 pub struct TraceArgs {
-    /// Text to run.
-    #[arg(long, required_unless_present = "prompt_ids")]
-    pub prompt: Option<String>,
-    /// The prompt as token ids.
-    #[arg(long, conflicts_with = "prompt")]
-    pub prompt_ids: Option<String>,
+    #[command(flatten)]
+    pub prompt: PromptArgs,
     /// Show the inside of this block only (all blocks when absent).
     #[arg(long)]
     pub layer: Option<usize>,
@@ -34,11 +30,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
     if cfg.norm_placement != NormPlacement::Pre {
         bail!("trace follows GPT-2's pre-norm blocks; this model is post-norm")
     }
-    let ids = match (&a.prompt, &a.prompt_ids) {
-        (_, Some(ids)) => common::parse_ids(ids)?,
-        (Some(p), None) => common::encode(tokenizer.as_ref(), p)?,
-        (None, None) => bail!("give --prompt or --prompt-ids"),
-    };
+    let ids = a.prompt.ids(tokenizer.as_ref())?;
     if ids.is_empty() || ids.len() > cfg.n_positions {
         bail!(
             "the prompt must have 1..={} tokens, got {}",
@@ -137,11 +129,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         let [(_, fc), (_, proj)] = mlp.projections();
         let hid = fc.forward(&hid)?;
         say("MLP up (c_fc)", "[B, S, 4D]", &hid);
-        let hid = match cfg.activation_function {
-            block::Activation::GeluNew => hid.gelu()?,
-            block::Activation::Gelu => hid.gelu_erf()?,
-            block::Activation::Relu => hid.relu()?,
-        };
+        let hid = cfg.activation_function.apply(&hid)?;
         say(
             &format!("{:?}", cfg.activation_function),
             "[B, S, 4D]",
