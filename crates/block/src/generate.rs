@@ -54,11 +54,38 @@ impl SamplingParams {
     }
 }
 
+/// SplitMix64: a tiny generator whose stream is the same on every platform and version,
+/// so seeded runs (sampling, batches, initialisation) repeat exactly. The state is public
+/// so that it can be saved and restored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A uniform number in `[0, 1)`.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// A number in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
 /// Picks tokens from logits; one per sequence, as its random stream is its own.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
-    state: u64,
+    rng: SplitMix64,
 }
 
 impl Sampler {
@@ -66,18 +93,9 @@ impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self> {
         params.validate()?;
         Ok(Self {
-            state: params.seed,
+            rng: SplitMix64(params.seed),
             params,
         })
-    }
-
-    /// A uniform number in `[0, 1)` (SplitMix64: stable across platforms and versions).
-    fn uniform(&mut self) -> f64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// The next token given the logits of one position and the tokens so far.
@@ -134,7 +152,7 @@ impl Sampler {
             let total: f64 = probs.iter().sum();
             probs.iter_mut().for_each(|x| *x /= total);
         }
-        let mut u = self.uniform();
+        let mut u = self.rng.uniform();
         for (&id, &prob) in order.iter().zip(&probs) {
             if u < prob {
                 return Ok(id as u32);

@@ -41,7 +41,7 @@ mod optim;
 
 pub use block::Block;
 pub use config::{Activation, GptConfig, NormPlacement};
-pub use generate::{argmax, generate, GenerateOptions, Sampler, SamplingParams};
+pub use generate::{argmax, generate, GenerateOptions, Sampler, SamplingParams, SplitMix64};
 pub use gpt::{next_token_loss, token_logprobs, Gpt, GptCache, Logits};
 pub use load::{
     load_bytes, load_dir, load_files, read_config, save_dir, save_dir_as, weight_files,

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use block::{save_dir_as, write_atomic, AdamW, AdamWParams, Gpt, GptConfig};
+// Batches and initialisation replay exactly after a resume.
+use block::{save_dir_as, write_atomic, AdamW, AdamWParams, Gpt, GptConfig, SplitMix64 as Rng};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use clap::Args;
@@ -98,19 +99,6 @@ struct TrainState {
     best_val: f64,
     rng: u64,
     config: GptConfig,
-}
-
-/// SplitMix64: batches that replay exactly after a resume.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) % n as u64) as usize
-    }
 }
 
 /// GPT-2's initialisation, drawn from `seed` (Candle's CPU generator cannot be seeded):
