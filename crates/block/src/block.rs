@@ -32,7 +32,9 @@ impl Block {
             scale /= (layer_idx + 1) as f64;
         }
         // Distinct, reproducible dropout streams per block and per site.
-        let seed = cfg.seed.wrapping_add(1000 * (layer_idx as u64 + 1));
+        let seed = cfg
+            .seed
+            .wrapping_add(1000u64.wrapping_mul(layer_idx as u64 + 1));
         let attn_cfg = MhaConfig {
             dropout: cfg.attn_pdrop,
             scale: Some(scale),
@@ -45,7 +47,7 @@ impl Block {
             attn: MultiHeadAttention::load(&attn_cfg, &WeightLayout::Gpt2Conv1d, vb.pp("attn"))?,
             ln_2: LayerNorm::new(cfg.n_embd, eps, vb.pp("ln_2"))?,
             mlp: Mlp::new(cfg, vb.pp("mlp"))?,
-            resid_drop: Dropout::new(cfg.resid_pdrop, seed + 1)?,
+            resid_drop: Dropout::new(cfg.resid_pdrop, seed.wrapping_add(1))?,
             placement: cfg.norm_placement,
         })
     }

@@ -193,7 +193,7 @@ impl GptConfig {
 
     /// MLP hidden width after defaulting.
     pub fn inner_dim(&self) -> usize {
-        self.n_inner.unwrap_or(4 * self.n_embd)
+        self.n_inner.unwrap_or(self.n_embd.saturating_mul(4))
     }
 
     /// Checks that the model can be built and run as configured; the error names the values.
@@ -206,6 +206,20 @@ impl GptConfig {
                 self.n_positions,
                 self.n_layer
             )
+        }
+        // Token ids are u32, and bounded sizes keep every product of them (3·n_embd,
+        // vocab·n_embd) far from overflowing.
+        for (name, n) in [
+            ("vocab_size", self.vocab_size),
+            ("n_positions", self.n_positions),
+            ("n_embd", d),
+            ("n_layer", self.n_layer),
+            ("n_head", h),
+            ("n_inner", self.inner_dim()),
+        ] {
+            if n > u32::MAX as usize {
+                bail!("config: {name}={n} is larger than any model this can run")
+            }
         }
         if d == 0 || h == 0 || d % h != 0 {
             bail!("config: n_head={h} must be positive and divide n_embd={d}")

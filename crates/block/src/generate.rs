@@ -75,9 +75,9 @@ impl SplitMix64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    /// A number in `0..n` (`n > 0`).
+    /// A number in `0..n`; 0 when `n` is 0.
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
+        self.next_u64().checked_rem(n as u64).unwrap_or(0) as usize
     }
 }
 

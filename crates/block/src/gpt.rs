@@ -396,6 +396,7 @@ pub fn next_token_loss(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
     if t < 2 {
         bail!("the loss needs at least 2 tokens per row, got {t}")
     }
+    check_targets(ids, b, t, v)?;
     let inputs = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?;
     let targets = ids
         .narrow(1, 1, t - 1)?
@@ -407,10 +408,11 @@ pub fn next_token_loss(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// Log-probability of each next token, `[b, t - 1]`: entry `(i, j)` is
 /// `log p(ids[i, j + 1] | ids[i, ..= j])`.
 pub fn token_logprobs(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
-    let (_, t, _) = logits.dims3()?;
+    let (b, t, v) = logits.dims3()?;
     if t < 2 {
         bail!("log-probabilities need at least 2 tokens per row, got {t}")
     }
+    check_targets(ids, b, t, v)?;
     let logp = candle_nn::ops::log_softmax(
         &logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?,
         D::Minus1,
@@ -422,4 +424,29 @@ pub fn token_logprobs(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
     logp.contiguous()?
         .gather(&targets.contiguous()?, 2)?
         .squeeze(2)
+}
+
+/// Checks that `ids` are the `[b, t]` integer targets of `[b, t, v]` logits.
+fn check_targets(ids: &Tensor, b: usize, t: usize, v: usize) -> Result<()> {
+    if ids.dims() != [b, t] {
+        bail!(
+            "ids must be [batch, seq] = [{b}, {t}] to match the logits, got {:?}",
+            ids.dims()
+        )
+    }
+    if b == 0 {
+        bail!("no rows to score")
+    }
+    if ids.dtype().is_float() {
+        bail!("ids must be integers, got {:?}", ids.dtype())
+    }
+    let ids = ids.to_dtype(DType::I64)?.flatten_all()?;
+    let (lo, hi) = (
+        ids.min(0)?.to_scalar::<i64>()?,
+        ids.max(0)?.to_scalar::<i64>()?,
+    );
+    if lo < 0 || hi >= v as i64 {
+        bail!("ids must be in 0..{v}, got values from {lo} to {hi}")
+    }
+    Ok(())
 }

@@ -30,6 +30,7 @@
 //! ```
 
 mod block;
+mod check;
 mod config;
 pub mod generate;
 mod gpt;
@@ -38,8 +39,10 @@ mod mlp;
 mod nanogpt;
 mod norm;
 mod optim;
+mod pickle;
 
 pub use block::Block;
+pub use check::available_memory;
 pub use config::{Activation, GptConfig, NormPlacement};
 pub use generate::{argmax, generate, GenerateOptions, Sampler, SamplingParams, SplitMix64};
 pub use gpt::{next_token_loss, token_logprobs, Gpt, GptCache, Logits};

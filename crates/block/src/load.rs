@@ -9,7 +9,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::{Gpt, GptConfig};
+use crate::{check, Gpt, GptConfig};
 
 /// Buffers that old checkpoints carry and the model recomputes.
 fn is_ignored_buffer(name: &str) -> bool {
@@ -63,12 +63,17 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     )
 }
 
-/// Checks every tensor's dtype; returns whether the names carry the `transformer.` prefix.
-fn check_tensors<'a>(
+/// Checks the header of a checkpoint against `cfg` before anything is read: every dtype
+/// is a float the model takes, every tensor the model needs is there with the shape the
+/// config implies, and the model fits in memory as `dtype`. (The safetensors parser has
+/// already checked each declared shape against its byte range.) Returns whether the names
+/// carry the `transformer.` prefix.
+fn check_header<'a>(
+    cfg: &GptConfig,
     tensors: impl Iterator<Item = (String, safetensors::tensor::TensorView<'a>)>,
+    dtype: DType,
 ) -> Result<bool> {
-    let mut prefixed = false;
-    let mut bare = false;
+    let mut shapes = HashMap::new();
     for (name, view) in tensors {
         if is_ignored_buffer(&name) {
             continue;
@@ -80,12 +85,23 @@ fn check_tensors<'a>(
                 view.dtype()
             )
         }
-        prefixed |= name == "transformer.wte.weight";
-        bare |= name == "wte.weight";
+        shapes.insert(name, view.shape().to_vec());
     }
-    if !prefixed && !bare {
+    let prefixed = shapes.contains_key("transformer.wte.weight");
+    if !prefixed && !shapes.contains_key("wte.weight") {
         bail!("no token embedding (transformer.wte.weight or wte.weight): not a GPT-2 checkpoint")
     }
+    if !prefixed {
+        // Look bare names up under the names the model asks for.
+        shapes = shapes
+            .into_iter()
+            .map(|(k, v)| match k.as_str() {
+                "lm_head.weight" => (k, v),
+                _ => (format!("transformer.{k}"), v),
+            })
+            .collect();
+    }
+    check::check_tensor_table(cfg, &shapes, dtype, false)?;
     Ok(prefixed)
 }
 
@@ -104,23 +120,18 @@ fn with_prefix_fallback(vb: VarBuilder<'_>, prefixed: bool) -> VarBuilder<'_> {
 
 /// Loads a model from a `config.json` text and safetensors bytes held in memory (an
 /// embedded model, say).
-pub fn load_bytes(
-    config_json: &str,
-    weights: &'static [u8],
-    dtype: DType,
-    device: &Device,
-) -> Result<Gpt> {
+pub fn load_bytes(config_json: &str, weights: &[u8], dtype: DType, device: &Device) -> Result<Gpt> {
     let cfg = GptConfig::from_json(config_json)?;
     let st = candle_core::safetensors::SliceSafetensors::new(weights)
         .map_err(|e| candle_core::Error::Msg(format!("not a valid safetensors buffer: {e}")))?;
-    let prefixed = check_tensors(st.tensors().into_iter())?;
+    let prefixed = check_header(&cfg, st.tensors().into_iter(), dtype)?;
     let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
     Gpt::new(&cfg, with_prefix_fallback(vb, prefixed))
 }
 
-/// Opens the files and checks every tensor's dtype. Returns the opened files and whether
-/// the names carry the `transformer.` prefix.
-fn open(files: &[PathBuf]) -> Result<(MmapedSafetensors, bool)> {
+/// Opens the files and checks their headers against `cfg`. Returns the opened files and
+/// whether the names carry the `transformer.` prefix.
+fn open(cfg: &GptConfig, files: &[PathBuf], dtype: DType) -> Result<(MmapedSafetensors, bool)> {
     for f in files {
         if !f.is_file() {
             bail!("{}: weight file not found", f.display())
@@ -135,7 +146,10 @@ fn open(files: &[PathBuf]) -> Result<(MmapedSafetensors, bool)> {
             names.join(", ")
         ))
     })?;
-    let prefixed = check_tensors(st.tensors().into_iter())?;
+    let prefixed = check_header(cfg, st.tensors().into_iter(), dtype).map_err(|e| {
+        let names: Vec<_> = files.iter().map(|f| f.display().to_string()).collect();
+        candle_core::Error::Msg(format!("{}: {e}", names.join(", ")))
+    })?;
     Ok((st, prefixed))
 }
 
@@ -153,18 +167,10 @@ pub fn load_files(
     dtype: DType,
     device: &Device,
 ) -> Result<Gpt> {
-    let (st, prefixed) = open(files)?;
+    cfg.validate()?;
+    let (st, prefixed) = open(cfg, files, dtype)?;
     let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
-    let vb = if prefixed {
-        vb
-    } else {
-        vb.rename_f(|name: &str| {
-            name.strip_prefix("transformer.")
-                .unwrap_or(name)
-                .to_string()
-        })
-    };
-    Gpt::new(cfg, vb)
+    Gpt::new(cfg, with_prefix_fallback(vb, prefixed))
 }
 
 /// Writes `model` as a Hugging Face GPT-2 directory (`config.json`, `model.safetensors`)

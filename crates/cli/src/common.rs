@@ -8,6 +8,8 @@ use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use tokenizers::Tokenizer;
 
+use crate::tokenizer;
+
 /// The small model built into the binary (see `models/default/README.md`).
 mod embedded {
     pub const CONFIG: &str = include_str!("../../../models/default/config.json");
@@ -145,8 +147,23 @@ fn tokenizer_file(path: &Path) -> Result<Option<Tokenizer>> {
     if !path.is_file() {
         return Ok(None);
     }
-    Tokenizer::from_file(path)
-        .map(Some)
+    read_tokenizer(path).map(Some)
+}
+
+/// Reads and parses a `tokenizer.json`, refusing files too large to be one before reading.
+pub fn read_tokenizer(path: &Path) -> Result<Tokenizer> {
+    let len = std::fs::metadata(path)
+        .with_context(|| path.display().to_string())?
+        .len();
+    if len > tokenizer::MAX_TOKENIZER_BYTES as u64 {
+        bail!(
+            "{}: {len} bytes is larger than any tokenizer.json ({} MB at most)",
+            path.display(),
+            tokenizer::MAX_TOKENIZER_BYTES >> 20
+        )
+    }
+    let bytes = std::fs::read(path).with_context(|| path.display().to_string())?;
+    tokenizer::parse(&bytes)
         .map_err(|e| anyhow!("{}: not a valid tokenizer.json: {e}", path.display()))
 }
 
@@ -165,7 +182,7 @@ fn load_unchecked(args: &ModelArgs) -> Result<Loaded> {
     let Some(spec) = &args.model else {
         let model = block::load_bytes(embedded::CONFIG, embedded::WEIGHTS, dtype, &dev)
             .context("the built-in model")?;
-        let tokenizer = Tokenizer::from_bytes(embedded::TOKENIZER)
+        let tokenizer = tokenizer::parse(embedded::TOKENIZER)
             .map_err(|e| anyhow!("the built-in tokenizer: {e}"))?;
         return Ok(Loaded {
             model,
@@ -305,21 +322,30 @@ pub fn check_ids(ids: &[u32], model: &Gpt) -> Result<()> {
     Ok(())
 }
 
+/// Reads a UTF-8 text file, naming the first invalid byte when it is not one.
+pub fn read_text(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow!(
+            "{}: not UTF-8 text (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
+
 /// Encodes text, or says why it cannot.
 pub fn encode(tokenizer: Option<&Tokenizer>, text: &str) -> Result<Vec<u32>> {
     let tok = tokenizer.ok_or_else(|| {
         anyhow!("this model has no tokenizer.json, so it cannot read text; pass token ids instead (--prompt-ids / --ids)")
     })?;
-    let enc = tok
-        .encode(text, false)
-        .map_err(|e| anyhow!("tokenizing: {e}"))?;
-    Ok(enc.get_ids().to_vec())
+    tokenizer::encode(tok, text)
 }
 
 /// Decodes ids, or shows them when there is no tokenizer.
 pub fn decode(tokenizer: Option<&Tokenizer>, ids: &[u32]) -> Result<String> {
     match tokenizer {
-        Some(t) => t.decode(ids, false).map_err(|e| anyhow!("decoding: {e}")),
+        Some(t) => tokenizer::decode(t, ids),
         None => Ok(ids.iter().map(|i| format!("<{i}>")).collect()),
     }
 }
@@ -328,7 +354,7 @@ pub fn decode(tokenizer: Option<&Tokenizer>, ids: &[u32]) -> Result<String> {
 pub fn token_texts(tokenizer: Option<&Tokenizer>, ids: &[u32]) -> Vec<String> {
     ids.iter()
         .map(
-            |&i| match tokenizer.and_then(|t| t.decode(&[i], false).ok()) {
+            |&i| match tokenizer.and_then(|t| tokenizer::decode(t, &[i]).ok()) {
                 Some(s) => s.replace('\n', "\\n"),
                 None => format!("<{i}>"),
             },

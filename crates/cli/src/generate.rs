@@ -14,11 +14,14 @@ use crate::common::{self, Format, Loaded, ModelArgs, Truncate};
 #[derive(Debug, Clone, Args)]
 pub struct GenerateArgs {
     /// Prompt text; give it several times to run a padded batch.
-    #[arg(long, action = clap::ArgAction::Append, required_unless_present = "prompt_ids")]
+    #[arg(long, action = clap::ArgAction::Append, required_unless_present_any = ["prompt_ids", "prompt_file"])]
     pub prompt: Vec<String>,
     /// Prompt as token ids, e.g. 464,3290,318.
-    #[arg(long, conflicts_with = "prompt")]
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_file"])]
     pub prompt_ids: Option<String>,
+    /// Read the prompt from a UTF-8 text file.
+    #[arg(long, conflicts_with = "prompt")]
+    pub prompt_file: Option<std::path::PathBuf>,
     /// Most new tokens per prompt (default: 64, or what the context leaves).
     #[arg(long)]
     pub max_new_tokens: Option<usize>,
@@ -94,9 +97,10 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
         )
     }
     let room = cfg.n_positions - asked;
-    let prompts: Vec<Vec<u32>> = match &a.prompt_ids {
-        Some(ids) => vec![common::parse_ids(ids)?],
-        None => a
+    let prompts: Vec<Vec<u32>> = match (&a.prompt_ids, &a.prompt_file) {
+        (Some(ids), _) => vec![common::parse_ids(ids)?],
+        (None, Some(f)) => vec![common::encode(tok, &common::read_text(f)?)?],
+        (None, None) => a
             .prompt
             .iter()
             .map(|p| common::encode(tok, p))

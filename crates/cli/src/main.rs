@@ -7,6 +7,7 @@ mod generate;
 mod inspect;
 mod plot;
 mod score;
+mod tokenizer;
 mod trace;
 mod train;
 
@@ -67,6 +68,13 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    // Candle attaches a backtrace to every error when RUST_BACKTRACE is set, and messages
+    // that quote an error would carry it along. Errors here are for users: keep library
+    // backtraces off unless asked for explicitly (RUST_LIB_BACKTRACE=1). Set before any
+    // thread starts or any backtrace is captured (std caches the setting).
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        std::env::set_var("RUST_LIB_BACKTRACE", "0");
+    }
     // A bug must still end in one line, not a backtrace.
     std::panic::set_hook(Box::new(|info| {
         eprintln!("error: internal error: {info}");

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use block::{token_logprobs, Logits};
 use candle_core::Tensor;
 use clap::Args;
@@ -63,12 +63,7 @@ pub fn run(a: &ScoreArgs, margs: &ModelArgs) -> Result<()> {
     } = common::load(margs)?;
     let ids = match (&a.text, &a.file, &a.ids) {
         (Some(t), _, _) => common::encode(tokenizer.as_ref(), t)?,
-        (_, Some(f), _) => {
-            let bytes = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
-            let text = String::from_utf8(bytes)
-                .map_err(|_| anyhow::anyhow!("{}: not UTF-8 text", f.display()))?;
-            common::encode(tokenizer.as_ref(), &text)?
-        }
+        (_, Some(f), _) => common::encode(tokenizer.as_ref(), &common::read_text(f)?)?,
         (_, _, Some(ids)) => common::parse_ids(ids)?,
         _ => bail!("give --text, --file or --ids"),
     };

@@ -275,14 +275,14 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
         None => None,
     };
     let tokenizer = match (&a.tokenizer, &resume) {
-        (Some(p), _) => Tokenizer::from_file(p).map_err(|e| anyhow!("{}: {e}", p.display()))?,
+        (Some(p), _) => common::read_tokenizer(p)?,
         (None, Some(_)) => {
             let p = a
                 .resume
                 .as_ref()
                 .map(|r| r.join("tokenizer.json"))
                 .unwrap_or_default();
-            Tokenizer::from_file(&p).map_err(|e| anyhow!("{}: {e}", p.display()))?
+            common::read_tokenizer(&p)?
         }
         (None, None) => train_tokenizer(&a.data, a.vocab_size)?,
     };

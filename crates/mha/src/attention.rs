@@ -83,9 +83,10 @@ pub fn sdpa(
     mask: &Mask,
     p: &SdpaParams,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    check_heads(q, k, v)?;
+    let (b, h, tq, tk) = check_heads(q, k, v)?;
     let dropout_on = p.dropout.is_some_and(|d| d.is_active(p.train));
-    let fast = q.device().is_cpu()
+    let fast = ![b, h, tq, tk].contains(&0)
+        && q.device().is_cpu()
         && q.dtype() == DType::F32
         && mask.additive.is_none()
         && !p.need_weights
@@ -109,6 +110,17 @@ pub fn sdpa_reference(
     p: &SdpaParams,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let (b, h, tq, tk) = check_heads(q, k, v)?;
+    if [b, h, tq, tk].contains(&0) {
+        // Nothing to attend with or to: queries with no keys attend to nothing (zeros, as
+        // for fully masked rows). The mask is still checked against the shapes.
+        mask.to_bias((b, h, tq, tk), q.device())?;
+        let ys = Tensor::zeros((b, h, tq, v.dim(3)?), q.dtype(), q.device())?;
+        let weights = match p.need_weights {
+            true => Some(Tensor::zeros((b, h, tq, tk), DType::F32, q.device())?),
+            false => None,
+        };
+        return Ok((ys, weights));
+    }
     let n_rep = h / k.dim(1)?;
     let k = repeat_kv(k, n_rep)?;
     let v = repeat_kv(v, n_rep)?;

@@ -153,7 +153,8 @@ impl CustomOp3 for FlashAttn {
                             d,
                             dv,
                             tk,
-                            first_pos: self.causal.map(|o| o + i0),
+                            // An offset past the keys shows them all; clamped, it cannot overflow.
+                            first_pos: self.causal.map(|o| o.min(tk) + i0),
                             keep,
                             scale: self.scale,
                         };

@@ -126,7 +126,15 @@ impl<'a> Mask<'a> {
             Ok(())
         };
         if let Some(offset) = self.causal {
-            // (q_len, kv_len): key j is visible to query i iff j <= offset + i.
+            // (q_len, kv_len): key j is visible to query i iff j <= offset + i. Any offset
+            // from kv_len on shows every key, so clamping it keeps the sums in range.
+            let offset = offset.min(kv_len);
+            if offset + q_len > u32::MAX as usize {
+                bail!(
+                    "causal mask: positions beyond {} are not supported",
+                    u32::MAX
+                )
+            }
             let rows = Tensor::arange(offset as u32, (offset + q_len) as u32, device)?
                 .reshape((q_len, 1))?;
             let cols = Tensor::arange(0u32, kv_len as u32, device)?.reshape((1, kv_len))?;

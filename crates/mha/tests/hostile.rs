@@ -1,0 +1,179 @@
+//! The public API under a caller who gets everything wrong: the same entry points as the
+//! `mha_forward` fuzz target (fuzz/), driven by proptest so that CI runs them. Any
+//! configuration, input rank and size (zero-sized included), dtype and mask must give a
+//! result or an error, never a panic.
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use mha::{
+    sdpa, sdpa_reference, KvCache, Mask, MhaConfig, MultiHeadAttention, SdpaParams, WeightLayout,
+};
+use proptest::prelude::*;
+
+const DTYPES: [DType; 6] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::F64,
+    DType::U8,
+    DType::U32,
+];
+
+fn tensor(dims: &[usize], dtype: DType) -> Tensor {
+    Tensor::ones(dims, DType::F32, &Device::Cpu)
+        .and_then(|t| t.to_dtype(dtype))
+        .unwrap()
+}
+
+/// Any rank up to 4, but mostly `rank`: most inputs should get past the rank checks.
+fn dims_of_rank(rank: usize) -> impl Strategy<Value = Vec<usize>> {
+    prop_oneof![
+        3 => prop::collection::vec(0usize..6, rank),
+        1 => prop::collection::vec(0usize..6, 0..5),
+    ]
+}
+
+fn dims() -> impl Strategy<Value = Vec<usize>> {
+    dims_of_rank(3)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 256,
+        rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn attention_never_panics(
+        d_model in 0usize..9,
+        n_heads in 0usize..5,
+        n_kv_heads in prop::option::of(0usize..5),
+        kdim in prop::option::of(0usize..9),
+        dropout in prop_oneof![4 => Just(0.0f32), 2 => Just(0.5), 1 => Just(1.0), 1 => Just(f32::NAN), 1 => Just(-1.0)],
+        layout in 0usize..3,
+        mut q in dims(), mut k in prop::option::of(dims()), mut v in prop::option::of(dims()),
+        fit_widths in prop::bool::weighted(0.8),
+        dtype in prop_oneof![3 => Just(0usize), 1 => 0usize..6],
+        causal in prop::option::of(prop_oneof![0usize..4, Just(usize::MAX)]),
+        padding in prop::option::of((any::<bool>(), dims_of_rank(2), 0usize..6)),
+        additive in prop::option::of(dims()),
+        mode in 0usize..3,
+        train in any::<bool>(),
+    ) {
+        let cfg = MhaConfig { n_kv_heads, kdim, dropout, ..MhaConfig::new(d_model, n_heads) };
+        let layout = [WeightLayout::hf(), WeightLayout::Gpt2Conv1d, WeightLayout::TorchInProj][layout].clone();
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let Ok(attn) = MultiHeadAttention::load(&cfg, &layout, vb) else { return Ok(()) };
+        if fit_widths {
+            // Most calls get the widths right, so that the masks and dtypes are reached.
+            for (dims, width) in [(&mut q, cfg.d_model), (k.as_mut().unwrap_or(&mut vec![]), cfg.k_dim()), (v.as_mut().unwrap_or(&mut vec![]), cfg.v_dim())] {
+                if let Some(last) = dims.last_mut() {
+                    *last = width;
+                }
+            }
+        }
+        let dt = DTYPES[dtype];
+        let q = tensor(&q, dt);
+        let k = k.map(|d| tensor(&d, dt));
+        let v = v.map(|d| tensor(&d, dt));
+        let (k, v) = (k.as_ref().unwrap_or(&q), v.as_ref().unwrap_or(&q));
+        let padding = padding.map(|(keep, d, t)| (keep, tensor(&d, DTYPES[t])));
+        let additive = additive.map(|d| tensor(&d, dt));
+        let mut mask = Mask { causal, ..Mask::NONE };
+        if let Some((keep, t)) = &padding {
+            mask = if *keep { mask.with_keep(t) } else { mask.with_ignore(t) };
+        }
+        if let Some(a) = &additive {
+            mask = mask.with_additive(a);
+        }
+        match mode {
+            0 => { let _ = attn.forward(&q, k, v, &mask, train); }
+            1 => { let _ = attn.forward_with_weights(&q, k, v, &mask, train); }
+            _ => {
+                let mut cache = KvCache::new(2);
+                for _ in 0..3 {
+                    let _ = attn.forward_cached(&q, k, v, &mask, &mut cache);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn sdpa_never_panics(
+        (b, h, h_kv, tq, tk, d) in (0usize..3, 0usize..5, 0usize..5, 0usize..5, 0usize..5, 0usize..5),
+        wrong in prop::option::of((0usize..3, dims_of_rank(4))),
+        dtype in prop_oneof![3 => Just(0usize), 1 => 0usize..6],
+        causal in prop::option::of(0usize..4),
+        keep in prop::option::of(dims_of_rank(2)),
+        weights in any::<bool>(),
+    ) {
+        let dt = DTYPES[dtype];
+        let mut shapes = [vec![b, h, tq, d], vec![b, h_kv, tk, d], vec![b, h_kv, tk, d]];
+        if let Some((which, dims)) = wrong {
+            shapes[which] = dims;
+        }
+        let [q, k, v] = shapes.map(|s| tensor(&s, dt));
+        let keep = keep.map(|s| tensor(&s, DType::U8));
+        let mut mask = Mask { causal, ..Mask::NONE };
+        if let Some(keep) = &keep {
+            mask = mask.with_keep(keep);
+        }
+        let params = SdpaParams { scale: 0.5, dropout: None, train: false, need_weights: weights };
+        let fast = sdpa(&q, &k, &v, &mask, &params);
+        let reference = sdpa_reference(&q, &k, &v, &mask, &params);
+        // Both paths agree on whether the arguments are valid.
+        prop_assert_eq!(fast.is_ok(), reference.is_ok());
+    }
+}
+
+/// Zero-sized inputs that are well-formed give well-formed, empty or zero results.
+#[test]
+fn zero_sized_inputs_are_fine() {
+    let cfg = MhaConfig::new(8, 2);
+    let varmap = VarMap::new();
+    let attn = MultiHeadAttention::new(
+        &cfg,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let empty_batch = tensor(&[0, 3, 8], DType::F32);
+    assert_eq!(
+        attn.forward(
+            &empty_batch,
+            &empty_batch,
+            &empty_batch,
+            &Mask::causal(0),
+            false
+        )
+        .unwrap()
+        .dims(),
+        &[0, 3, 8]
+    );
+    let no_queries = tensor(&[2, 0, 8], DType::F32);
+    let kv = tensor(&[2, 3, 8], DType::F32);
+    assert_eq!(
+        attn.forward(&no_queries, &kv, &kv, &Mask::NONE, false)
+            .unwrap()
+            .dims(),
+        &[2, 0, 8]
+    );
+    // No keys at all: every query attends to nothing, which is zeros (not NaN) before the
+    // output projection, so the output is the output bias.
+    let q = tensor(&[2, 3, 8], DType::F32);
+    let no_keys = tensor(&[2, 0, 8], DType::F32);
+    let out = attn
+        .forward(&q, &no_keys, &no_keys, &Mask::NONE, false)
+        .unwrap();
+    assert_eq!(out.dims(), &[2, 3, 8]);
+    let finite = out
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .all(|x| x.is_finite());
+    assert!(finite);
+}
