@@ -74,7 +74,10 @@ fuzz_target!(|input: Input| {
         return;
     };
     let k = input.key.as_deref().and_then(|d| tensor(d, input.fill, dt));
-    let v = input.value.as_deref().and_then(|d| tensor(d, input.fill, dt));
+    let v = input
+        .value
+        .as_deref()
+        .and_then(|d| tensor(d, input.fill, dt));
     let (k, v) = (k.as_ref().unwrap_or(&q), v.as_ref().unwrap_or(&q));
     let padding = input
         .padding
