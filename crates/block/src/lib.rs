@@ -32,6 +32,7 @@
 mod block;
 mod check;
 mod config;
+mod files;
 pub mod generate;
 mod gpt;
 mod load;

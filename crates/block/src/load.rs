@@ -5,10 +5,10 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use crate::files::FileTensors;
 use crate::{check, Gpt, GptConfig};
 
 /// Buffers that old checkpoints carry and the model recomputes.
@@ -70,22 +70,19 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 /// carry the `transformer.` prefix.
 fn check_header<'a>(
     cfg: &GptConfig,
-    tensors: impl Iterator<Item = (String, safetensors::tensor::TensorView<'a>)>,
+    tensors: impl Iterator<Item = (&'a str, safetensors::Dtype, &'a [usize])>,
     dtype: DType,
 ) -> Result<bool> {
     let mut shapes = HashMap::new();
-    for (name, view) in tensors {
-        if is_ignored_buffer(&name) {
+    for (name, stored, shape) in tensors {
+        if is_ignored_buffer(name) {
             continue;
         }
         use safetensors::Dtype as S;
-        if !matches!(view.dtype(), S::F32 | S::F16 | S::BF16 | S::F64) {
-            bail!(
-                "tensor {name} has dtype {:?}; model weights must be f32, f16, bf16 or f64",
-                view.dtype()
-            )
+        if !matches!(stored, S::F32 | S::F16 | S::BF16 | S::F64) {
+            bail!("tensor {name} has dtype {stored:?}; model weights must be f32, f16, bf16 or f64")
         }
-        shapes.insert(name, view.shape().to_vec());
+        shapes.insert(name.to_string(), shape.to_vec());
     }
     let prefixed = shapes.contains_key("transformer.wte.weight");
     if !prefixed && !shapes.contains_key("wte.weight") {
@@ -124,29 +121,25 @@ pub fn load_bytes(config_json: &str, weights: &[u8], dtype: DType, device: &Devi
     let cfg = GptConfig::from_json(config_json)?;
     let st = candle_core::safetensors::SliceSafetensors::new(weights)
         .map_err(|e| candle_core::Error::Msg(format!("not a valid safetensors buffer: {e}")))?;
-    let prefixed = check_header(&cfg, st.tensors().into_iter(), dtype)?;
+    let views = st.tensors();
+    let infos = views
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.dtype(), v.shape()));
+    let prefixed = check_header(&cfg, infos, dtype)?;
     let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
     Gpt::new(&cfg, with_prefix_fallback(vb, prefixed))
 }
 
 /// Opens the files and checks their headers against `cfg`. Returns the opened files and
 /// whether the names carry the `transformer.` prefix.
-fn open(cfg: &GptConfig, files: &[PathBuf], dtype: DType) -> Result<(MmapedSafetensors, bool)> {
+fn open(cfg: &GptConfig, files: &[PathBuf], dtype: DType) -> Result<(FileTensors, bool)> {
     for f in files {
         if !f.is_file() {
             bail!("{}: weight file not found", f.display())
         }
     }
-    // SAFETY: the files are mapped read-only; like every memory-mapped loader, this assumes
-    // nobody truncates them while the model is being built (tensors are copied out).
-    let st = unsafe { MmapedSafetensors::multi(files) }.map_err(|e| {
-        let names: Vec<_> = files.iter().map(|f| f.display().to_string()).collect();
-        candle_core::Error::Msg(format!(
-            "{}: not a valid safetensors file: {e}",
-            names.join(", ")
-        ))
-    })?;
-    let prefixed = check_header(cfg, st.tensors().into_iter(), dtype).map_err(|e| {
+    let st = FileTensors::open(files)?;
+    let prefixed = check_header(cfg, st.infos(), dtype).map_err(|e| {
         let names: Vec<_> = files.iter().map(|f| f.display().to_string()).collect();
         candle_core::Error::Msg(format!("{}: {e}", names.join(", ")))
     })?;
