@@ -52,6 +52,15 @@ impl Block {
         })
     }
 
+    /// The block with its attention and MLP projections quantized to `dtype`.
+    pub fn quantize(&self, dtype: candle_core::quantized::GgmlDType) -> Result<Self> {
+        Ok(Self {
+            attn: self.attn.quantize(dtype)?,
+            mlp: self.mlp.quantize(dtype)?,
+            ..self.clone()
+        })
+    }
+
     /// The parts, for saving and inspection.
     pub fn parts(&self) -> (&LayerNorm, &MultiHeadAttention, &LayerNorm, &Mlp) {
         (&self.ln_1, &self.attn, &self.ln_2, &self.mlp)

@@ -99,6 +99,26 @@ impl Gpt {
         })
     }
 
+    /// The model with every matrix product's weight quantized to `dtype` (e.g.
+    /// `GgmlDType::Q8_0`) for inference. Embeddings and LayerNorms stay as they are; a tied
+    /// head gets its own quantized copy of the token embedding.
+    pub fn quantize(&self, dtype: candle_core::quantized::GgmlDType) -> Result<Self> {
+        Ok(Self {
+            h: self
+                .h
+                .iter()
+                .map(|b| b.quantize(dtype))
+                .collect::<Result<_>>()?,
+            lm_head: self.lm_head.quantize(dtype)?,
+            ..self.clone()
+        })
+    }
+
+    /// Whether the matrix products use quantized weights.
+    pub fn is_quantized(&self) -> bool {
+        self.lm_head.is_quantized()
+    }
+
     /// The configuration.
     pub fn config(&self) -> &GptConfig {
         &self.cfg
@@ -327,11 +347,12 @@ impl Gpt {
         };
         put("transformer.wte.weight".into(), &self.wte);
         put("transformer.wpe.weight".into(), &self.wpe);
-        let conv = |put: &mut dyn FnMut(String, &Tensor), name: String, p: &Proj| {
-            put(format!("{name}.weight"), p.weight_t());
+        let conv = |put: &mut dyn FnMut(String, &Tensor), name: String, p: &Proj| -> Result<()> {
+            put(format!("{name}.weight"), &p.weight_t()?);
             if let Some(b) = p.bias() {
                 put(format!("{name}.bias"), b);
             }
+            Ok(())
         };
         for (i, block) in self.h.iter().enumerate() {
             let pre = format!("transformer.h.{i}");
@@ -341,12 +362,12 @@ impl Gpt {
                 put(format!("{pre}.{n}.bias"), ln.bias());
             }
             match attn.fused_qkv() {
-                Some(qkv) => conv(&mut put, format!("{pre}.attn.c_attn"), qkv),
+                Some(qkv) => conv(&mut put, format!("{pre}.attn.c_attn"), qkv)?,
                 None => bail!("block {i}: attention without fused c_attn weights"),
             }
-            conv(&mut put, format!("{pre}.attn.c_proj"), attn.out_proj());
+            conv(&mut put, format!("{pre}.attn.c_proj"), attn.out_proj())?;
             for (n, p) in mlp.projections() {
-                conv(&mut put, format!("{pre}.mlp.{n}"), p);
+                conv(&mut put, format!("{pre}.mlp.{n}"), p)?;
             }
         }
         if let Some(ln_f) = &self.ln_f {

@@ -26,6 +26,15 @@ pub(crate) fn conv1d(d_in: usize, d_out: usize, vb: VarBuilder) -> Result<Proj> 
 }
 
 impl Mlp {
+    /// The MLP with both projections quantized to `dtype`.
+    pub fn quantize(&self, dtype: candle_core::quantized::GgmlDType) -> Result<Self> {
+        Ok(Self {
+            c_fc: self.c_fc.quantize(dtype)?,
+            c_proj: self.c_proj.quantize(dtype)?,
+            ..self.clone()
+        })
+    }
+
     /// Loads `c_fc` and `c_proj` under `vb`.
     pub fn new(cfg: &GptConfig, vb: VarBuilder) -> Result<Self> {
         let (d, inner) = (cfg.n_embd, cfg.inner_dim());

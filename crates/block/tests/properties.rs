@@ -409,3 +409,51 @@ fn non_finite_weights_are_reported_by_layer_and_by_name() -> Result<()> {
     assert!(err.contains("transformer.h.1.mlp.c_fc.weight"), "{err}");
     Ok(())
 }
+
+/// Quantized weights: close to the f32 model (q8_0 much closer than q4_0), cached decoding
+/// consistent with the full pass, and widths that do not fit the block size refused.
+#[test]
+fn quantized_model_tracks_the_f32_model() -> Result<()> {
+    use candle_core::quantized::GgmlDType;
+    let cfg = GptConfig {
+        n_embd: 64,
+        ..tiny(NormPlacement::Pre)
+    };
+    let (_vm, gpt) = model(&cfg, DType::F32);
+    let xs = ids(&[&[3, 1, 4, 1, 5, 9, 2, 6], &[2, 7, 1, 8, 2, 8, 1, 8]]);
+    let dense = gpt.infer(&xs, None, None, Logits::All)?;
+    let spread = common::flat(&dense)?
+        .iter()
+        .fold(0f32, |m, x| m.max(x.abs()));
+    let mut errors = Vec::new();
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+        let q = gpt.quantize(dtype)?;
+        assert!(q.is_quantized() && !gpt.is_quantized());
+        let logits = q.infer(&xs, None, None, Logits::All)?;
+        errors.push(common::max_abs_diff(&logits, &dense) / spread);
+        // Decoding token by token through the cache gives the full pass's logits.
+        let mut cache = GptCache::new(q.config(), 8);
+        for t in 0..8 {
+            let step = q.infer(&xs.narrow(1, t, 1)?, None, Some(&mut cache), Logits::All)?;
+            assert_close(
+                &step,
+                &logits.narrow(1, t, 1)?,
+                1e-4,
+                1e-4,
+                "quantized decode",
+            );
+        }
+    }
+    let (q8, q4) = (errors[0], errors[1]);
+    assert!(q8 < 0.02, "q8_0 max logit error {q8} of the logits' range");
+    assert!(q4 < 0.2, "q4_0 max logit error {q4} of the logits' range");
+    assert!(
+        q8 < q4 / 4.0,
+        "q8_0 ({q8}) should be far closer than q4_0 ({q4})"
+    );
+    // Width 16 is not a multiple of the 32-wide blocks.
+    let (_vm, narrow) = model(&tiny(NormPlacement::Pre), DType::F32);
+    let err = narrow.quantize(GgmlDType::Q8_0).unwrap_err();
+    assert!(err.to_string().contains("multiple of 32"), "{err}");
+    Ok(())
+}

@@ -52,6 +52,26 @@ impl From<DtypeArg> for DType {
     }
 }
 
+/// Block-quantized weights for the matrix products (Candle's GGML formats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QuantizeArg {
+    /// 8-bit, blocks of 32 with an f16 scale: 8.5 bits per weight.
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// 4-bit, blocks of 32 with an f16 scale: 4.5 bits per weight.
+    #[value(name = "q4_0")]
+    Q4_0,
+}
+
+impl From<QuantizeArg> for candle_core::quantized::GgmlDType {
+    fn from(q: QuantizeArg) -> Self {
+        match q {
+            QuantizeArg::Q8_0 => Self::Q8_0,
+            QuantizeArg::Q4_0 => Self::Q4_0,
+        }
+    }
+}
+
 /// Output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
@@ -77,6 +97,10 @@ pub struct ModelArgs {
     /// Check every weight for NaN and Inf after loading.
     #[arg(long, global = true)]
     pub check_weights: bool,
+    /// Quantize the weights of every matrix product after loading (embeddings and norms
+    /// stay in --dtype).
+    #[arg(long, value_enum, global = true)]
+    pub quantize: Option<QuantizeArg>,
 }
 
 /// One prompt, as text or as token ids.
@@ -169,9 +193,12 @@ pub fn read_tokenizer(path: &Path) -> Result<Tokenizer> {
 
 /// Loads what `--model` names (and checks its weights with `--check-weights`).
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
-    let loaded = load_unchecked(args)?;
+    let mut loaded = load_unchecked(args)?;
     if args.check_weights {
         loaded.model.check_weights()?;
+    }
+    if let Some(q) = args.quantize {
+        loaded.model = loaded.model.quantize(q.into())?;
     }
     Ok(loaded)
 }

@@ -251,6 +251,9 @@ fn checkpoint_dir(run: &Path) -> Result<PathBuf> {
 
 /// Runs `gpt train`.
 pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
+    if margs.quantize.is_some() {
+        bail!("--quantize is for inference: quantized products have no gradient, so training needs full-precision weights")
+    }
     let dev = common::device(margs.device)?;
     if a.block_size < 2
         || a.batch_size == 0

@@ -918,3 +918,34 @@ fn nan_weights_are_caught_at_load_or_at_the_layer() {
         name,
     );
 }
+
+/// `--quantize`: the built-in model's score of a Shakespeare passage moves by little in
+/// q8_0 and by more in q4_0; training refuses quantized weights.
+#[test]
+fn quantized_scores_stay_close_to_f32() {
+    let text = "Friends, Romans, countrymen, lend me your ears;\nI come to bury Caesar, not to praise him.\n\
+                The evil that men do lives after them;\nThe good is oft interred with their bones.";
+    let nll = |extra: &[&str]| {
+        let mut args = vec!["score", "--text", text, "--format", "json"];
+        args.extend_from_slice(extra);
+        let v: serde_json::Value = serde_json::from_str(ok(&args).trim()).unwrap();
+        v["nll"].as_f64().unwrap()
+    };
+    let f32_nll = nll(&[]);
+    let q8 = (nll(&["--quantize", "q8_0"]) - f32_nll).abs();
+    let q4 = (nll(&["--quantize", "q4_0"]) - f32_nll).abs();
+    assert!(q8 < 0.01, "q8_0 moved the NLL by {q8} nats");
+    assert!(q4 < 0.1, "q4_0 moved the NLL by {q4} nats");
+    fails(
+        &[
+            "train",
+            "--data",
+            "x.txt",
+            "--out",
+            "/tmp/never",
+            "--quantize",
+            "q8_0",
+        ],
+        "--quantize is for inference",
+    );
+}

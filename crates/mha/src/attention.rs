@@ -252,6 +252,16 @@ impl MultiHeadAttention {
         &self.proj.o
     }
 
+    /// The layer with its projections quantized to `dtype` (e.g. `GgmlDType::Q8_0`), for
+    /// inference: quantized products have no gradient.
+    pub fn quantize(&self, dtype: candle_core::quantized::GgmlDType) -> Result<Self> {
+        Ok(Self {
+            cfg: self.cfg.clone(),
+            proj: self.proj.quantize(dtype)?,
+            dropout: self.dropout.clone(),
+        })
+    }
+
     /// Attention of `query` over `key`/`value`.
     ///
     /// # Shapes
