@@ -61,5 +61,19 @@ fn bench_module(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_sdpa, bench_module);
+/// GPT-2's MLP activation on a 512-token prompt's hidden layer: the vectorised kernel
+/// against Candle's tanh GELU and, as a yardstick, Candle's erf GELU.
+fn bench_gelu(c: &mut Criterion) {
+    let mut group = c.benchmark_group("gelu_512x3072");
+    group.sample_size(20);
+    let xs = Tensor::randn(0f32, 1.0, (512, 3072), &Device::Cpu).unwrap();
+    group.bench_function("simd_tanh", |b| {
+        b.iter(|| mha::kernel::gelu_tanh(&xs).unwrap())
+    });
+    group.bench_function("candle_tanh", |b| b.iter(|| xs.gelu().unwrap()));
+    group.bench_function("candle_erf", |b| b.iter(|| xs.gelu_erf().unwrap()));
+    group.finish();
+}
+
+criterion_group!(benches, bench_sdpa, bench_module, bench_gelu);
 criterion_main!(benches);

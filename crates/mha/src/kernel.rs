@@ -6,7 +6,7 @@
 //! kernels Candle's matmul uses); blocks run in parallel on rayon's pool. Its reference is
 //! [`crate::sdpa_reference`], and the tests hold it to that.
 
-use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::{simd, Mask};
@@ -289,5 +289,40 @@ impl Block<'_> {
             let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
             simd::scale(&mut out[r * self.dv..(r + 1) * self.dv], inv);
         }
+    }
+}
+
+/// GPT-2's tanh GELU on an f32 CPU tensor without gradient tracking, one vectorised pass
+/// split over the rayon pool (Candle's `gelu` evaluates `tanh` element by element and was
+/// measured at 2.8x the time of its erf GELU on [512, 3072]). Other tensors take
+/// Candle's `gelu`, which is differentiable and runs on every device.
+pub fn gelu_tanh(xs: &Tensor) -> Result<Tensor> {
+    if !xs.device().is_cpu() || xs.dtype() != DType::F32 || xs.track_op() {
+        return xs.gelu();
+    }
+    xs.contiguous()?.apply_op1_no_bwd(&GeluTanh)
+}
+
+struct GeluTanh;
+
+impl CustomOp1 for GeluTanh {
+    fn name(&self) -> &'static str {
+        "gelu-tanh-simd"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(data) = storage else {
+            bail!("gelu_tanh: expected f32 storage")
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("gelu_tanh: expected a contiguous tensor")
+        };
+        let xs = &data[start..end];
+        let mut ys = vec![0f32; xs.len()];
+        const CHUNK: usize = 1 << 14;
+        ys.par_chunks_mut(CHUNK)
+            .zip(xs.par_chunks(CHUNK))
+            .for_each(|(y, x)| simd::gelu_tanh(x, y));
+        Ok((CpuStorage::F32(ys), layout.shape().clone()))
     }
 }
