@@ -34,11 +34,13 @@ torch.set_num_threads(args.threads)
 model = GPT2LMHeadModel.from_pretrained(args.model).eval()
 vocab = model.config.vocab_size
 
-# (name, batch, prompt_len, new_tokens)
+# (name, batch, prompt_len, new_tokens, extra `gpt` flags); transformers always runs f32.
 workloads = [
-    ("prefill 512, last logits", 1, 512, 0),
-    ("decode b1: 16 + 128 new", 1, 16, 128),
-    ("decode b8: 16 + 64 new", 8, 16, 64),
+    ("prefill 512, last logits", 1, 512, 0, []),
+    ("decode b1: 16 + 128 new", 1, 16, 128, []),
+    ("decode b1, gpt f16 weights", 1, 16, 128, ["--dtype", "f16"]),
+    ("decode b1, gpt q8_0 weights", 1, 16, 128, ["--quantize", "q8_0"]),
+    ("decode b8: 16 + 64 new", 8, 16, 64, []),
 ]
 
 
@@ -65,29 +67,55 @@ def theirs(b, n, new):
     return b * n / (t1 - t0), b * new / ((t3 - t2) - (t1 - t0))
 
 
-def ours(b, n, new):
+def ours(b, n, new, extra):
     cmd = [os.path.join(ROOT, "target", "release", "gpt"), "bench", "--model", args.model,
            "--batch", str(b), "--prompt-len", str(n), "--new-tokens", str(new), "--runs", "1",
-           "--threads", str(args.threads), "--format", "json"]
+           "--threads", str(args.threads), "--format", "json", *extra]
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     return out["prefill_tokens_per_s"], out["decode_tokens_per_s"], out["peak_rss_bytes"]
 
 
+@torch.inference_mode()
+def floors():
+    """The machine's limits with these threads: memory read bandwidth (summing 1 GiB of
+    f32, far beyond the caches) and the f32 GEMM rate (torch.mm on GPT-2's MLP shape)."""
+    x = torch.ones(2**28)
+    x.sum()
+    reads = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        reads.append(x.numel() * 4 / (time.perf_counter() - t0))
+    a, w = torch.randn(512, 768), torch.randn(768, 3072)
+    torch.mm(a, w)
+    rates = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        torch.mm(a, w)
+        rates.append(2 * 512 * 768 * 3072 / (time.perf_counter() - t0))
+    return statistics.median(reads), statistics.median(rates)
+
+
 theirs(1, 8, 2)  # warm-up
+bandwidth, gemm = floors()
 results = {w[0]: {"ours": [], "theirs": [], "rss": []} for w in workloads}
 for r in range(args.rounds):
-    for name, b, n, new in workloads:
-        o = ours(b, n, new)
+    for name, b, n, new, extra in workloads:
+        o = ours(b, n, new, extra)
         t = theirs(b, n, new)
         key = 1 if new else 0
         results[name]["ours"].append(o[key])
         results[name]["theirs"].append(t[key])
         results[name]["rss"].append(o[2])
 
+f32_bytes = sum(p.numel() for p in model.parameters()) * 4
 print(f"threads {args.threads}, {args.rounds} rounds, torch {torch.__version__}, model {args.model}")
-print(f"{'workload':28} {'gpt tok/s':>10} {'transformers':>13} {'ratio':>6} {'gpt peak RSS':>13}")
-for name, _, _, _ in workloads:
+print(f"floors: memory read {bandwidth / 1e9:.1f} GB/s -> f32 decode b1 at most "
+      f"{bandwidth / f32_bytes:.1f} tok/s ({f32_bytes / 1e6:.0f} MB of weights per token); "
+      f"torch f32 GEMM [512x768]x[768x3072] {gemm / 1e9:.0f} GFLOP/s")
+print(f"{'workload':30} {'gpt tok/s':>10} {'transformers':>13} {'ratio':>6} {'gpt peak RSS':>13}")
+for name, *_ in workloads:
     o = statistics.median(results[name]["ours"])
     t = statistics.median(results[name]["theirs"])
     rss = max(results[name]["rss"]) / 2**20
-    print(f"{name:28} {o:10.1f} {t:13.1f} {o / t:6.2f} {rss:10.0f} MiB")
+    print(f"{name:30} {o:10.1f} {t:13.1f} {o / t:6.2f} {rss:10.0f} MiB")
