@@ -95,8 +95,11 @@ fn main() -> ExitCode {
             eprintln!("error: --threads must be at least 1");
             return ExitCode::FAILURE;
         }
-        // Candle reads RAYON_NUM_THREADS for its matmul; rayon's pool for the rest.
+        // Candle sizes its matmul threads and its own pools (the one behind quantized
+        // products included) from these variables when they first run; rayon's global
+        // pool serves our kernels.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
         let _ = rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global();
