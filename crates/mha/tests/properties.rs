@@ -542,3 +542,43 @@ fn fused_decode_rows_equal_reference() {
         );
     }
 }
+
+/// A projection with few rows (decoding) equals the f64 matrix product for both weight
+/// layouts and for narrowed views of a fused weight.
+#[test]
+fn projections_of_few_rows_equal_matmul() -> Result<()> {
+    use mha::Proj;
+    let (d_in, d_out) = (96, 600);
+    let w_t = randn(&[d_in, d_out]); // Conv1D: row-major [in, out]
+    let linear = randn(&[d_out, d_in]); // nn.Linear: [out, in], used transposed
+    let b = randn(&[d_out]);
+    let conv = Proj::new(w_t.clone(), Some(b.clone()));
+    let lin = Proj::from_linear(&linear, Some(b.clone()))?;
+    for rows in [1, 2, 5, 8, 9] {
+        let xs = randn(&[rows, 1, d_in]);
+        for (name, proj, dense) in [
+            ("conv1d", &conv, w_t.clone()),
+            ("linear", &lin, linear.t()?),
+        ] {
+            // f64 takes the matmul path: the reference.
+            let want = xs
+                .to_dtype(DType::F64)?
+                .reshape((rows, d_in))?
+                .matmul(&dense.to_dtype(DType::F64)?)?
+                .broadcast_add(&b.to_dtype(DType::F64)?)?
+                .reshape((rows, 1, d_out))?;
+            let got = proj.forward(&xs)?;
+            assert_close(&got, &want, 1e-4, 1e-4, &format!("{name}, {rows} rows"));
+        }
+        // A view into a fused projection (q/k/v of GPT-2's c_attn).
+        let view = conv.narrow(200, 300)?;
+        let want = xs
+            .reshape((rows, d_in))?
+            .matmul(&w_t.narrow(1, 200, 300)?.contiguous()?)?;
+        let want = want
+            .broadcast_add(&b.narrow(0, 200, 300)?)?
+            .reshape((rows, 1, 300))?;
+        assert_close(&view.forward(&xs)?, &want, 1e-4, 1e-4, "narrowed view");
+    }
+    Ok(())
+}
