@@ -200,44 +200,31 @@ impl Block<'_> {
         while j0 < kv_end {
             let bc = BC.min(kv_end - j0);
             let s = &mut scores[..rows * bc];
-            if rows == 1 {
-                // Decoding: one query row. Dot products stream the keys once; a GEMM
-                // would spend more on packing than on the product.
-                // SAFETY: as for the GEMM below: `d` floats of the query and of each key.
-                let q = unsafe { std::slice::from_raw_parts(self.q, self.d) };
-                for (j, x) in s.iter_mut().enumerate() {
-                    let k = unsafe {
-                        std::slice::from_raw_parts(self.k.add((j0 + j) * self.k_st), self.d)
-                    };
-                    *x = self.scale * simd::dot(q, k);
-                }
-            } else {
-                // S[rows, bc] = scale · Q[rows, d] · K[j0.., d]ᵀ
-                // SAFETY: the pointers address `rows` query rows and `bc` key rows of length
-                // `d` with the given strides, all inside the storages (see `Rows::ptr`).
-                unsafe {
-                    gemm::gemm(
-                        rows,
-                        bc,
-                        self.d,
-                        s.as_mut_ptr(),
-                        1,
-                        bc as isize,
-                        false,
-                        self.q,
-                        1,
-                        self.q_st as isize,
-                        self.k.add(j0 * self.k_st),
-                        self.k_st as isize,
-                        1,
-                        0.0,
-                        self.scale,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
+            // S[rows, bc] = scale · Q[rows, d] · K[j0.., d]ᵀ
+            // SAFETY: the pointers address `rows` query rows and `bc` key rows of length
+            // `d` with the given strides, all inside the storages (see `Rows::ptr`).
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    bc,
+                    self.d,
+                    s.as_mut_ptr(),
+                    1,
+                    bc as isize,
+                    false,
+                    self.q,
+                    1,
+                    self.q_st as isize,
+                    self.k.add(j0 * self.k_st),
+                    self.k_st as isize,
+                    1,
+                    0.0,
+                    self.scale,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
             }
             for r in 0..rows {
                 let row = &mut s[r * bc..(r + 1) * bc];
@@ -269,19 +256,6 @@ impl Block<'_> {
                 if corr != 1.0 {
                     simd::scale(&mut out[r * self.dv..(r + 1) * self.dv], corr);
                 }
-            }
-            if rows == 1 {
-                for (j, &p) in s.iter().enumerate() {
-                    if p != 0.0 {
-                        // SAFETY: `dv` floats of value row `j0 + j`, inside its storage.
-                        let v = unsafe {
-                            std::slice::from_raw_parts(self.v.add((j0 + j) * self.v_st), self.dv)
-                        };
-                        simd::axpy(out, p, v);
-                    }
-                }
-                j0 += bc;
-                continue;
             }
             // O[rows, dv] += P[rows, bc] · V[j0.., dv]
             // SAFETY: as above, for `bc` value rows of length `dv`.

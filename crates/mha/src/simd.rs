@@ -90,31 +90,6 @@ fn gelu_tanh_impl(xs: &[f32], ys: &mut [f32]) {
     }
 }
 
-#[inline(always)]
-fn dot_impl(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..LANES {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
-#[inline(always)]
-fn axpy_impl(ys: &mut [f32], a: f32, xs: &[f32]) {
-    for (y, &x) in ys.iter_mut().zip(xs) {
-        *y += a * x;
-    }
-}
-
 macro_rules! dispatch {
     ($(#[$doc:meta])* $name:ident, $impl:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
         $(#[$doc])*
@@ -157,14 +132,6 @@ dispatch!(
 dispatch!(
     /// `ys[i] = gelu_tanh(xs[i])` over the shorter of the two slices.
     gelu_tanh, gelu_tanh_impl, (xs: &[f32], ys: &mut [f32]) -> ()
-);
-dispatch!(
-    /// `Σ a[i]·b[i]` over the shorter of the two slices.
-    dot, dot_impl, (a: &[f32], b: &[f32]) -> f32
-);
-dispatch!(
-    /// `ys[i] += a·xs[i]`.
-    axpy, axpy_impl, (ys: &mut [f32], a: f32, xs: &[f32]) -> ()
 );
 dispatch!(
     /// Multiplies every element by `s`.
