@@ -67,7 +67,32 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// mimalloc's `mi_option_purge_delay` (its place in `mi_option_e`, the same in mimalloc 2
+/// and 3; libmimalloc-sys does not name it) and its documented default, 10 ms.
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+const MI_DEFAULT_PURGE_DELAY: std::os::raw::c_long = 10;
+
+/// Keeps freed memory for reuse instead of returning it to the OS 10 ms later. Training
+/// frees and reallocates hundreds of large temporaries per step; returning them made each
+/// one fault in again: a 6-step training trial ran at 1206–1652 tokens/s with the default
+/// and 1925–2345 with this (2534–2842 with MIMALLOC_PURGE_DELAY=-1 set before start),
+/// alternated in one session (docs/PERFORMANCE.md). The cost is that the process keeps its
+/// peak memory until it exits. MIMALLOC_PURGE_DELAY in the environment still wins.
+fn keep_freed_memory() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+        return;
+    }
+    // SAFETY: plain FFI calls on mimalloc's option table. The default is checked first, so
+    // a future mimalloc that numbers its options differently is left alone.
+    unsafe {
+        if libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) == MI_DEFAULT_PURGE_DELAY {
+            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1);
+        }
+    }
+}
+
 fn main() -> ExitCode {
+    keep_freed_memory();
     // Candle attaches a backtrace to every error when RUST_BACKTRACE is set, and messages
     // that quote an error would carry it along. Errors here are for users: keep library
     // backtraces off unless asked for explicitly (RUST_LIB_BACKTRACE=1). Set before any
