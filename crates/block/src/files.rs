@@ -7,11 +7,13 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 use candle_core::{bail, DType, Device, Result, Shape, Tensor};
 use safetensors::tensor::{Metadata, TensorInfo};
+
+use crate::load::path_err;
 
 /// The safetensors format's own limit on the JSON header.
 const MAX_HEADER_BYTES: u64 = 100 << 20;
@@ -23,8 +25,18 @@ pub(crate) struct FileTensors {
     index: HashMap<String, (usize, TensorInfo, u64)>,
 }
 
-fn err(path: &Path, e: impl std::fmt::Display) -> candle_core::Error {
-    candle_core::Error::Msg(format!("{}: {e}", path.display()))
+/// The dtype a stored tensor loads as; model weights are floats.
+pub(crate) fn model_dtype(name: &str, stored: safetensors::Dtype) -> Result<DType> {
+    use safetensors::Dtype as S;
+    Ok(match stored {
+        S::F32 => DType::F32,
+        S::F16 => DType::F16,
+        S::BF16 => DType::BF16,
+        S::F64 => DType::F64,
+        other => {
+            bail!("tensor {name} has dtype {other:?}; model weights must be f32, f16, bf16 or f64")
+        }
+    })
 }
 
 impl FileTensors {
@@ -35,10 +47,11 @@ impl FileTensors {
         let mut files = Vec::new();
         let mut index = HashMap::new();
         for (i, path) in paths.iter().enumerate() {
-            let bad =
-                |e: &dyn std::fmt::Display| err(path, format!("not a valid safetensors file: {e}"));
-            let mut file = File::open(path).map_err(|e| err(path, e))?;
-            let len = file.metadata().map_err(|e| err(path, e))?.len();
+            let bad = |e: &dyn std::fmt::Display| {
+                path_err(path, format!("not a valid safetensors file: {e}"))
+            };
+            let mut file = File::open(path).map_err(|e| path_err(path, e))?;
+            let len = file.metadata().map_err(|e| path_err(path, e))?.len();
             let mut n = [0u8; 8];
             file.read_exact(&mut n).map_err(|e| bad(&e))?;
             let n = u64::from_le_bytes(n);
@@ -80,23 +93,17 @@ impl FileTensors {
         let Some((i, info, base)) = self.index.get(name) else {
             bail!("cannot find tensor {name}")
         };
-        let stored = match info.dtype {
-            safetensors::Dtype::F32 => DType::F32,
-            safetensors::Dtype::F16 => DType::F16,
-            safetensors::Dtype::BF16 => DType::BF16,
-            safetensors::Dtype::F64 => DType::F64,
-            other => bail!(
-                "tensor {name} has dtype {other:?}; model weights must be f32, f16, bf16 or f64"
-            ),
-        };
+        let stored = model_dtype(name, info.dtype)?;
         let (path, file) = &self.files[*i];
         let (start, end) = info.data_offsets;
         let mut bytes = vec![0u8; end - start];
         {
-            let mut file = file.lock().map_err(|_| err(path, "file lock poisoned"))?;
+            let mut file = file
+                .lock()
+                .map_err(|_| path_err(path, "file lock poisoned"))?;
             file.seek(SeekFrom::Start(base + start as u64))
-                .map_err(|e| err(path, e))?;
-            file.read_exact(&mut bytes).map_err(|e| err(path, e))?;
+                .map_err(|e| path_err(path, e))?;
+            file.read_exact(&mut bytes).map_err(|e| path_err(path, e))?;
         }
         let t = Tensor::from_raw_buffer(&bytes, stored, &info.shape, &Device::Cpu)?;
         drop(bytes);

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::files::FileTensors;
+use crate::files::{self, FileTensors};
 use crate::{check, Gpt, GptConfig};
 
 /// Buffers that old checkpoints carry and the model recomputes.
@@ -16,15 +16,16 @@ fn is_ignored_buffer(name: &str) -> bool {
     name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")
 }
 
-fn io_err(path: &Path, e: impl std::fmt::Display) -> candle_core::Error {
+/// An error that names the file it is about.
+pub(crate) fn path_err(path: &Path, e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(format!("{}: {e}", path.display()))
 }
 
 /// Reads and checks `dir/config.json`.
 pub fn read_config(dir: &Path) -> Result<GptConfig> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| io_err(&path, e))?;
-    GptConfig::from_json(&text).map_err(|e| io_err(&path, e))
+    let text = std::fs::read_to_string(&path).map_err(|e| path_err(&path, e))?;
+    GptConfig::from_json(&text).map_err(|e| path_err(&path, e))
 }
 
 /// The safetensors files of a checkpoint directory: `model.safetensors`, or the shards
@@ -36,8 +37,9 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(|e| io_err(&index, e))?;
-        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| io_err(&index, e))?;
+        let text = std::fs::read_to_string(&index).map_err(|e| path_err(&index, e))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| path_err(&index, e))?;
         let Some(map) = json.get("weight_map").and_then(|m| m.as_object()) else {
             bail!("{}: no weight_map object", index.display())
         };
@@ -78,10 +80,7 @@ fn check_header<'a>(
         if is_ignored_buffer(name) {
             continue;
         }
-        use safetensors::Dtype as S;
-        if !matches!(stored, S::F32 | S::F16 | S::BF16 | S::F64) {
-            bail!("tensor {name} has dtype {stored:?}; model weights must be f32, f16, bf16 or f64")
-        }
+        files::model_dtype(name, stored)?;
         shapes.insert(name.to_string(), shape.to_vec());
     }
     let prefixed = shapes.contains_key("transformer.wte.weight");
@@ -181,7 +180,7 @@ pub fn save_dir_as(model: &Gpt, dir: &Path, dtype: DType) -> Result<()> {
             "post-norm models have no Hugging Face GPT-2 layout; only pre-norm models can be saved"
         )
     }
-    std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+    std::fs::create_dir_all(dir).map_err(|e| path_err(dir, e))?;
     let tensors: HashMap<String, Tensor> = model
         .named_tensors()?
         .into_iter()
@@ -196,7 +195,7 @@ pub fn save_dir_as(model: &Gpt, dir: &Path, dtype: DType) -> Result<()> {
     let config = dir.join("config.json");
     let json = model.config().to_json()?;
     write_atomic(&config, |tmp| {
-        std::fs::write(tmp, &json).map_err(|e| io_err(tmp, e))
+        std::fs::write(tmp, &json).map_err(|e| path_err(tmp, e))
     })
 }
 
@@ -206,5 +205,5 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Res
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
     write(&tmp)?;
-    std::fs::rename(&tmp, path).map_err(|e| io_err(path, e))
+    std::fs::rename(&tmp, path).map_err(|e| path_err(path, e))
 }

@@ -17,14 +17,11 @@ use candle_core::pickle::{Object, Stack};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use crate::load::path_err;
 use crate::{check, Activation, Gpt, GptConfig};
 
 /// Largest `data.pkl` read: nanoGPT's holds names and shapes, a few KB.
 const MAX_PICKLE_BYTES: u64 = 64 << 20;
-
-fn err(path: &Path, e: impl std::fmt::Display) -> candle_core::Error {
-    candle_core::Error::Msg(format!("{}: {e}", path.display()))
-}
 
 /// An opened checkpoint: the zip, and the unpickled top-level dict.
 struct Checkpoint {
@@ -35,12 +32,12 @@ struct Checkpoint {
 }
 
 fn open(path: &Path) -> Result<Checkpoint> {
-    let file = File::open(path).map_err(|e| err(path, e))?;
-    let file_len = file.metadata().map_err(|e| err(path, e))?.len();
+    let file = File::open(path).map_err(|e| path_err(path, e))?;
+    let file_len = file.metadata().map_err(|e| path_err(path, e))?.len();
     let mut zip = zip::ZipArchive::new(BufReader::new(file))
-        .map_err(|e| err(path, format!("not a PyTorch zip checkpoint: {e}")))?;
+        .map_err(|e| path_err(path, format!("not a PyTorch zip checkpoint: {e}")))?;
     for i in 0..zip.len() {
-        let entry = zip.by_index_raw(i).map_err(|e| err(path, e))?;
+        let entry = zip.by_index_raw(i).map_err(|e| path_err(path, e))?;
         if entry.compression() != zip::CompressionMethod::Stored
             || entry.size() != entry.compressed_size()
             || entry.size() > file_len
@@ -58,10 +55,10 @@ fn open(path: &Path) -> Result<Checkpoint> {
         .file_names()
         .filter_map(|n| n.ok().map(|n| n.into_owned()))
         .find(|n| n.ends_with("data.pkl"))
-        .ok_or_else(|| err(path, "no data.pkl inside (not a PyTorch checkpoint)"))?;
+        .ok_or_else(|| path_err(path, "no data.pkl inside (not a PyTorch checkpoint)"))?;
     let mut bytes = Vec::new();
     {
-        let entry = zip.by_name(&pkl).map_err(|e| err(path, e))?;
+        let entry = zip.by_name(&pkl).map_err(|e| path_err(path, e))?;
         if entry.size() > MAX_PICKLE_BYTES {
             bail!(
                 "{}: data.pkl is {} bytes; refusing more than {MAX_PICKLE_BYTES}",
@@ -72,14 +69,14 @@ fn open(path: &Path) -> Result<Checkpoint> {
         entry
             .take(MAX_PICKLE_BYTES)
             .read_to_end(&mut bytes)
-            .map_err(|e| err(path, e))?;
+            .map_err(|e| path_err(path, e))?;
     }
-    crate::pickle::check(&bytes).map_err(|e| err(path, e))?;
+    crate::pickle::check(&bytes).map_err(|e| path_err(path, e))?;
     let mut stack = Stack::empty();
     stack
         .read_loop(&mut std::io::Cursor::new(&bytes))
-        .map_err(|e| err(path, e))?;
-    let Object::Dict(top) = stack.finalize().map_err(|e| err(path, e))? else {
+        .map_err(|e| path_err(path, e))?;
+    let Object::Dict(top) = stack.finalize().map_err(|e| path_err(path, e))? else {
         bail!("{}: the checkpoint is not a dict", path.display())
     };
     let data_dir = pkl.trim_end_matches(".pkl").to_string();
@@ -142,7 +139,7 @@ fn config_of(path: &Path, ckpt: &Checkpoint) -> Result<GptConfig> {
         eos_token_id: (vocab_size > 50256).then_some(50256),
         ..GptConfig::gpt2()
     };
-    cfg.validate().map_err(|e| err(path, e))?;
+    cfg.validate().map_err(|e| path_err(path, e))?;
     Ok(cfg)
 }
 
@@ -286,7 +283,7 @@ pub fn load_nanogpt(path: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
             (name.clone(), shape)
         })
         .collect();
-    check::check_tensor_table(&cfg, &shapes, dtype, true).map_err(|e| err(path, e))?;
+    check::check_tensor_table(&cfg, &shapes, dtype, true).map_err(|e| path_err(path, e))?;
 
     let mut tensors = HashMap::new();
     let mut missing_biases = Vec::new();
@@ -310,7 +307,7 @@ pub fn load_nanogpt(path: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
         tensors.insert(name, Tensor::zeros(len, DType::F32, &Device::Cpu)?);
     }
     let vb = VarBuilder::from_tensors(tensors, dtype, device);
-    Gpt::new(&cfg, vb).map_err(|e| err(path, e))
+    Gpt::new(&cfg, vb).map_err(|e| path_err(path, e))
 }
 
 /// Reads one tensor's bytes after checking them against its zip entry.
@@ -339,7 +336,7 @@ fn read_tensor(ckpt: &mut Checkpoint, path: &Path, name: &str, t: &StoredTensor)
     let mut entry = ckpt
         .zip
         .by_name(&entry_name)
-        .map_err(|e| err(path, format!("tensor {name}: storage {entry_name}: {e}")))?;
+        .map_err(|e| path_err(path, format!("tensor {name}: storage {entry_name}: {e}")))?;
     let end = t.offset.checked_add(numel);
     let fits = end.is_some_and(|end| {
         end <= t.storage_len && (end as u128) * (size as u128) <= entry.size() as u128
@@ -355,8 +352,10 @@ fn read_tensor(ckpt: &mut Checkpoint, path: &Path, name: &str, t: &StoredTensor)
         &mut (&mut entry).take((t.offset * size) as u64),
         &mut std::io::sink(),
     )
-    .map_err(|e| err(path, e))?;
+    .map_err(|e| path_err(path, e))?;
     let mut bytes = vec![0u8; numel * size];
-    entry.read_exact(&mut bytes).map_err(|e| err(path, e))?;
+    entry
+        .read_exact(&mut bytes)
+        .map_err(|e| path_err(path, e))?;
     Tensor::from_raw_buffer(&bytes, t.dtype, &t.shape, &Device::Cpu)
 }
