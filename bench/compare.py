@@ -39,6 +39,7 @@ workloads = [
     ("prefill 512, last logits", 1, 512, 0, []),
     ("decode b1: 16 + 128 new", 1, 16, 128, []),
     ("decode b1, gpt f16 weights", 1, 16, 128, ["--dtype", "f16"]),
+    ("decode b1, gpt bf16 weights", 1, 16, 128, ["--dtype", "bf16"]),
     ("decode b1, gpt q8_0 weights", 1, 16, 128, ["--quantize", "q8_0"]),
     ("decode b8: 16 + 64 new", 8, 16, 64, []),
 ]

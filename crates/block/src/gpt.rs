@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{bail, DType, ModuleT, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use mha::{Dropout, KvCache, Mask, Proj};
@@ -68,6 +69,21 @@ impl Gpt {
     /// Builds the model from `vb` rooted at the checkpoint's top level (the body under
     /// `transformer.`). From a `VarMap` it creates GPT-2's initialisation.
     pub fn new(cfg: &GptConfig, vb: VarBuilder) -> Result<Self> {
+        Self::build(cfg, vb, None)
+    }
+
+    /// As [`Gpt::new`], with every matrix product's weight quantized to `dtype` as soon as
+    /// its block is read: the full-precision blocks are never all in memory at once, so
+    /// loading peaks near the quantized model's size instead of the f32 model's.
+    pub fn new_quantized(cfg: &GptConfig, vb: VarBuilder, dtype: GgmlDType) -> Result<Self> {
+        Self::build(cfg, vb, Some(dtype))
+    }
+
+    pub(crate) fn build(
+        cfg: &GptConfig,
+        vb: VarBuilder,
+        quantize: Option<GgmlDType>,
+    ) -> Result<Self> {
         cfg.validate()?;
         let t = vb.pp("transformer");
         let (v, d) = (cfg.vocab_size, cfg.n_embd);
@@ -75,7 +91,13 @@ impl Gpt {
         let wte = t.get_with_hints((v, d), "wte.weight", normal(0.02))?;
         let wpe = t.get_with_hints((cfg.n_positions, d), "wpe.weight", normal(0.01))?;
         let h = (0..cfg.n_layer)
-            .map(|i| Block::new(cfg, i, t.pp(format!("h.{i}"))))
+            .map(|i| {
+                let block = Block::new(cfg, i, t.pp(format!("h.{i}")))?;
+                match quantize {
+                    Some(dtype) => block.quantize(dtype), // drops the f32 block
+                    None => Ok(block),
+                }
+            })
             .collect::<Result<Vec<_>>>()?;
         let ln_f = match cfg.norm_placement {
             NormPlacement::Pre => Some(LayerNorm::new(d, cfg.layer_norm_epsilon, t.pp("ln_f"))?),
@@ -86,7 +108,10 @@ impl Gpt {
         } else {
             Some(vb.get_with_hints((v, d), "lm_head.weight", normal(0.02))?)
         };
-        let lm_head = Proj::from_linear(lm_head_weight.as_ref().unwrap_or(&wte), None)?;
+        let mut lm_head = Proj::from_linear(lm_head_weight.as_ref().unwrap_or(&wte), None)?;
+        if let Some(dtype) = quantize {
+            lm_head = lm_head.quantize(dtype)?;
+        }
         Ok(Self {
             cfg: cfg.clone(),
             wte,
@@ -102,7 +127,7 @@ impl Gpt {
     /// The model with every matrix product's weight quantized to `dtype` (e.g.
     /// `GgmlDType::Q8_0`) for inference. Embeddings and LayerNorms stay as they are; a tied
     /// head gets its own quantized copy of the token embedding.
-    pub fn quantize(&self, dtype: candle_core::quantized::GgmlDType) -> Result<Self> {
+    pub fn quantize(&self, dtype: GgmlDType) -> Result<Self> {
         Ok(Self {
             h: self
                 .h

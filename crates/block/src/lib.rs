@@ -49,7 +49,7 @@ pub use generate::{argmax, generate, GenerateOptions, Sampler, SamplingParams, S
 pub use gpt::{next_token_loss, token_logprobs, Gpt, GptCache, Logits};
 pub use load::{
     load_bytes, load_dir, load_files, read_config, save_dir, save_dir_as, weight_files,
-    write_atomic,
+    write_atomic, LoadAs,
 };
 pub use mlp::Mlp;
 pub use nanogpt::{load_nanogpt, nanogpt_config};

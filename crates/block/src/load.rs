@@ -5,11 +5,33 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
+use candle_core::quantized::GgmlDType;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::files::{self, FileTensors};
 use crate::{check, Gpt, GptConfig};
+
+/// What to load the weights as: a dtype for everything, and optionally a block-quantized
+/// format for the matrix products (see [`Gpt::new_quantized`]). A plain [`DType`]
+/// converts into it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadAs {
+    /// The dtype of the embeddings, LayerNorms and biases (and of the matrix products
+    /// when not quantized).
+    pub dtype: DType,
+    /// Quantize the matrix products' weights while loading.
+    pub quantize: Option<GgmlDType>,
+}
+
+impl From<DType> for LoadAs {
+    fn from(dtype: DType) -> Self {
+        Self {
+            dtype,
+            quantize: None,
+        }
+    }
+}
 
 /// Buffers that old checkpoints carry and the model recomputes.
 fn is_ignored_buffer(name: &str) -> bool {
@@ -116,7 +138,13 @@ fn with_prefix_fallback(vb: VarBuilder<'_>, prefixed: bool) -> VarBuilder<'_> {
 
 /// Loads a model from a `config.json` text and safetensors bytes held in memory (an
 /// embedded model, say).
-pub fn load_bytes(config_json: &str, weights: &[u8], dtype: DType, device: &Device) -> Result<Gpt> {
+pub fn load_bytes(
+    config_json: &str,
+    weights: &[u8],
+    load_as: impl Into<LoadAs>,
+    device: &Device,
+) -> Result<Gpt> {
+    let LoadAs { dtype, quantize } = load_as.into();
     let cfg = GptConfig::from_json(config_json)?;
     let st = candle_core::safetensors::SliceSafetensors::new(weights)
         .map_err(|e| candle_core::Error::Msg(format!("not a valid safetensors buffer: {e}")))?;
@@ -126,7 +154,7 @@ pub fn load_bytes(config_json: &str, weights: &[u8], dtype: DType, device: &Devi
         .map(|(n, v)| (n.as_str(), v.dtype(), v.shape()));
     let prefixed = check_header(&cfg, infos, dtype)?;
     let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
-    Gpt::new(&cfg, with_prefix_fallback(vb, prefixed))
+    Gpt::build(&cfg, with_prefix_fallback(vb, prefixed), quantize)
 }
 
 /// Opens the files and checks their headers against `cfg`. Returns the opened files and
@@ -145,10 +173,11 @@ fn open(cfg: &GptConfig, files: &[PathBuf], dtype: DType) -> Result<(FileTensors
     Ok((st, prefixed))
 }
 
-/// Loads a model from a Hugging Face GPT-2 directory, converting weights to `dtype`.
-pub fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
+/// Loads a model from a Hugging Face GPT-2 directory, converting weights to a dtype (or
+/// [`LoadAs`]).
+pub fn load_dir(dir: &Path, load_as: impl Into<LoadAs>, device: &Device) -> Result<Gpt> {
     let cfg = read_config(dir)?;
-    load_files(&cfg, &weight_files(dir)?, dtype, device)
+    load_files(&cfg, &weight_files(dir)?, load_as, device)
 }
 
 /// Loads a model for `cfg` from safetensors files with or without the `transformer.`
@@ -156,13 +185,14 @@ pub fn load_dir(dir: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
 pub fn load_files(
     cfg: &GptConfig,
     files: &[PathBuf],
-    dtype: DType,
+    load_as: impl Into<LoadAs>,
     device: &Device,
 ) -> Result<Gpt> {
+    let LoadAs { dtype, quantize } = load_as.into();
     cfg.validate()?;
     let (st, prefixed) = open(cfg, files, dtype)?;
     let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
-    Gpt::new(cfg, with_prefix_fallback(vb, prefixed))
+    Gpt::build(cfg, with_prefix_fallback(vb, prefixed), quantize)
 }
 
 /// Writes `model` as a Hugging Face GPT-2 directory (`config.json`, `model.safetensors`)

@@ -457,3 +457,31 @@ fn quantized_model_tracks_the_f32_model() -> Result<()> {
     assert!(err.to_string().contains("multiple of 32"), "{err}");
     Ok(())
 }
+
+/// Quantizing while loading (block by block) gives exactly the model that loading in
+/// full precision and quantizing afterwards gives.
+#[test]
+fn quantizing_while_loading_equals_quantizing_after() -> Result<()> {
+    use candle_core::quantized::GgmlDType;
+    let cfg = GptConfig {
+        n_embd: 64,
+        ..tiny(NormPlacement::Pre)
+    };
+    let (_vm, gpt) = model(&cfg, DType::F32);
+    let dir = tempfile::tempdir().unwrap();
+    block::save_dir(&gpt, dir.path())?;
+    let xs = ids(&[&[3, 1, 4, 1, 5, 9, 2, 6]]);
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+        let load_as = block::LoadAs {
+            dtype: DType::F32,
+            quantize: Some(dtype),
+        };
+        let on_load = block::load_dir(dir.path(), load_as, &Device::Cpu)?;
+        let after = block::load_dir(dir.path(), DType::F32, &Device::Cpu)?.quantize(dtype)?;
+        assert!(on_load.is_quantized());
+        let a = on_load.infer(&xs, None, None, Logits::All)?;
+        let b = after.infer(&xs, None, None, Logits::All)?;
+        assert_eq!(common::max_abs_diff(&a, &b), 0.0, "{dtype:?}");
+    }
+    Ok(())
+}

@@ -193,21 +193,30 @@ pub fn read_tokenizer(path: &Path) -> Result<Tokenizer> {
 
 /// Loads what `--model` names (and checks its weights with `--check-weights`).
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
-    let mut loaded = load_unchecked(args)?;
+    // Quantizing while loading keeps the f32 blocks from all being in memory at once;
+    // checking the weights needs them unquantized, so that loads first and quantizes after.
+    let load_as = block::LoadAs {
+        dtype: args.dtype.into(),
+        quantize: args
+            .quantize
+            .filter(|_| !args.check_weights)
+            .map(Into::into),
+    };
+    let mut loaded = load_unchecked(args, load_as)?;
     if args.check_weights {
         loaded.model.check_weights()?;
     }
-    if let Some(q) = args.quantize {
+    if let Some(q) = args.quantize.filter(|_| !loaded.model.is_quantized()) {
         loaded.model = loaded.model.quantize(q.into())?;
     }
     Ok(loaded)
 }
 
-fn load_unchecked(args: &ModelArgs) -> Result<Loaded> {
+fn load_unchecked(args: &ModelArgs, load_as: block::LoadAs) -> Result<Loaded> {
     let dev = device(args.device)?;
-    let dtype: DType = args.dtype.into();
+    let dtype = load_as.dtype;
     let Some(spec) = &args.model else {
-        let model = block::load_bytes(embedded::CONFIG, embedded::WEIGHTS, dtype, &dev)
+        let model = block::load_bytes(embedded::CONFIG, embedded::WEIGHTS, load_as, &dev)
             .context("the built-in model")?;
         let tokenizer = tokenizer::parse(embedded::TOKENIZER)
             .map_err(|e| anyhow!("the built-in tokenizer: {e}"))?;
@@ -219,7 +228,7 @@ fn load_unchecked(args: &ModelArgs) -> Result<Loaded> {
     };
     let path = PathBuf::from(spec);
     if path.is_dir() {
-        let model = block::load_dir(&path, dtype, &dev)?;
+        let model = block::load_dir(&path, load_as, &dev)?;
         let tokenizer = tokenizer_file(&path.join("tokenizer.json"))?;
         return Ok(Loaded {
             model,
@@ -242,7 +251,7 @@ fn load_unchecked(args: &ModelArgs) -> Result<Loaded> {
             .filter(|_| path.extension().is_some_and(|e| e == "safetensors"))
         {
             let cfg = block::read_config(dir)?;
-            let model = block::load_files(&cfg, std::slice::from_ref(&path), dtype, &dev)?;
+            let model = block::load_files(&cfg, std::slice::from_ref(&path), load_as, &dev)?;
             let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
             return Ok(Loaded {
                 model,
@@ -261,7 +270,7 @@ fn load_unchecked(args: &ModelArgs) -> Result<Loaded> {
         bail!("{spec}: no such file or directory")
     }
     let dir = hub_download(spec)?;
-    let model = block::load_dir(&dir, dtype, &dev)?;
+    let model = block::load_dir(&dir, load_as, &dev)?;
     let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
     Ok(Loaded {
         model,

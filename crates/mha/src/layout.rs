@@ -205,7 +205,13 @@ impl Proj {
         let xs2 = xs.reshape((rows, d_in))?;
         // One 2-D product over all rows: no per-batch broadcast of the weight.
         let ys = match &self.w {
-            Weight::Dense(w_t) => xs2.matmul(w_t)?,
+            Weight::Dense(w_t) => {
+                // Decoding: a few rows against the weight, bound by reading it once.
+                if let Some(ys) = crate::matvec::few_rows_matmul(&xs2, w_t, self.b.as_ref())? {
+                    return ys.reshape(out_dims(dims, d_out));
+                }
+                xs2.matmul(w_t)?
+            }
             Weight::Quantized { w, cols, .. } => {
                 let ys = w.forward(&xs2.to_dtype(DType::F32)?.contiguous()?)?;
                 let ys = match cols {
@@ -221,12 +227,17 @@ impl Proj {
             Some(b) => ys.broadcast_add(b)?,
             None => ys,
         };
-        let mut out_dims = dims.to_vec();
-        if let Some(last) = out_dims.last_mut() {
-            *last = d_out;
-        }
-        ys.reshape(out_dims)
+        ys.reshape(out_dims(dims, d_out))
     }
+}
+
+/// `dims` with the last one replaced by `d_out`.
+fn out_dims(dims: &[usize], d_out: usize) -> Vec<usize> {
+    let mut out = dims.to_vec();
+    if let Some(last) = out.last_mut() {
+        *last = d_out;
+    }
+    out
 }
 
 /// The projections of one attention layer.

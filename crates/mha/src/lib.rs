@@ -47,6 +47,7 @@ mod dropout;
 pub mod kernel;
 mod layout;
 mod mask;
+pub mod matvec;
 mod simd;
 
 pub use attention::{

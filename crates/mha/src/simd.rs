@@ -90,6 +90,131 @@ fn gelu_tanh_impl(xs: &[f32], ys: &mut [f32]) {
     }
 }
 
+/// A weight element the product kernels widen to f32 as they read it.
+pub trait Widen: Copy + Send + Sync + 'static {
+    /// The value as f32.
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for half::bf16 {
+    /// bf16 is the top half of an f32: a shift, which vectorises (NaN stays NaN).
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+impl Widen for half::f16 {
+    /// Bit arithmetic with selects instead of `half`'s per-call feature check, so that it
+    /// vectorises: the exponent is rebiased, subnormals renormalised by one float
+    /// subtraction, infinities and NaNs kept (F. Giesen's `half_to_float`).
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        let h = self.to_bits() as u32;
+        let magic = f32::from_bits(113 << 23);
+        let exp_mask = 0x7c00 << 13;
+        let o = (h & 0x7fff) << 13;
+        let exp = o & exp_mask;
+        let o = o + ((127 - 15) << 23);
+        let o = if exp == exp_mask {
+            o + ((128 - 16) << 23)
+        } else if exp == 0 {
+            (f32::from_bits(o + (1 << 23)) - magic).to_bits()
+        } else {
+            o
+        };
+        f32::from_bits(o | (h & 0x8000) << 16)
+    }
+}
+
+/// `y += a[0]·w[0] + a[1]·w[1] + a[2]·w[2] + a[3]·w[3]` (each `w[j]` at least as long as
+/// `y`): four weight rows per pass, so `y` is loaded and stored once per four rows.
+#[inline(always)]
+fn axpy4_impl<W: Widen>(y: &mut [f32], a: [f32; 4], w: [&[W]; 4]) {
+    let n = y.len();
+    let (w0, w1, w2, w3) = (&w[0][..n], &w[1][..n], &w[2][..n], &w[3][..n]);
+    for c in 0..n {
+        y[c] += a[0] * w0[c].widen()
+            + a[1] * w1[c].widen()
+            + a[2] * w2[c].widen()
+            + a[3] * w3[c].widen();
+    }
+}
+
+/// `y += a·w` over the shorter of the two.
+#[inline(always)]
+fn axpy_impl(y: &mut [f32], a: f32, w: &[f32]) {
+    for (y, &w) in y.iter_mut().zip(w) {
+        *y += a * w;
+    }
+}
+
+/// The dot products of `x` with four rows (each at least as long as `x`): `x` is read
+/// once for the four.
+#[inline(always)]
+fn dot4_impl<W: Widen>(x: &[f32], w: [&[W]; 4]) -> [f32; 4] {
+    let len = x.len();
+    let (w0, w1, w2, w3) = (&w[0][..len], &w[1][..len], &w[2][..len], &w[3][..len]);
+    // One accumulator per row, one lane per vector lane.
+    let (mut a0, mut a1, mut a2, mut a3) =
+        ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
+    let n = len / LANES * LANES;
+    for i in (0..n).step_by(LANES) {
+        let xv: &[f32; LANES] = x[i..i + LANES].try_into().unwrap();
+        let r0: &[W; LANES] = w0[i..i + LANES].try_into().unwrap();
+        let r1: &[W; LANES] = w1[i..i + LANES].try_into().unwrap();
+        let r2: &[W; LANES] = w2[i..i + LANES].try_into().unwrap();
+        let r3: &[W; LANES] = w3[i..i + LANES].try_into().unwrap();
+        for l in 0..LANES {
+            a0[l] += xv[l] * r0[l].widen();
+            a1[l] += xv[l] * r1[l].widen();
+            a2[l] += xv[l] * r2[l].widen();
+            a3[l] += xv[l] * r3[l].widen();
+        }
+    }
+    let tail = |r: &[W]| -> f32 { x[n..].iter().zip(&r[n..]).map(|(a, b)| a * b.widen()).sum() };
+    [
+        a0.iter().sum::<f32>() + tail(w0),
+        a1.iter().sum::<f32>() + tail(w1),
+        a2.iter().sum::<f32>() + tail(w2),
+        a3.iter().sum::<f32>() + tail(w3),
+    ]
+}
+
+// Concrete instances for `dispatch!`; inlined, so each is compiled for the features of
+// the function it lands in.
+#[inline(always)]
+fn axpy4_f32_impl(y: &mut [f32], a: [f32; 4], w: [&[f32]; 4]) {
+    axpy4_impl(y, a, w)
+}
+#[inline(always)]
+fn axpy4_bf16_impl(y: &mut [f32], a: [f32; 4], w: [&[half::bf16]; 4]) {
+    axpy4_impl(y, a, w)
+}
+#[inline(always)]
+fn axpy4_f16_impl(y: &mut [f32], a: [f32; 4], w: [&[half::f16]; 4]) {
+    axpy4_impl(y, a, w)
+}
+#[inline(always)]
+fn dot4_f16_impl(x: &[f32], w: [&[half::f16]; 4]) -> [f32; 4] {
+    dot4_impl(x, w)
+}
+#[inline(always)]
+fn dot4_f32_impl(x: &[f32], w: [&[f32]; 4]) -> [f32; 4] {
+    dot4_impl(x, w)
+}
+#[inline(always)]
+fn dot4_bf16_impl(x: &[f32], w: [&[half::bf16]; 4]) -> [f32; 4] {
+    dot4_impl(x, w)
+}
+
 macro_rules! dispatch {
     ($(#[$doc:meta])* $name:ident, $impl:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
         $(#[$doc])*
@@ -132,6 +257,34 @@ dispatch!(
 dispatch!(
     /// `ys[i] = gelu_tanh(xs[i])` over the shorter of the two slices.
     gelu_tanh, gelu_tanh_impl, (xs: &[f32], ys: &mut [f32]) -> ()
+);
+dispatch!(
+    /// `y += Σ_j a[j]·w[j]` over four f32 rows, each at least as long as `y`.
+    axpy4, axpy4_f32_impl, (y: &mut [f32], a: [f32; 4], w: [&[f32]; 4]) -> ()
+);
+dispatch!(
+    /// `y += Σ_j a[j]·w[j]` over four bf16 rows, each at least as long as `y`.
+    axpy4_bf16, axpy4_bf16_impl, (y: &mut [f32], a: [f32; 4], w: [&[half::bf16]; 4]) -> ()
+);
+dispatch!(
+    /// `y += Σ_j a[j]·w[j]` over four f16 rows, each at least as long as `y`.
+    axpy4_f16, axpy4_f16_impl, (y: &mut [f32], a: [f32; 4], w: [&[half::f16]; 4]) -> ()
+);
+dispatch!(
+    /// Four dot products of `x` with f16 rows at least as long as `x`.
+    dot4_f16, dot4_f16_impl, (x: &[f32], w: [&[half::f16]; 4]) -> [f32; 4]
+);
+dispatch!(
+    /// `y += a·w` over the shorter of the two.
+    axpy, axpy_impl, (y: &mut [f32], a: f32, w: &[f32]) -> ()
+);
+dispatch!(
+    /// Four dot products of `x` with f32 rows at least as long as `x`.
+    dot4, dot4_f32_impl, (x: &[f32], w: [&[f32]; 4]) -> [f32; 4]
+);
+dispatch!(
+    /// Four dot products of `x` with bf16 rows at least as long as `x`.
+    dot4_bf16, dot4_bf16_impl, (x: &[f32], w: [&[half::bf16]; 4]) -> [f32; 4]
 );
 dispatch!(
     /// Multiplies every element by `s`.
@@ -195,5 +348,66 @@ mod tests {
         }
         assert!((sum - want.iter().sum::<f32>()).abs() < 1e-5);
         assert_eq!(max(&[]), f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn f16_widens_like_half_for_every_bit_pattern() {
+        for bits in 0..=u16::MAX {
+            let h = half::f16::from_bits(bits);
+            let (got, want) = (h.widen(), h.to_f32());
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{bits:#06x}: {got} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn product_kernels_match_scalar_code() {
+        let row = |k: usize| -> Vec<f32> {
+            (0..37)
+                .map(|i| ((i * 13 + k * 7) % 17) as f32 - 8.0)
+                .collect()
+        };
+        let rows: Vec<Vec<f32>> = (0..4).map(row).collect();
+        let r = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+        let x = row(9);
+        let dots = dot4(&x, r);
+        for j in 0..4 {
+            let want: f32 = x.iter().zip(&rows[j]).map(|(a, b)| a * b).sum();
+            assert_eq!(dots[j], want, "small integers sum exactly in any order");
+        }
+        let mut y = row(5);
+        let mut want = y.clone();
+        axpy4(&mut y, [1.0, -2.0, 0.5, 3.0], r);
+        axpy(&mut y, 2.0, &x);
+        for c in 0..want.len() {
+            want[c] +=
+                rows[0][c] - 2.0 * rows[1][c] + 0.5 * rows[2][c] + 3.0 * rows[3][c] + 2.0 * x[c];
+        }
+        assert_eq!(y, want);
+        // bf16 rows: the same integers, exactly representable.
+        let bf: Vec<Vec<half::bf16>> = rows
+            .iter()
+            .map(|r| r.iter().map(|&v| half::bf16::from_f32(v)).collect())
+            .collect();
+        let rb = [&bf[0][..], &bf[1][..], &bf[2][..], &bf[3][..]];
+        assert_eq!(dot4_bf16(&x, rb), dots);
+        let mut yb = row(5);
+        axpy4_bf16(&mut yb, [1.0, -2.0, 0.5, 3.0], rb);
+        axpy(&mut yb, 2.0, &x);
+        assert_eq!(yb, want);
+        let f16: Vec<Vec<half::f16>> = rows
+            .iter()
+            .map(|r| r.iter().map(|&v| half::f16::from_f32(v)).collect())
+            .collect();
+        let rh = [&f16[0][..], &f16[1][..], &f16[2][..], &f16[3][..]];
+        assert_eq!(dot4_f16(&x, rh), dots);
+        let mut yh = row(5);
+        axpy4_f16(&mut yh, [1.0, -2.0, 0.5, 3.0], rh);
+        axpy(&mut yh, 2.0, &x);
+        assert_eq!(yh, want);
+        assert!(half::bf16::NAN.widen().is_nan());
+        assert_eq!(half::bf16::from_f32(-1.5).widen(), -1.5);
     }
 }

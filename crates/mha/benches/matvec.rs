@@ -1,0 +1,61 @@
+//! Decoding-sized products (1 to 4 rows) at GPT-2 small geometry: `mha::matvec` against
+//! Candle's `matmul` (the `gemm` crate). Each iteration runs the product over twelve
+//! copies of the weight, as a 12-layer model does, so the weights come from memory and
+//! not from the 32 MiB cache.
+//!
+//! `RAYON_NUM_THREADS=2 cargo bench -p mha --bench matvec`. Results: docs/PERFORMANCE.md.
+#![allow(missing_docs)]
+
+use candle_core::{Device, Tensor};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use mha::matvec::few_rows_matmul;
+
+fn randn(shape: (usize, usize)) -> Tensor {
+    Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
+}
+
+fn bench_matvec(c: &mut Criterion) {
+    let mut group = c.benchmark_group("matvec");
+    group.sample_size(20);
+    // (name, in, out, copies, stored as nn.Linear [out, in] and used transposed)
+    let shapes = [
+        ("c_attn_768x2304", 768, 2304, 12, false),
+        ("c_fc_768x3072", 768, 3072, 12, false),
+        ("c_proj_3072x768", 3072, 768, 12, false),
+        ("lm_head_768x50257", 768, 50257, 1, true),
+    ];
+    for (name, d_in, d_out, copies, linear) in shapes {
+        let ws: Vec<Tensor> = (0..copies)
+            .map(|_| {
+                if linear {
+                    randn((d_out, d_in)).t().unwrap()
+                } else {
+                    randn((d_in, d_out))
+                }
+            })
+            .collect();
+        let b = randn((1, d_out)).squeeze(0).unwrap();
+        for rows in [1, 4, 8] {
+            let xs = randn((rows, d_in));
+            let id = format!("{name}/rows{rows}");
+            group.bench_function(BenchmarkId::new("matvec", &id), |bench| {
+                bench.iter(|| {
+                    for w in &ws {
+                        few_rows_matmul(&xs, w, Some(&b)).unwrap().unwrap();
+                    }
+                })
+            });
+            group.bench_function(BenchmarkId::new("matmul", &id), |bench| {
+                bench.iter(|| {
+                    for w in &ws {
+                        xs.matmul(w).unwrap().broadcast_add(&b).unwrap();
+                    }
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_matvec);
+criterion_main!(benches);

@@ -1,0 +1,246 @@
+//! Products of a few rows with a weight matrix (decoding: one row per sequence) on the
+//! CPU, f32, f16 or bf16, streaming the weight once from memory.
+//!
+//! With so few rows the product is bound by reading the weight, and a GEMM's packing and
+//! tiling only get in the way (Candle also widens bf16 weights to f32 on every call).
+//! Each thread takes a *contiguous* range of the weight's memory and walks it front to
+//! back, which is what the hardware prefetchers follow best:
+//! - `[in, out]` weights (GPT-2's Conv1D): a thread takes a range of input rows and adds
+//!   `x[i]·w[i, :]` into its own partial output, four rows per pass; the partials are
+//!   summed at the end (with the bias).
+//! - `[out, in]` weights seen transposed (an `nn.Linear`, a tied LM head): a thread takes
+//!   a range of output rows and computes their dot products with `x`, four at a time.
+//!
+//! Sums are in f32 whatever the weight's dtype, as Candle's bf16 matmul does. Its
+//! reference is `matmul`; the tests hold it to that.
+
+use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::simd::{self, Widen};
+
+/// The most rows this path takes, for weights seen transposed (`[out, in]` stored): the
+/// dot products beat `gemm` at 1, 4 and 8 rows (`benches/matvec.rs`).
+pub const MAX_ROWS: usize = 8;
+/// The most rows for `[in, out]` weights: the row updates beat `gemm` at 1 row, match
+/// it at 2 and lose from 4, where each weight tile is re-read per row from L1 and a
+/// GEMM's register blocking does better.
+pub const MAX_ROWS_IN_OUT: usize = 2;
+
+/// Output columns per tile in `rows_times_w`: 4 weight rows and up to `MAX_ROWS` outputs
+/// of 1024 f32 each fill about 32 KiB, inside L1.
+const TILE: usize = 1024;
+
+/// A weight dtype with product kernels.
+trait Elem: Widen {
+    const ZERO: Self;
+    fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[Self]; 4]);
+    fn dot4(x: &[f32], w: [&[Self]; 4]) -> [f32; 4];
+}
+
+impl Elem for f32 {
+    const ZERO: Self = 0.0;
+    fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[f32]; 4]) {
+        simd::axpy4(y, a, w)
+    }
+    fn dot4(x: &[f32], w: [&[f32]; 4]) -> [f32; 4] {
+        simd::dot4(x, w)
+    }
+}
+
+impl Elem for bf16 {
+    const ZERO: Self = bf16::ZERO;
+    fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[bf16]; 4]) {
+        simd::axpy4_bf16(y, a, w)
+    }
+    fn dot4(x: &[f32], w: [&[bf16]; 4]) -> [f32; 4] {
+        simd::dot4_bf16(x, w)
+    }
+}
+
+impl Elem for f16 {
+    const ZERO: Self = f16::ZERO;
+    fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[f16]; 4]) {
+        simd::axpy4_f16(y, a, w)
+    }
+    fn dot4(x: &[f32], w: [&[f16]; 4]) -> [f32; 4] {
+        simd::dot4_f16(x, w)
+    }
+}
+
+/// `xs [m, in] · w_t [in, out] (+ b [out])` for `m <= MAX_ROWS` (`MAX_ROWS_IN_OUT` when
+/// `w_t` is stored `[in, out]`), or `None` when the
+/// operands are not f32, f16 or bf16 CPU tensors of one dtype in a layout this handles (or a
+/// gradient is needed): the caller then uses `matmul`.
+pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
+    let (m, d_in) = xs.dims2()?;
+    let (w_in, d_out) = w_t.dims2()?;
+    let dtype = xs.dtype();
+    let usable = |t: &Tensor| t.dtype() == dtype && t.device().is_cpu() && !t.track_op();
+    if m == 0
+        || m > MAX_ROWS
+        || d_in == 0
+        || d_out == 0
+        || w_in != d_in
+        || !matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+        || !usable(xs)
+        || !usable(w_t)
+        || !b.is_none_or(|b| usable(b) && b.dims() == [d_out])
+    {
+        return Ok(None);
+    }
+    let x = xs.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut ys = match b {
+        Some(b) => b.to_dtype(DType::F32)?.to_vec1::<f32>()?.repeat(m),
+        None => vec![0f32; m * d_out],
+    };
+    let (storage, layout) = w_t.storage_and_layout();
+    let (start, stride) = (layout.start_offset(), layout.stride());
+    let done = match &*storage {
+        Storage::Cpu(CpuStorage::F32(w)) => product(&x, m, w, start, stride, d_in, d_out, &mut ys),
+        Storage::Cpu(CpuStorage::BF16(w)) => product(&x, m, w, start, stride, d_in, d_out, &mut ys),
+        Storage::Cpu(CpuStorage::F16(w)) => product(&x, m, w, start, stride, d_in, d_out, &mut ys),
+        _ => false,
+    };
+    drop(storage);
+    if !done {
+        return Ok(None);
+    }
+    Tensor::from_vec(ys, (m, d_out), xs.device())?
+        .to_dtype(dtype)
+        .map(Some)
+}
+
+/// `ys += x · w` with `w` the `[in, out]` view at `start` with `stride` into `data`;
+/// false (and nothing done) when the view has neither unit-stride rows nor columns, or
+/// has rows and more than `MAX_ROWS_IN_OUT` of them are asked for.
+#[allow(clippy::too_many_arguments)]
+fn product<E: Elem>(
+    x: &[f32],
+    m: usize,
+    data: &[E],
+    start: usize,
+    stride: &[usize],
+    d_in: usize,
+    d_out: usize,
+    ys: &mut [f32],
+) -> bool {
+    let fits = |n: usize, s: usize, len: usize| start + (n - 1) * s + len <= data.len();
+    if m <= MAX_ROWS_IN_OUT && stride[1] == 1 && stride[0] >= d_out && fits(d_in, stride[0], d_out)
+    {
+        // Row i of `[in, out]` is data[start + i·s0 ..][..out].
+        rows_times_w(
+            x,
+            m,
+            d_in,
+            d_out,
+            &|i| &data[start + i * stride[0]..][..d_out],
+            ys,
+        );
+        true
+    } else if stride[0] == 1 && stride[1] >= d_in && fits(d_out, stride[1], d_in) {
+        // Column o of `[in, out]` (row o of the stored `[out, in]`) is data[start + o·s1 ..][..in].
+        rows_dot_w(
+            x,
+            m,
+            d_in,
+            d_out,
+            &|o| &data[start + o * stride[1]..][..d_in],
+            ys,
+        );
+        true
+    } else {
+        false
+    }
+}
+
+/// Splits `0..n` into one contiguous range per thread (at least `min` long).
+fn ranges(n: usize, min: usize) -> Vec<(usize, usize)> {
+    let parts = rayon::current_num_threads().clamp(1, n.div_ceil(min).max(1));
+    (0..parts)
+        .map(|p| (n * p / parts, n * (p + 1) / parts))
+        .filter(|(a, b)| a < b)
+        .collect()
+}
+
+/// `ys [m, out] += x [m, in] · w`, `w` given by its input rows.
+fn rows_times_w<'a, E: Elem>(
+    x: &[f32],
+    m: usize,
+    d_in: usize,
+    d_out: usize,
+    row: &(dyn Fn(usize) -> &'a [E] + Sync),
+    ys: &mut [f32],
+) {
+    // The last group of four rows is padded with zero rows (zero times an infinite
+    // weight would be NaN).
+    let zeros = vec![E::ZERO; d_out];
+    // Each thread's rows go into its own partial sum `[m, out]`.
+    let partials: Vec<Vec<f32>> = ranges(d_in, 64)
+        .into_par_iter()
+        .map(|(lo, hi)| {
+            let mut acc = vec![0f32; m * d_out];
+            let mut i = lo;
+            while i < hi {
+                let k = (hi - i).min(4);
+                let w = [0, 1, 2, 3].map(|j| if j < k { row(i + j) } else { &zeros[..] });
+                let a: Vec<[f32; 4]> = (0..m)
+                    .map(|r| [0, 1, 2, 3].map(|j| if j < k { x[r * d_in + i + j] } else { 0.0 }))
+                    .collect();
+                // Column tiles keep the four rows' tile and the m outputs' tiles in L1
+                // while every row of `x` uses them.
+                for c0 in (0..d_out).step_by(TILE) {
+                    let c1 = (c0 + TILE).min(d_out);
+                    let wt = w.map(|row| &row[c0..c1]);
+                    for (r, a) in a.iter().enumerate() {
+                        E::axpy4(&mut acc[r * d_out + c0..r * d_out + c1], *a, wt);
+                    }
+                }
+                i += k;
+            }
+            acc
+        })
+        .collect();
+    for p in &partials {
+        simd::axpy(ys, 1.0, p);
+    }
+}
+
+/// `ys [m, out] += x [m, in] · w`, `w` given by its output columns.
+fn rows_dot_w<'a, E: Elem>(
+    x: &[f32],
+    m: usize,
+    d_in: usize,
+    d_out: usize,
+    col: &(dyn Fn(usize) -> &'a [E] + Sync),
+    ys: &mut [f32],
+) {
+    // Each thread computes the outputs of its columns for every row: `[m, hi - lo]`.
+    let ranges = ranges(d_out, 64);
+    let blocks: Vec<Vec<f32>> = ranges
+        .par_iter()
+        .map(|&(lo, hi)| {
+            let n = hi - lo;
+            let mut out = vec![0f32; m * n];
+            let mut o = lo;
+            while o < hi {
+                // Four columns at a time; the last group repeats its last column.
+                let k = (hi - o).min(4);
+                let w = [0, 1, 2, 3].map(|j| col(o + j.min(k - 1)));
+                for r in 0..m {
+                    let d = E::dot4(&x[r * d_in..][..d_in], w);
+                    out[r * n + o - lo..][..k].copy_from_slice(&d[..k]);
+                }
+                o += k;
+            }
+            out
+        })
+        .collect();
+    for (&(lo, hi), block) in ranges.iter().zip(&blocks) {
+        let n = hi - lo;
+        for r in 0..m {
+            simd::axpy(&mut ys[r * d_out + lo..][..n], 1.0, &block[r * n..][..n]);
+        }
+    }
+}
