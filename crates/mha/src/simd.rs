@@ -111,29 +111,6 @@ impl Widen for half::bf16 {
     }
 }
 
-impl Widen for half::f16 {
-    /// Bit arithmetic with selects instead of `half`'s per-call feature check, so that it
-    /// vectorises: the exponent is rebiased, subnormals renormalised by one float
-    /// subtraction, infinities and NaNs kept (F. Giesen's `half_to_float`).
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        let h = self.to_bits() as u32;
-        let magic = f32::from_bits(113 << 23);
-        let exp_mask = 0x7c00 << 13;
-        let o = (h & 0x7fff) << 13;
-        let exp = o & exp_mask;
-        let o = o + ((127 - 15) << 23);
-        let o = if exp == exp_mask {
-            o + ((128 - 16) << 23)
-        } else if exp == 0 {
-            (f32::from_bits(o + (1 << 23)) - magic).to_bits()
-        } else {
-            o
-        };
-        f32::from_bits(o | (h & 0x8000) << 16)
-    }
-}
-
 /// `y += a[0]·w[0] + a[1]·w[1] + a[2]·w[2] + a[3]·w[3]` (each `w[j]` at least as long as
 /// `y`): four weight rows per pass, so `y` is loaded and stored once per four rows.
 #[inline(always)]
@@ -199,14 +176,6 @@ fn axpy4_bf16_impl(y: &mut [f32], a: [f32; 4], w: [&[half::bf16]; 4]) {
     axpy4_impl(y, a, w)
 }
 #[inline(always)]
-fn axpy4_f16_impl(y: &mut [f32], a: [f32; 4], w: [&[half::f16]; 4]) {
-    axpy4_impl(y, a, w)
-}
-#[inline(always)]
-fn dot4_f16_impl(x: &[f32], w: [&[half::f16]; 4]) -> [f32; 4] {
-    dot4_impl(x, w)
-}
-#[inline(always)]
 fn dot4_f32_impl(x: &[f32], w: [&[f32]; 4]) -> [f32; 4] {
     dot4_impl(x, w)
 }
@@ -265,14 +234,6 @@ dispatch!(
 dispatch!(
     /// `y += Σ_j a[j]·w[j]` over four bf16 rows, each at least as long as `y`.
     axpy4_bf16, axpy4_bf16_impl, (y: &mut [f32], a: [f32; 4], w: [&[half::bf16]; 4]) -> ()
-);
-dispatch!(
-    /// `y += Σ_j a[j]·w[j]` over four f16 rows, each at least as long as `y`.
-    axpy4_f16, axpy4_f16_impl, (y: &mut [f32], a: [f32; 4], w: [&[half::f16]; 4]) -> ()
-);
-dispatch!(
-    /// Four dot products of `x` with f16 rows at least as long as `x`.
-    dot4_f16, dot4_f16_impl, (x: &[f32], w: [&[half::f16]; 4]) -> [f32; 4]
 );
 dispatch!(
     /// `y += a·w` over the shorter of the two.
@@ -351,18 +312,6 @@ mod tests {
     }
 
     #[test]
-    fn f16_widens_like_half_for_every_bit_pattern() {
-        for bits in 0..=u16::MAX {
-            let h = half::f16::from_bits(bits);
-            let (got, want) = (h.widen(), h.to_f32());
-            assert!(
-                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                "{bits:#06x}: {got} vs {want}"
-            );
-        }
-    }
-
-    #[test]
     fn product_kernels_match_scalar_code() {
         let row = |k: usize| -> Vec<f32> {
             (0..37)
@@ -397,16 +346,6 @@ mod tests {
         axpy4_bf16(&mut yb, [1.0, -2.0, 0.5, 3.0], rb);
         axpy(&mut yb, 2.0, &x);
         assert_eq!(yb, want);
-        let f16: Vec<Vec<half::f16>> = rows
-            .iter()
-            .map(|r| r.iter().map(|&v| half::f16::from_f32(v)).collect())
-            .collect();
-        let rh = [&f16[0][..], &f16[1][..], &f16[2][..], &f16[3][..]];
-        assert_eq!(dot4_f16(&x, rh), dots);
-        let mut yh = row(5);
-        axpy4_f16(&mut yh, [1.0, -2.0, 0.5, 3.0], rh);
-        axpy(&mut yh, 2.0, &x);
-        assert_eq!(yh, want);
         assert!(half::bf16::NAN.widen().is_nan());
         assert_eq!(half::bf16::from_f32(-1.5).widen(), -1.5);
     }
