@@ -207,8 +207,10 @@ impl Proj {
         let ys = match &self.w {
             Weight::Dense(w_t) => {
                 // Decoding: a few rows against the weight, bound by reading it once.
-                if let Some(ys) = crate::matvec::few_rows_matmul(&xs2, w_t, self.b.as_ref())? {
-                    return ys.reshape(out_dims(dims, d_out));
+                if crate::matvec::preferred(&xs2, w_t) {
+                    if let Some(ys) = crate::matvec::few_rows_matmul(&xs2, w_t, self.b.as_ref())? {
+                        return ys.reshape(out_dims(dims, d_out));
+                    }
                 }
                 xs2.matmul(w_t)?
             }

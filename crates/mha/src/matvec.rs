@@ -61,6 +61,17 @@ impl Elem for bf16 {
     }
 }
 
+/// Whether [`few_rows_matmul`] should take `xs · w_t` rather than `matmul`: few rows, and
+/// a weight large enough to be split across threads, or bf16 (which Candle's matmul
+/// widens to f32 on every call). Small f32 weights stay on `gemm`, which runs them on
+/// one thread with less overhead (the built-in model decoded at 2800–3000 tokens/s with
+/// its small products on this path, 3400–3700 on `gemm`).
+pub fn preferred(xs: &Tensor, w_t: &Tensor) -> bool {
+    xs.rank() == 2
+        && xs.dim(0).is_ok_and(|m| m <= MAX_ROWS)
+        && (w_t.dtype() == DType::BF16 || w_t.elem_count() >= PARALLEL_MIN)
+}
+
 /// `xs [m, in] · w_t [in, out] (+ b [out])` for `m <= MAX_ROWS` (`MAX_ROWS_IN_OUT` when
 /// `w_t` is stored `[in, out]`), or `None` when the
 /// operands are not f32 or bf16 CPU tensors of one dtype in a layout this handles (or a
@@ -146,13 +157,32 @@ fn product<E: Elem>(
     }
 }
 
-/// Splits `0..n` into one contiguous range per thread (at least `min` long).
-fn ranges(n: usize, min: usize) -> Vec<(usize, usize)> {
-    let parts = rayon::current_num_threads().clamp(1, n.div_ceil(min).max(1));
+/// Weights smaller than this (in elements) are read on the calling thread: handing a
+/// product to the pool and back costs more than reading them (the built-in model's
+/// decoding ran at half speed when its 0.1–0.4 M-element matrices were split); and f32
+/// ones stay on `gemm` (see [`preferred`]).
+const PARALLEL_MIN: usize = 1 << 19;
+
+/// Splits `0..n` into one contiguous range per thread (at least `min` long), or a single
+/// range when the product reads fewer than `PARALLEL_MIN` weights.
+fn ranges(n: usize, min: usize, weights: usize) -> Vec<(usize, usize)> {
+    let parts = if weights < PARALLEL_MIN {
+        1
+    } else {
+        rayon::current_num_threads().clamp(1, n.div_ceil(min).max(1))
+    };
     (0..parts)
         .map(|p| (n * p / parts, n * (p + 1) / parts))
         .filter(|(a, b)| a < b)
         .collect()
+}
+
+/// `f` over the ranges: on the pool when there are several, here when there is one.
+fn map_ranges<T: Send>(ranges: &[(usize, usize)], f: impl Fn(usize, usize) -> T + Sync) -> Vec<T> {
+    match ranges {
+        [(lo, hi)] => vec![f(*lo, *hi)],
+        _ => ranges.par_iter().map(|&(lo, hi)| f(lo, hi)).collect(),
+    }
 }
 
 /// `ys [m, out] += x [m, in] · w`, `w` given by its input rows.
@@ -168,31 +198,29 @@ fn rows_times_w<'a, E: Elem>(
     // weight would be NaN).
     let zeros = vec![E::ZERO; d_out];
     // Each thread's rows go into its own partial sum `[m, out]`.
-    let partials: Vec<Vec<f32>> = ranges(d_in, 64)
-        .into_par_iter()
-        .map(|(lo, hi)| {
-            let mut acc = vec![0f32; m * d_out];
-            let mut i = lo;
-            while i < hi {
-                let k = (hi - i).min(4);
-                let w = [0, 1, 2, 3].map(|j| if j < k { row(i + j) } else { &zeros[..] });
-                let a: Vec<[f32; 4]> = (0..m)
-                    .map(|r| [0, 1, 2, 3].map(|j| if j < k { x[r * d_in + i + j] } else { 0.0 }))
-                    .collect();
-                // Column tiles keep the four rows' tile and the m outputs' tiles in L1
-                // while every row of `x` uses them.
-                for c0 in (0..d_out).step_by(TILE) {
-                    let c1 = (c0 + TILE).min(d_out);
-                    let wt = w.map(|row| &row[c0..c1]);
-                    for (r, a) in a.iter().enumerate() {
-                        E::axpy4(&mut acc[r * d_out + c0..r * d_out + c1], *a, wt);
-                    }
-                }
-                i += k;
+    let partials = map_ranges(&ranges(d_in, 64, d_in * d_out), |lo, hi| {
+        let mut acc = vec![0f32; m * d_out];
+        let mut i = lo;
+        while i < hi {
+            let k = (hi - i).min(4);
+            let w = [0, 1, 2, 3].map(|j| if j < k { row(i + j) } else { &zeros[..] });
+            let mut a = [[0f32; 4]; MAX_ROWS_IN_OUT];
+            for (r, a) in a.iter_mut().enumerate().take(m) {
+                a[..k].copy_from_slice(&x[r * d_in + i..][..k]);
             }
-            acc
-        })
-        .collect();
+            // Column tiles keep the four rows' tile and the m outputs' tiles in L1
+            // while every row of `x` uses them.
+            for c0 in (0..d_out).step_by(TILE) {
+                let c1 = (c0 + TILE).min(d_out);
+                let wt = w.map(|row| &row[c0..c1]);
+                for (r, a) in a.iter().enumerate().take(m) {
+                    E::axpy4(&mut acc[r * d_out + c0..r * d_out + c1], *a, wt);
+                }
+            }
+            i += k;
+        }
+        acc
+    });
     for p in &partials {
         simd::axpy(ys, 1.0, p);
     }
@@ -208,26 +236,23 @@ fn rows_dot_w<'a, E: Elem>(
     ys: &mut [f32],
 ) {
     // Each thread computes the outputs of its columns for every row: `[m, hi - lo]`.
-    let ranges = ranges(d_out, 64);
-    let blocks: Vec<Vec<f32>> = ranges
-        .par_iter()
-        .map(|&(lo, hi)| {
-            let n = hi - lo;
-            let mut out = vec![0f32; m * n];
-            let mut o = lo;
-            while o < hi {
-                // Four columns at a time; the last group repeats its last column.
-                let k = (hi - o).min(4);
-                let w = [0, 1, 2, 3].map(|j| col(o + j.min(k - 1)));
-                for r in 0..m {
-                    let d = E::dot4(&x[r * d_in..][..d_in], w);
-                    out[r * n + o - lo..][..k].copy_from_slice(&d[..k]);
-                }
-                o += k;
+    let ranges = ranges(d_out, 64, d_in * d_out);
+    let blocks = map_ranges(&ranges, |lo, hi| {
+        let n = hi - lo;
+        let mut out = vec![0f32; m * n];
+        let mut o = lo;
+        while o < hi {
+            // Four columns at a time; the last group repeats its last column.
+            let k = (hi - o).min(4);
+            let w = [0, 1, 2, 3].map(|j| col(o + j.min(k - 1)));
+            for r in 0..m {
+                let d = E::dot4(&x[r * d_in..][..d_in], w);
+                out[r * n + o - lo..][..k].copy_from_slice(&d[..k]);
             }
-            out
-        })
-        .collect();
+            o += k;
+        }
+        out
+    });
     for (&(lo, hi), block) in ranges.iter().zip(&blocks) {
         let n = hi - lo;
         for r in 0..m {

@@ -548,13 +548,15 @@ fn fused_decode_rows_equal_reference() {
 /// of a fused weight, with widths that are and are not multiples of the SIMD width.
 #[test]
 fn projections_of_few_rows_equal_matmul() -> Result<()> {
-    for (d_in, d_out) in [(96, 600), (99, 37), (3, 130)] {
+    // The last is large enough for `Proj` to take the kernel, split across threads.
+    for (d_in, d_out) in [(96, 600), (99, 37), (3, 130), (1100, 1000)] {
         few_rows_case(d_in, d_out)?;
     }
     Ok(())
 }
 
 fn few_rows_case(d_in: usize, d_out: usize) -> Result<()> {
+    use mha::matvec::few_rows_matmul;
     use mha::Proj;
     let w_t = randn(&[d_in, d_out]); // Conv1D: row-major [in, out]
     let linear = randn(&[d_out, d_in]); // nn.Linear: [out, in], used transposed
@@ -578,6 +580,17 @@ fn few_rows_case(d_in: usize, d_out: usize) -> Result<()> {
                 .reshape((rows, 1, d_out))?;
             let got = proj.forward(&xs)?;
             assert_close(&got, &want, 1e-4, 1e-4, &format!("{name}, {rows} rows"));
+            // The few-rows kernel itself, whichever path `forward` chose for this size.
+            let limit = match name {
+                "conv1d" => mha::matvec::MAX_ROWS_IN_OUT,
+                _ => mha::matvec::MAX_ROWS,
+            };
+            let direct = few_rows_matmul(&xs.reshape((rows, d_in))?, &dense, Some(&b))?;
+            assert_eq!(direct.is_some(), rows <= limit, "{name}, {rows} rows");
+            if let Some(direct) = direct {
+                let what = format!("{name}, {rows} rows, matvec");
+                assert_close(&direct.reshape((rows, 1, d_out))?, &want, 1e-4, 1e-4, &what);
+            }
         }
         // A view into a fused projection (q/k/v of GPT-2's c_attn).
         let view = conv.narrow(lo, len)?;
@@ -588,6 +601,14 @@ fn few_rows_case(d_in: usize, d_out: usize) -> Result<()> {
             .broadcast_add(&b.narrow(0, lo, len)?)?
             .reshape((rows, 1, len))?;
         assert_close(&view.forward(&xs)?, &want, 1e-4, 1e-4, "narrowed view");
+        if rows <= mha::matvec::MAX_ROWS_IN_OUT {
+            let w_view = w_t.narrow(1, lo, len)?;
+            let b_view = b.narrow(0, lo, len)?;
+            let direct = few_rows_matmul(&xs.reshape((rows, d_in))?, &w_view, Some(&b_view))?
+                .expect("rows of a narrowed view have unit stride");
+            let what = "narrowed view, matvec";
+            assert_close(&direct.reshape((rows, 1, len))?, &want, 1e-4, 1e-4, what);
+        }
         let want = xs
             .reshape((rows, d_in))?
             .matmul(&w_t)?
