@@ -125,11 +125,15 @@ fn main() -> ExitCode {
         // pool serves our kernels.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global();
     }
-    match run(cli) {
+    // The main thread's stack size for the pool's threads (the command runs on one).
+    let _ = rayon::ThreadPoolBuilder::new()
+        .stack_size(8 << 20)
+        .build_global();
+    // Run the command on a worker of that pool: each parallel kernel then splits from a
+    // worker, which takes a share itself, instead of handing every product from the main
+    // thread to the pool and sleeping until it is done (decoding runs ~50 a token).
+    match rayon::scope(|_| run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // One line: the chain of causes joined, newlines folded.
