@@ -5,7 +5,7 @@
 #![allow(missing_docs)]
 
 use candle_core::{DType, Device, Tensor};
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, BenchmarkId, Criterion};
 use mha::{sdpa, sdpa_reference, Mask, MhaConfig, MultiHeadAttention, SdpaParams};
 
 fn heads(b: usize, h: usize, t: usize, d: usize) -> Tensor {
@@ -76,4 +76,11 @@ fn bench_gelu(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench_sdpa, bench_module, bench_gelu);
-criterion_main!(benches);
+
+/// Runs on a worker of rayon's pool, as `gpt` runs its commands (and as PyTorch's
+/// callers take part in its OpenMP work): the kernels split from a thread that takes a
+/// share, not from one that hands the work over and waits.
+fn main() {
+    rayon::scope(|_| benches());
+    Criterion::default().configure_from_args().final_summary();
+}
