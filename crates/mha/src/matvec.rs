@@ -194,11 +194,14 @@ fn rows_times_w<'a, E: Elem>(
     row: &(dyn Fn(usize) -> &'a [E] + Sync),
     ys: &mut [f32],
 ) {
-    // The last group of four rows is padded with zero rows (zero times an infinite
-    // weight would be NaN).
-    let zeros = vec![E::ZERO; d_out];
+    // Threads take whole groups of four rows, so only the very last group can be short;
+    // it is padded with zero rows (zero times an infinite weight would be NaN), which
+    // exist only when it is.
+    let zeros = vec![E::ZERO; if d_in % 4 == 0 { 0 } else { d_out }];
+    let groups = ranges(d_in.div_ceil(4), 16, d_in * d_out);
     // Each thread's rows go into its own partial sum `[m, out]`.
-    let partials = map_ranges(&ranges(d_in, 64, d_in * d_out), |lo, hi| {
+    let partials = map_ranges(&groups, |lo, hi| {
+        let (lo, hi) = (4 * lo, (4 * hi).min(d_in));
         let mut acc = vec![0f32; m * d_out];
         let mut i = lo;
         while i < hi {

@@ -144,6 +144,7 @@ fn dot4_impl<W: Widen>(x: &[f32], w: [&[W]; 4]) -> [f32; 4] {
         ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
     let n = len / LANES * LANES;
     for i in (0..n).step_by(LANES) {
+        // Slices of exactly LANES elements: the conversions cannot fail.
         let xv: &[f32; LANES] = x[i..i + LANES].try_into().unwrap();
         let r0: &[W; LANES] = w0[i..i + LANES].try_into().unwrap();
         let r1: &[W; LANES] = w1[i..i + LANES].try_into().unwrap();

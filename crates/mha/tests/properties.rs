@@ -548,8 +548,9 @@ fn fused_decode_rows_equal_reference() {
 /// of a fused weight, with widths that are and are not multiples of the SIMD width.
 #[test]
 fn projections_of_few_rows_equal_matmul() -> Result<()> {
-    // The last is large enough for `Proj` to take the kernel, split across threads.
-    for (d_in, d_out) in [(96, 600), (99, 37), (3, 130), (1100, 1000)] {
+    // The last is large enough for `Proj` to take the kernel, split across threads, with
+    // a short last group of rows.
+    for (d_in, d_out) in [(96, 600), (99, 37), (3, 130), (1101, 1000)] {
         few_rows_case(d_in, d_out)?;
     }
     Ok(())
