@@ -297,7 +297,8 @@ impl MultiHeadAttention {
     /// Inference with a KV cache: the keys and values of `key`/`value` are appended to
     /// `cache` and `query` attends to everything cached. For decoding use
     /// `Mask::causal(cache.len())` taken before the call; a key padding mask then covers
-    /// all `cache.len() + kv_len` positions.
+    /// all `cache.len() + kv_len` positions. On the CPU, f16 and bf16 layers cache their
+    /// keys and values in f32 and attend in f32 (the output is in the layer's dtype).
     pub fn forward_cached(
         &self,
         query: &Tensor,
@@ -352,6 +353,25 @@ impl MultiHeadAttention {
         let q = q.reshape((b, tq, h, hd))?.transpose(1, 2)?;
         let k = k.reshape((b, tk, h_kv, hd))?.transpose(1, 2)?;
         let v = v.reshape((b, tk, h_kv, hd))?.transpose(1, 2)?;
+        // Half-precision inference on the CPU attends in f32, where the fused kernel runs,
+        // and keeps its cache in f32: widening the new rows once is cheaper than widening
+        // every cached row at every step as the reference path's f32 scores would.
+        let dtype = q.dtype();
+        let dropout_on = self.dropout.is_active(train);
+        let widen = q.device().is_cpu()
+            && matches!(dtype, DType::F16 | DType::BF16)
+            && !need_weights
+            && !dropout_on
+            && !(q.track_op() || k.track_op() || v.track_op());
+        let (q, k, v) = if widen {
+            (
+                q.to_dtype(DType::F32)?,
+                k.to_dtype(DType::F32)?,
+                v.to_dtype(DType::F32)?,
+            )
+        } else {
+            (q, k, v)
+        };
         let (k, v) = match cache {
             Some(cache) => cache.append(&k, &v)?,
             None => (k, v),
@@ -364,7 +384,10 @@ impl MultiHeadAttention {
         };
         let (ys, weights) = sdpa(&q, &k, &v, mask, &params)?;
         // (b, h, tq, hd) -> (b, tq, h·hd)
-        let ys = ys.transpose(1, 2)?.reshape((b, tq, cfg.d_model))?;
+        let ys = ys
+            .to_dtype(dtype)?
+            .transpose(1, 2)?
+            .reshape((b, tq, cfg.d_model))?;
         Ok((self.proj.o.forward(&ys)?, weights))
     }
 }

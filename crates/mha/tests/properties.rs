@@ -334,13 +334,28 @@ fn half_precision_tracks_f32() -> Result<()> {
             .lock()
             .unwrap()
             .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            // Detached, as weights loaded from a file are: inference without gradients.
+            .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
             .collect();
         let attn = MultiHeadAttention::new(&cfg, VarBuilder::from_tensors(ts, dtype, &DEV))?;
         let x = xs.to_dtype(dtype)?;
         let got = attn.forward(&x, &x, &x, &Mask::causal(0), false)?;
         assert_eq!(got.dtype(), dtype);
         assert_close(&got, &want, 2e-2, 2e-2, &format!("{dtype:?}"));
+        // Cached decoding in half precision: the cache holds f32 on the CPU, and the
+        // steps track f32 as the full pass does.
+        let mut cache = KvCache::new(2);
+        let mut parts = Vec::new();
+        for t in 0..7 {
+            let xt = x.narrow(1, t, 1)?;
+            let mask = Mask::causal(cache.len());
+            parts.push(attn.forward_cached(&xt, &xt, &xt, &mask, &mut cache)?);
+        }
+        let stepped = Tensor::cat(&parts, 1)?;
+        assert_eq!(stepped.dtype(), dtype);
+        let cached_k = cache.current()?.map(|(k, _)| k.dtype());
+        assert_eq!(cached_k, Some(DType::F32), "{dtype:?} cache");
+        assert_close(&stepped, &want, 2e-2, 2e-2, &format!("{dtype:?} cached"));
     }
     Ok(())
 }
