@@ -1,5 +1,5 @@
 //! Products of a few rows with a weight matrix (decoding: one row per sequence) on the
-//! CPU, f32 or bf16, streaming the weight once from memory.
+//! CPU, f32, f16 or bf16, streaming the weight once from memory.
 //!
 //! With so few rows the product is bound by reading the weight, and a GEMM's packing and
 //! tiling only get in the way (Candle also widens bf16 weights to f32 on every call).
@@ -12,13 +12,12 @@
 //!   a range of output rows and computes their dot products with `x`, one row after
 //!   another for one row of `x`, four at a time (reused from L1) for several.
 //!
-//! Sums are in f32 whatever the weight's dtype. f16 weights stay on Candle's f16 GEMM:
-//! this path with hardware widening (`vcvtph2ps`) decoded GPT-2 124M at 44–59 tokens/s
-//! against the GEMM's 73–76 in the same run. Its reference is `matmul`; the tests hold
-//! it to that.
+//! Sums are in f32 whatever the weight's dtype. bf16 is widened by a shift as it is read,
+//! f16 by `vcvtph2ps` on AVX-512 CPUs (elsewhere f16 stays on Candle's f16 GEMM). Its
+//! reference is `matmul`; the tests hold it to that.
 
 use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
-use half::bf16;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::simd::{self, Widen};
@@ -71,20 +70,40 @@ impl Elem for bf16 {
     }
 }
 
+impl Elem for f16 {
+    const ZERO: Self = f16::ZERO;
+    fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[f16]; 4]) {
+        simd::axpy4_f16(y, a, w)
+    }
+    fn dot4(x: &[f32], w: [&[f16]; 4]) -> [f32; 4] {
+        simd::dot4_f16(x, w)
+    }
+    fn dot(x: &[f32], w: &[f16]) -> f32 {
+        simd::dot_f16(x, w)
+    }
+}
+
 /// Whether [`few_rows_matmul`] should take `xs · w_t` rather than `matmul`: few rows, and
 /// a weight large enough to be split across threads, or bf16 (which Candle's matmul
-/// widens to f32 on every call). Small f32 weights stay on `gemm`, which runs them on
+/// widens to f32 on every call) or f16 where this has kernels for it (Candle's f16 GEMM
+/// sums in f16: off by 0.099 on a 96-term product of standard normal values, in the
+/// tests). Small f32 weights stay on `gemm`, which runs them on
 /// one thread with less overhead (the built-in model decoded at 2800–3000 tokens/s with
 /// its small products on this path, 3400–3700 on `gemm`).
 pub fn preferred(xs: &Tensor, w_t: &Tensor) -> bool {
+    let half = match w_t.dtype() {
+        DType::BF16 => true,
+        DType::F16 => simd::f16_kernels(),
+        _ => false,
+    };
     xs.rank() == 2
         && xs.dim(0).is_ok_and(|m| m <= MAX_ROWS)
-        && (w_t.dtype() == DType::BF16 || w_t.elem_count() >= PARALLEL_MIN)
+        && (half || w_t.elem_count() >= PARALLEL_MIN)
 }
 
 /// `xs [m, in] · w_t [in, out] (+ b [out])` for `m <= MAX_ROWS` (`MAX_ROWS_IN_OUT` when
 /// `w_t` is stored `[in, out]`), or `None` when the
-/// operands are not f32 or bf16 CPU tensors of one dtype in a layout this handles (or a
+/// operands are not f32, f16 (with AVX-512) or bf16 CPU tensors of one dtype in a layout this handles (or a
 /// gradient is needed): the caller then uses `matmul`.
 pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
     let (m, d_in) = xs.dims2()?;
@@ -96,11 +115,14 @@ pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<
         || d_in == 0
         || d_out == 0
         || w_in != d_in
-        || !matches!(dtype, DType::F32 | DType::BF16)
+        || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
         || !usable(xs)
         || !usable(w_t)
         || !b.is_none_or(|b| usable(b) && b.dims() == [d_out])
     {
+        return Ok(None);
+    }
+    if dtype == DType::F16 && !simd::f16_kernels() {
         return Ok(None);
     }
     let x = xs.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
@@ -113,6 +135,7 @@ pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<
     let done = match &*storage {
         Storage::Cpu(CpuStorage::F32(w)) => product(&x, m, w, start, stride, d_in, d_out, &mut ys),
         Storage::Cpu(CpuStorage::BF16(w)) => product(&x, m, w, start, stride, d_in, d_out, &mut ys),
+        Storage::Cpu(CpuStorage::F16(w)) => product(&x, m, w, start, stride, d_in, d_out, &mut ys),
         _ => false,
     };
     drop(storage);

@@ -111,6 +111,13 @@ impl Widen for half::bf16 {
     }
 }
 
+impl Widen for half::f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
 /// `y += a[0]·w[0] + a[1]·w[1] + a[2]·w[2] + a[3]·w[3]` (each `w[j]` at least as long as
 /// `y`): four weight rows per pass, so `y` is loaded and stored once per four rows.
 #[inline(always)]
@@ -213,6 +220,136 @@ fn dot_bf16_impl(x: &[f32], w: &[half::bf16]) -> f32 {
 #[inline(always)]
 fn dot4_bf16_impl(x: &[f32], w: [&[half::bf16]; 4]) -> [f32; 4] {
     dot4_impl(x, w)
+}
+
+/// Product kernels for f16 weights on AVX-512 (`vcvtph2ps` widens 16 values as they are
+/// loaded). Without AVX-512, f16 products stay on Candle's f16 GEMM: see
+/// [`f16_kernels`].
+#[cfg(target_arch = "x86_64")]
+mod f16_avx512 {
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    /// 16 f16 values at `p`, widened.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load(p: *const f16) -> __m512 {
+        // SAFETY (caller): 16 readable values at `p`; the load is unaligned.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[f16]; 4]) {
+        let n = y.len();
+        let w = w.map(|w| &w[..n]);
+        let av = [0, 1, 2, 3].map(|j| _mm512_set1_ps(a[j]));
+        let mut c = 0;
+        while c + 16 <= n {
+            // SAFETY: c + 16 <= n elements of `y` and of every row.
+            unsafe {
+                let mut acc = _mm512_loadu_ps(y.as_ptr().add(c));
+                for j in 0..4 {
+                    acc = _mm512_fmadd_ps(av[j], load(w[j].as_ptr().add(c)), acc);
+                }
+                _mm512_storeu_ps(y.as_mut_ptr().add(c), acc);
+            }
+            c += 16;
+        }
+        for c in c..n {
+            y[c] += (0..4).map(|j| a[j] * w[j][c].to_f32()).sum::<f32>();
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub fn dot(x: &[f32], w: &[f16]) -> f32 {
+        let n = x.len();
+        let w = &w[..n];
+        let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        while i + 32 <= n {
+            // SAFETY: i + 32 <= n elements of `x` and `w`.
+            unsafe {
+                let (xp, wp) = (x.as_ptr().add(i), w.as_ptr().add(i));
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp), load(wp), a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp.add(16)), load(wp.add(16)), a1);
+            }
+            i += 32;
+        }
+        let tail: f32 = x[i..]
+            .iter()
+            .zip(&w[i..])
+            .map(|(a, b)| a * b.to_f32())
+            .sum();
+        _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + tail
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub fn dot4(x: &[f32], w: [&[f16]; 4]) -> [f32; 4] {
+        let n = x.len();
+        let w = w.map(|w| &w[..n]);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n elements of `x` and of every row.
+            unsafe {
+                let xv = _mm512_loadu_ps(x.as_ptr().add(i));
+                for j in 0..4 {
+                    acc[j] = _mm512_fmadd_ps(xv, load(w[j].as_ptr().add(i)), acc[j]);
+                }
+            }
+            i += 16;
+        }
+        let mut out = [0, 1, 2, 3].map(|j| _mm512_reduce_add_ps(acc[j]));
+        for (o, w) in out.iter_mut().zip(w) {
+            *o += x[i..]
+                .iter()
+                .zip(&w[i..])
+                .map(|(a, b)| a * b.to_f32())
+                .sum::<f32>();
+        }
+        out
+    }
+}
+
+/// Whether this CPU has the f16 product kernels below (AVX-512F).
+pub fn f16_kernels() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Runs `$avx512` (a call into `f16_avx512`) where AVX-512F is present, `$scalar` elsewhere.
+macro_rules! f16_dispatch {
+    ($avx512:expr, $scalar:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has just been seen to support AVX-512F.
+                return unsafe { $avx512 };
+            }
+        }
+        $scalar
+    }};
+}
+
+/// `y += Σ_j a[j]·w[j]` over four f16 rows, each at least as long as `y`.
+pub fn axpy4_f16(y: &mut [f32], a: [f32; 4], w: [&[half::f16]; 4]) {
+    f16_dispatch!(f16_avx512::axpy4(y, a, w), axpy4_impl(y, a, w))
+}
+
+/// The dot product of `x` with an f16 row at least as long as `x`.
+pub fn dot_f16(x: &[f32], w: &[half::f16]) -> f32 {
+    f16_dispatch!(f16_avx512::dot(x, w), dot_impl(x, w))
+}
+
+/// Four dot products of `x` with f16 rows at least as long as `x`.
+pub fn dot4_f16(x: &[f32], w: [&[half::f16]; 4]) -> [f32; 4] {
+    f16_dispatch!(f16_avx512::dot4(x, w), dot4_impl(x, w))
 }
 
 macro_rules! dispatch {
@@ -387,6 +524,19 @@ mod tests {
         axpy4_bf16(&mut yb, [1.0, -2.0, 0.5, 3.0], rb);
         axpy(&mut yb, 2.0, &x);
         assert_eq!(yb, want);
+        // f16 rows: the same integers, exactly representable; 37 values cover the
+        // 16-wide loops and their scalar tails.
+        let hf: Vec<Vec<half::f16>> = rows
+            .iter()
+            .map(|r| r.iter().map(|&v| half::f16::from_f32(v)).collect())
+            .collect();
+        let rh = [&hf[0][..], &hf[1][..], &hf[2][..], &hf[3][..]];
+        assert_eq!(dot4_f16(&x, rh), dots);
+        assert_eq!([0, 1, 2, 3].map(|j| dot_f16(&x, rh[j])), dots);
+        let mut yh = row(5);
+        axpy4_f16(&mut yh, [1.0, -2.0, 0.5, 3.0], rh);
+        axpy(&mut yh, 2.0, &x);
+        assert_eq!(yh, want);
         assert!(half::bf16::NAN.widen().is_nan());
         assert_eq!(half::bf16::from_f32(-1.5).widen(), -1.5);
     }
