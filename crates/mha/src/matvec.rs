@@ -86,8 +86,8 @@ impl Elem for f16 {
 /// Whether [`few_rows_matmul`] should take `xs · w_t` rather than `matmul`: few rows, and
 /// a weight large enough to be split across threads, or bf16 (which Candle's matmul
 /// widens to f32 on every call) or f16 where this has kernels for it (Candle's f16 GEMM
-/// sums in f16: off by 0.099 on a 96-term product of standard normal values, in the
-/// tests). Small f32 weights stay on `gemm`, which runs them on
+/// was off by 0.099 on a 96-term product of standard normal values in the tests, as if
+/// it summed in f16). Small f32 weights stay on `gemm`, which runs them on
 /// one thread with less overhead (the built-in model decoded at 2800–3000 tokens/s with
 /// its small products on this path, 3400–3700 on `gemm`).
 pub fn preferred(xs: &Tensor, w_t: &Tensor) -> bool {
