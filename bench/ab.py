@@ -1,0 +1,39 @@
+"""Alternate two `gpt` builds (or two environments) on the same decoding work and report
+the paired ratios: the way each change in docs/PERFORMANCE.md was measured.
+
+    python3 bench/ab.py N A B [-- extra gpt bench flags]
+
+A and B are each a `gpt` binary path, optionally followed by environment settings
+separated by spaces, e.g. `"/tmp/gpt-old"` and `"target/release/gpt"`, or
+`"target/release/gpt"` and `"target/release/gpt MIMALLOC_LARGE_OS_PAGES=1"`. Each of the
+N rounds runs A then B once (`gpt bench --prompt-len 16 --new-tokens 128 --runs 1
+--threads 2`, on --model); the medians and the median of the N ratios B/A are printed.
+Needs only the Python standard library.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+args = sys.argv[1:]
+extra = []
+if "--" in args:
+    extra = args[args.index("--") + 1:]
+    args = args[:args.index("--")]
+n, configs = int(args[0]), args[1:3]
+model = os.environ.get("AB_MODEL", "/tmp/gpt2-124m-random")
+res = [[], []]
+for _ in range(n):
+    for k, config in enumerate(configs):
+        binary, *settings = config.split()
+        env = dict(os.environ, **dict(s.split("=", 1) for s in settings))
+        cmd = [binary, "bench", "--model", model, "--prompt-len", "16", "--new-tokens", "128",
+               "--runs", "1", "--threads", "2", "--format", "json", *extra]
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        res[k].append(json.loads(out)["decode_tokens_per_s"])
+for config, r in zip(configs, res):
+    print(f"{config!r:50} median {statistics.median(r):.1f} tok/s  {[round(x, 1) for x in r]}")
+ratios = [b / a for a, b in zip(*res)]
+print(f"paired ratio B/A: median {statistics.median(ratios):.3f} "
+      f"(range {min(ratios):.2f}-{max(ratios):.2f})")
