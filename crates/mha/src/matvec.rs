@@ -33,7 +33,8 @@ pub const MAX_ROWS_IN_OUT: usize = 2;
 /// Output elements per tile in `rows_times_w`, over all rows of `x`: 24 KiB of f32 that
 /// stay in L1 while the weight streams past. One row of `x` takes GPT-2's weight rows
 /// (up to 3072 wide) whole: cutting them into 1024-wide tiles made every 4 KiB a new
-/// stream for the prefetchers (c_fc 768×3072 read at 27.8 against 31.4 GB/s on 2 threads).
+/// stream for the prefetchers (c_fc 768×3072 read at 27.8 against 31.4 GB/s on 2 threads,
+/// medians of a harness alternating the two).
 const TILE: usize = 6144;
 
 /// A weight dtype with product kernels.
@@ -102,9 +103,9 @@ pub fn preferred(xs: &Tensor, w_t: &Tensor) -> bool {
 }
 
 /// `xs [m, in] · w_t [in, out] (+ b [out])` for `m <= MAX_ROWS` (`MAX_ROWS_IN_OUT` when
-/// `w_t` is stored `[in, out]`), or `None` when the
-/// operands are not f32, f16 (with AVX-512) or bf16 CPU tensors of one dtype in a layout this handles (or a
-/// gradient is needed): the caller then uses `matmul`.
+/// `w_t` is stored `[in, out]`), or `None` when the operands are not f32, bf16 or (on
+/// AVX-512 CPUs) f16 CPU tensors of one dtype in a layout this handles, or a gradient is
+/// needed: the caller then uses `matmul`.
 pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
     let (m, d_in) = xs.dims2()?;
     let (w_in, d_out) = w_t.dims2()?;
@@ -116,13 +117,11 @@ pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<
         || d_out == 0
         || w_in != d_in
         || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+        || (dtype == DType::F16 && !simd::f16_kernels())
         || !usable(xs)
         || !usable(w_t)
         || !b.is_none_or(|b| usable(b) && b.dims() == [d_out])
     {
-        return Ok(None);
-    }
-    if dtype == DType::F16 && !simd::f16_kernels() {
         return Ok(None);
     }
     let x = xs.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
