@@ -79,6 +79,14 @@ impl KvCache {
                 k.dtype()
             )
         }
+        if new == 0 {
+            // Nothing to write; and Candle's copy of an empty view at an offset (the keys of
+            // a fused projection of zero positions) indexes past its storage.
+            return match self.current()? {
+                Some(kv) => Ok(kv),
+                None => Ok((k.clone(), v.clone())),
+            };
+        }
         let needed = self.len + new;
         let allocated = self.k.as_ref().map_or(0, |t| t.dim(2).unwrap_or(0));
         if !fits(&self.k) || needed > allocated {

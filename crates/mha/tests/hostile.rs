@@ -177,3 +177,32 @@ fn zero_sized_inputs_are_fine() {
         .all(|x| x.is_finite());
     assert!(finite);
 }
+
+/// Cached steps of zero new positions, found by `attention_never_panics`: with the fused
+/// `c_attn` layout the keys are a view at an offset into an empty product, and copying
+/// such a view into the cache indexed past the end of its storage inside Candle.
+#[test]
+fn empty_cached_steps_are_fine() {
+    let cfg = MhaConfig::new(1, 1);
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let attn = MultiHeadAttention::load(&cfg, &WeightLayout::Gpt2Conv1d, vb).unwrap();
+    let mut cache = KvCache::new(2);
+    let empty = tensor(&[1, 0, 1], DType::F32);
+    for _ in 0..3 {
+        let out = attn
+            .forward_cached(&empty, &empty, &empty, &Mask::NONE, &mut cache)
+            .unwrap();
+        assert_eq!(out.dims(), &[1, 0, 1]);
+    }
+    assert_eq!(cache.len(), 0);
+    // An empty step after real ones leaves the cache as it was.
+    let x = tensor(&[1, 2, 1], DType::F32);
+    attn.forward_cached(&x, &x, &x, &Mask::causal(0), &mut cache)
+        .unwrap();
+    let out = attn
+        .forward_cached(&empty, &empty, &empty, &Mask::causal(2), &mut cache)
+        .unwrap();
+    assert_eq!(out.dims(), &[1, 0, 1]);
+    assert_eq!(cache.len(), 2);
+}
