@@ -255,9 +255,7 @@ mod f16_avx512 {
             }
             c += 16;
         }
-        for c in c..n {
-            y[c] += (0..4).map(|j| a[j] * w[j][c].to_f32()).sum::<f32>();
-        }
+        super::axpy4_impl(&mut y[c..], a, w.map(|w| &w[c..]));
     }
 
     #[target_feature(enable = "avx512f")]
@@ -275,12 +273,7 @@ mod f16_avx512 {
             }
             i += 32;
         }
-        let tail: f32 = x[i..]
-            .iter()
-            .zip(&w[i..])
-            .map(|(a, b)| a * b.to_f32())
-            .sum();
-        _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + tail
+        _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + super::dot_impl(&x[i..], &w[i..])
     }
 
     #[target_feature(enable = "avx512f")]
@@ -299,15 +292,9 @@ mod f16_avx512 {
             }
             i += 16;
         }
-        let mut out = [0, 1, 2, 3].map(|j| _mm512_reduce_add_ps(acc[j]));
-        for (o, w) in out.iter_mut().zip(w) {
-            *o += x[i..]
-                .iter()
-                .zip(&w[i..])
-                .map(|(a, b)| a * b.to_f32())
-                .sum::<f32>();
-        }
-        out
+        // The last `n % 16` values by the generic loop.
+        let tail = super::dot4_impl(&x[i..], w.map(|w| &w[i..]));
+        [0, 1, 2, 3].map(|j| _mm512_reduce_add_ps(acc[j]) + tail[j])
     }
 }
 
