@@ -1,27 +1,31 @@
-//! One transformer block: attention and MLP, each with a LayerNorm, dropout and a
-//! residual connection.
+//! One transformer block: attention and MLP, each with a norm, dropout and a residual
+//! connection, in sequence or in parallel.
 
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
-use mha::{Dropout, KvCache, Mask, MhaConfig, MultiHeadAttention, WeightLayout};
+use mha::{Dropout, ForwardArgs, KvCache, Mask, MhaConfig, MultiHeadAttention, RopeTables};
 
-use crate::{GptConfig, LayerNorm, Mlp, NormPlacement};
+use crate::family::TensorNames;
+use crate::{GptConfig, Mlp, Norm, NormPlacement};
 
-/// A GPT-2 block (`h.{i}` in checkpoints): `ln_1`, `attn`, `ln_2`, `mlp`.
+/// A decoder block (`h.{i}` in GPT-2 checkpoints, `layers.{i}` in others): a norm and
+/// attention, a norm and an MLP.
 #[derive(Debug, Clone)]
 pub struct Block {
-    ln_1: LayerNorm,
+    ln_1: Norm,
     attn: MultiHeadAttention,
-    ln_2: LayerNorm,
+    ln_2: Norm,
     mlp: Mlp,
     resid_drop: Dropout,
     placement: NormPlacement,
+    parallel: bool,
 }
 
 impl Block {
     /// Loads block number `layer_idx` (its index sets the attention scale when
-    /// `scale_attn_by_inverse_layer_idx` is on, and its dropout seed).
+    /// `scale_attn_by_inverse_layer_idx` is on, its window, and its dropout seed).
     pub fn new(cfg: &GptConfig, layer_idx: usize, vb: VarBuilder) -> Result<Self> {
+        let names = TensorNames::of(cfg.family);
         let head_dim = (cfg.n_embd / cfg.n_head) as f64;
         let mut scale = if cfg.scale_attn_weights {
             1.0 / head_dim.sqrt()
@@ -36,19 +40,26 @@ impl Block {
             .seed
             .wrapping_add(1000u64.wrapping_mul(layer_idx as u64 + 1));
         let attn_cfg = MhaConfig {
+            n_kv_heads: cfg.n_kv_head,
+            bias: cfg.attn_bias,
+            out_bias: Some(cfg.attn_out_bias),
+            rope: cfg.rope,
+            window: cfg.window(layer_idx),
             dropout: cfg.attn_pdrop,
             scale: Some(scale),
             seed,
             ..MhaConfig::new(cfg.n_embd, cfg.n_head)
         };
-        let eps = cfg.layer_norm_epsilon;
+        let (d, eps) = (cfg.n_embd, cfg.layer_norm_epsilon);
+        let layout = TensorNames::attn_layout(cfg.family);
         Ok(Self {
-            ln_1: LayerNorm::new(cfg.n_embd, eps, vb.pp("ln_1"))?,
-            attn: MultiHeadAttention::load(&attn_cfg, &WeightLayout::Gpt2Conv1d, vb.pp("attn"))?,
-            ln_2: LayerNorm::new(cfg.n_embd, eps, vb.pp("ln_2"))?,
-            mlp: Mlp::new(cfg, vb.pp("mlp"))?,
+            ln_1: Norm::new(cfg.norm, d, eps, vb.pp(names.attn_norm))?,
+            attn: MultiHeadAttention::load(&attn_cfg, &layout, vb.pp(names.attn))?,
+            ln_2: Norm::new(cfg.norm, d, eps, vb.pp(names.mlp_norm))?,
+            mlp: Mlp::new(cfg, vb.pp(names.mlp_prefix))?,
             resid_drop: Dropout::new(cfg.resid_pdrop, seed.wrapping_add(1))?,
             placement: cfg.norm_placement,
+            parallel: cfg.parallel_residual,
         })
     }
 
@@ -61,21 +72,29 @@ impl Block {
         })
     }
 
-    /// The parts, for saving and inspection.
-    pub fn parts(&self) -> (&LayerNorm, &MultiHeadAttention, &LayerNorm, &Mlp) {
+    /// The parts in the order they run, for saving and inspection: the norm before
+    /// attention, attention, the norm before the MLP, the MLP.
+    pub fn parts(&self) -> (&Norm, &MultiHeadAttention, &Norm, &Mlp) {
         (&self.ln_1, &self.attn, &self.ln_2, &self.mlp)
     }
 
+    /// Whether attention and MLP read the same input (GPT-NeoX's parallel residual).
+    pub fn is_parallel(&self) -> bool {
+        self.parallel
+    }
+
     /// `[b, t, d]` to `[b, t, d]`. With a cache the keys and values of `xs` are appended to
-    /// it and attention covers everything cached (inference only).
+    /// it and attention covers everything cached (inference only). `rope`: the rotary
+    /// tables of the positions of `xs` (see [`ForwardArgs::rope`]).
     pub fn forward(
         &self,
         xs: &Tensor,
         mask: &Mask,
+        rope: Option<&RopeTables>,
         cache: Option<&mut KvCache>,
         train: bool,
     ) -> Result<Tensor> {
-        Ok(self.run(xs, mask, cache, train, false)?.0)
+        Ok(self.run(xs, mask, rope, cache, train, false)?.0)
     }
 
     /// As [`Self::forward`] without a cache, also returning the attention weights
@@ -84,9 +103,10 @@ impl Block {
         &self,
         xs: &Tensor,
         mask: &Mask,
+        rope: Option<&RopeTables>,
         train: bool,
     ) -> Result<(Tensor, Tensor)> {
-        match self.run(xs, mask, None, train, true)? {
+        match self.run(xs, mask, rope, None, train, true)? {
             (ys, Some(w)) => Ok((ys, w)),
             _ => candle_core::bail!("attention weights were not computed"),
         }
@@ -96,29 +116,37 @@ impl Block {
         &self,
         xs: &Tensor,
         mask: &Mask,
+        rope: Option<&RopeTables>,
         cache: Option<&mut KvCache>,
         train: bool,
         need_weights: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let attend = |h: &Tensor| -> Result<(Tensor, Option<Tensor>)> {
-            match cache {
-                Some(c) => Ok((self.attn.forward_cached(h, h, h, mask, c)?, None)),
-                None if need_weights => {
-                    let (ys, w) = self.attn.forward_with_weights(h, h, h, mask, train)?;
-                    Ok((ys, Some(w.per_head)))
-                }
-                None => Ok((self.attn.forward(h, h, h, mask, train)?, None)),
-            }
+            let args = ForwardArgs {
+                mask: *mask,
+                rope,
+                cache,
+                need_weights,
+                train,
+            };
+            let (ys, w) = self.attn.forward_with(h, h, h, args)?;
+            Ok((ys, w.map(|w| w.per_head)))
         };
         let drop = |t: Tensor| self.resid_drop.forward(&t, train);
-        match self.placement {
-            NormPlacement::Pre => {
+        match (self.placement, self.parallel) {
+            (NormPlacement::Pre, false) => {
                 let (a, weights) = attend(&self.ln_1.forward(xs)?)?;
                 let xs = (xs + drop(a)?)?;
                 let h = self.ln_2.forward(&xs)?;
                 Ok(((&xs + drop(self.mlp.forward(&h)?)?)?, weights))
             }
-            NormPlacement::Post => {
+            // x + attn(ln_1(x)) + mlp(ln_2(x))
+            (NormPlacement::Pre, true) => {
+                let (a, weights) = attend(&self.ln_1.forward(xs)?)?;
+                let m = self.mlp.forward(&self.ln_2.forward(xs)?)?;
+                Ok((((xs + drop(a)?)? + drop(m)?)?, weights))
+            }
+            (NormPlacement::Post, _) => {
                 let (a, weights) = attend(xs)?;
                 let xs = self.ln_1.forward(&(xs + drop(a)?)?)?;
                 let ys = self.ln_2.forward(&(&xs + drop(self.mlp.forward(&xs)?)?)?)?;

@@ -6,26 +6,34 @@ use std::collections::HashMap;
 
 use candle_core::{bail, DType, Result};
 
-use crate::{GptConfig, NormPlacement};
+use mha::WeightLayout;
 
-/// One tensor a GPT-2 checkpoint of a configuration holds.
+use crate::family::TensorNames;
+use crate::{GptConfig, NormKind, NormPlacement};
+
+/// One tensor a checkpoint of a configuration holds.
 pub(crate) struct Expected<'a> {
     /// Name from the checkpoint's root: `transformer.wte.weight`, `lm_head.weight`.
     pub name: &'a str,
-    /// Shape in Hugging Face's layout (Conv1D weights `[in, out]`).
+    /// Shape as stored (GPT-2's Conv1D weights `[in, out]`, `nn.Linear` `[out, in]`).
     pub shape: &'a [usize],
     /// A bias that nanoGPT's `bias=False` leaves out.
     pub is_bias: bool,
 }
 
+/// Receives `(name, shape, is_bias)` of each expected tensor.
+type Emit<'a> = dyn FnMut(&str, &[usize], bool) -> Result<()> + 'a;
+
 /// Calls `f` on every tensor the model reads, in order: embeddings first, then block after
-/// block. Walking lazily keeps a config claiming a billion layers cheap: the first missing
-/// block stops it.
+/// block, with the names and shapes of `cfg`'s family. Walking lazily keeps a config
+/// claiming a billion layers cheap: the first missing block stops it.
 pub(crate) fn for_each_tensor(
     cfg: &GptConfig,
     mut f: impl FnMut(Expected<'_>) -> Result<()>,
 ) -> Result<()> {
+    let names = TensorNames::of(cfg.family);
     let (v, d, i) = (cfg.vocab_size, cfg.n_embd, cfg.inner_dim());
+    let kv = cfg.kv_heads() * (d / cfg.n_head.max(1));
     let mut one = |name: &str, shape: &[usize], is_bias| {
         f(Expected {
             name,
@@ -33,30 +41,93 @@ pub(crate) fn for_each_tensor(
             is_bias,
         })
     };
-    one("transformer.wte.weight", &[v, d], false)?;
-    one("transformer.wpe.weight", &[cfg.n_positions, d], false)?;
+    // A projection from `d_in` to `d_out` as the family stores it.
+    let proj =
+        |one: &mut Emit, name: &str, (d_in, d_out): (usize, usize), conv1d: bool, bias: bool| {
+            let shape = if conv1d { [d_in, d_out] } else { [d_out, d_in] };
+            one(&format!("{name}.weight"), &shape, false)?;
+            if bias {
+                one(&format!("{name}.bias"), &[d_out], true)?;
+            }
+            Ok::<(), candle_core::Error>(())
+        };
+    one(&format!("{}.weight", names.embed), &[v, d], false)?;
+    if cfg.rope.is_none() {
+        one(
+            &format!("{}.weight", names.positions),
+            &[cfg.n_positions, d],
+            false,
+        )?;
+    }
+    let norm = |one: &mut Emit, name: &str| {
+        one(&format!("{name}.weight"), &[d], false)?;
+        if cfg.norm == NormKind::LayerNorm {
+            one(&format!("{name}.bias"), &[d], true)?;
+        }
+        Ok::<(), candle_core::Error>(())
+    };
     for layer in 0..cfg.n_layer {
-        let p = format!("transformer.h.{layer}");
-        for ln in ["ln_1", "ln_2"] {
-            one(&format!("{p}.{ln}.weight"), &[d], false)?;
-            one(&format!("{p}.{ln}.bias"), &[d], true)?;
+        let p = format!("{}.{layer}", names.layers);
+        norm(&mut one, &format!("{p}.{}", names.attn_norm))?;
+        norm(&mut one, &format!("{p}.{}", names.mlp_norm))?;
+        let a = format!("{p}.{}", names.attn);
+        let (qkv_b, o_b) = (cfg.attn_bias, cfg.attn_out_bias);
+        match TensorNames::attn_layout(cfg.family) {
+            WeightLayout::Gpt2Conv1d => {
+                proj(
+                    &mut one,
+                    &format!("{a}.c_attn"),
+                    (d, d + 2 * kv),
+                    true,
+                    qkv_b,
+                )?;
+                proj(&mut one, &format!("{a}.c_proj"), (d, d), true, o_b)?;
+            }
+            WeightLayout::HeadInterleavedQkv { qkv, o } => {
+                proj(&mut one, &format!("{a}.{qkv}"), (d, 3 * d), false, qkv_b)?;
+                proj(&mut one, &format!("{a}.{o}"), (d, d), false, o_b)?;
+            }
+            WeightLayout::Separate { q, k, v, o } => {
+                proj(&mut one, &format!("{a}.{q}"), (d, d), false, qkv_b)?;
+                proj(&mut one, &format!("{a}.{k}"), (d, kv), false, qkv_b)?;
+                proj(&mut one, &format!("{a}.{v}"), (d, kv), false, qkv_b)?;
+                proj(&mut one, &format!("{a}.{o}"), (d, d), false, o_b)?;
+            }
+            WeightLayout::TorchInProj => bail!("no model family stores torch in_proj weights"),
         }
-        for (name, d_in, d_out) in [
-            ("attn.c_attn", d, 3 * d),
-            ("attn.c_proj", d, d),
-            ("mlp.c_fc", d, i),
-            ("mlp.c_proj", i, d),
-        ] {
-            one(&format!("{p}.{name}.weight"), &[d_in, d_out], false)?;
-            one(&format!("{p}.{name}.bias"), &[d_out], true)?;
+        let m = &names.mlp;
+        let mp = format!("{p}.{}", names.mlp_prefix);
+        // GPT-2's Conv1D MLP always has biases.
+        let mlp_bias = cfg.mlp_bias || m.conv1d;
+        if let (true, Some(gate)) = (cfg.gated_mlp, m.gate) {
+            proj(
+                &mut one,
+                &format!("{mp}.{gate}"),
+                (d, i),
+                m.conv1d,
+                mlp_bias,
+            )?;
         }
+        proj(
+            &mut one,
+            &format!("{mp}.{}", m.up),
+            (d, i),
+            m.conv1d,
+            mlp_bias,
+        )?;
+        proj(
+            &mut one,
+            &format!("{mp}.{}", m.down),
+            (i, d),
+            m.conv1d,
+            mlp_bias,
+        )?;
     }
     if cfg.norm_placement == NormPlacement::Pre {
-        one("transformer.ln_f.weight", &[d], false)?;
-        one("transformer.ln_f.bias", &[d], true)?;
+        norm(&mut one, names.final_norm)?;
     }
     if !cfg.tie_word_embeddings {
-        one("lm_head.weight", &[v, d], false)?;
+        one(&format!("{}.weight", names.head), &[v, d], false)?;
     }
     Ok(())
 }
@@ -75,8 +146,9 @@ pub(crate) fn check_tensor_table(
         match stored.get(t.name) {
             None if optional_biases && t.is_bias => {}
             None => bail!(
-                "the checkpoint has no tensor {} (the config says n_layer={}, tie_word_embeddings={})",
+                "the checkpoint has no tensor {} (the {} config says {} layers, tie_word_embeddings={})",
                 t.name,
+                cfg.family.model_type(),
                 cfg.n_layer,
                 cfg.tie_word_embeddings
             ),

@@ -1,13 +1,16 @@
 //! The GPT configuration, read from Hugging Face's `config.json`.
 
 use candle_core::{bail, Result};
+use mha::RopeConfig;
 use serde::{Deserialize, Serialize};
+
+use crate::Family;
 
 /// The MLP's activation, named as in `config.json`'s `activation_function`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Activation {
     /// GELU with the tanh approximation (GPT-2's; `gelu_pytorch_tanh` is the same).
-    #[serde(rename = "gelu_new", alias = "gelu_pytorch_tanh")]
+    #[serde(rename = "gelu_new", alias = "gelu_pytorch_tanh", alias = "gelu_fast")]
     GeluNew,
     /// Exact GELU, with `erf`.
     #[serde(rename = "gelu")]
@@ -15,6 +18,9 @@ pub enum Activation {
     /// `max(0, x)`.
     #[serde(rename = "relu")]
     Relu,
+    /// `x · sigmoid(x)` (SwiGLU's gate in Llama, Mistral, Qwen2; `swish` is the same).
+    #[serde(rename = "silu", alias = "swish")]
+    Silu,
 }
 
 impl Activation {
@@ -25,8 +31,20 @@ impl Activation {
             Activation::GeluNew => mha::kernel::gelu_tanh(xs),
             Activation::Gelu => xs.gelu_erf(),
             Activation::Relu => xs.relu(),
+            Activation::Silu => xs.silu(),
         }
     }
+}
+
+/// Which normalisation the blocks use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormKind {
+    /// Mean and variance, weight and bias (GPT-2, GPT-NeoX, GPT-Neo).
+    #[default]
+    LayerNorm,
+    /// Root mean square, weight only (Llama, Mistral, Qwen2).
+    RmsNorm,
 }
 
 /// Where each block applies its LayerNorms.
@@ -39,7 +57,10 @@ pub enum NormPlacement {
     Post,
 }
 
-/// A GPT-2 family model's shape, with Hugging Face's field names.
+/// A decoder-only model's shape and parts, family-free. The fields that GPT-2's
+/// `config.json` has carry its names (and are read from it by serde); the parts other
+/// families switch (`family` onwards below) are filled in by each family's reader
+/// ([`GptConfig::from_json`] dispatches on `model_type`) and default to GPT-2's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct GptConfig {
@@ -86,6 +107,38 @@ pub struct GptConfig {
     pub model_type: Option<String>,
     /// Cross-attention blocks (encoder-decoder GPT-2): not supported, refused at load.
     pub add_cross_attention: bool,
+    /// The checkpoint family: decides the tensor names (and nothing else).
+    #[serde(skip)]
+    pub family: Family,
+    /// Key/value heads (grouped-query attention); `None` is `n_head`.
+    #[serde(skip)]
+    pub n_kv_head: Option<usize>,
+    /// LayerNorm or RMSNorm (`layer_norm_epsilon` is the epsilon of either).
+    #[serde(skip)]
+    pub norm: NormKind,
+    /// Rotary positions in attention; `None` is a learned position embedding (`wpe`).
+    #[serde(skip)]
+    pub rope: Option<RopeConfig>,
+    /// A gated MLP, `down(act(gate(x)) · up(x))`, instead of `down(act(up(x)))`.
+    #[serde(skip)]
+    pub gated_mlp: bool,
+    /// Attention and MLP both read the block's input and add to it (GPT-NeoX), instead of
+    /// the MLP reading the attention's output.
+    #[serde(skip)]
+    pub parallel_residual: bool,
+    /// Biases on the query, key and value projections.
+    #[serde(skip)]
+    pub attn_bias: bool,
+    /// A bias on the attention's output projection.
+    #[serde(skip)]
+    pub attn_out_bias: bool,
+    /// Biases on the MLP's projections (GPT-2's Conv1D always has them).
+    #[serde(skip)]
+    pub mlp_bias: bool,
+    /// Per block, the local-attention window (keys a query sees, itself included), or
+    /// `None` for global attention; empty is global everywhere.
+    #[serde(skip)]
+    pub windows: Vec<Option<usize>>,
 }
 
 impl Default for GptConfig {
@@ -119,6 +172,16 @@ impl GptConfig {
             seed: 0,
             model_type: Some("gpt2".into()),
             add_cross_attention: false,
+            family: Family::Gpt2,
+            n_kv_head: None,
+            norm: NormKind::LayerNorm,
+            rope: None,
+            gated_mlp: false,
+            parallel_residual: false,
+            attn_bias: true,
+            attn_out_bias: true,
+            mlp_bias: true,
+            windows: Vec::new(),
         }
     }
 
@@ -160,11 +223,23 @@ impl GptConfig {
         }
     }
 
-    /// Parses a `config.json` and checks it. Old configs that give `n_ctx` but no
-    /// `n_positions` are read as they were meant.
+    /// Parses a `config.json` of any supported family (by its `model_type`; none is GPT-2)
+    /// and checks it. Old GPT-2 configs that give `n_ctx` but no `n_positions` are read as
+    /// they were meant.
     pub fn from_json(json: &str) -> Result<Self> {
         let mut value: serde_json::Value = serde_json::from_str(json)
             .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
+        let family = match value.get("model_type") {
+            None | Some(serde_json::Value::Null) => Family::Gpt2,
+            Some(serde_json::Value::String(t)) => Family::from_model_type(t)?,
+            Some(v) => bail!("config: model_type must be a string, got {v}"),
+        };
+        if family != Family::Gpt2 {
+            let Some(obj) = value.as_object() else {
+                bail!("config.json: expected an object")
+            };
+            return crate::family::read(family, obj);
+        }
         if let Some(obj) = value.as_object_mut() {
             if !obj.contains_key("n_positions") {
                 if let Some(n_ctx) = obj.get("n_ctx").cloned() {
@@ -178,8 +253,15 @@ impl GptConfig {
         Ok(cfg)
     }
 
-    /// The configuration as `config.json` text, with the fields `transformers` reads.
+    /// The configuration as a GPT-2 `config.json` text, with the fields `transformers`
+    /// reads. Other families are refused: their files are read, not written, here.
     pub fn to_json(&self) -> Result<String> {
+        if self.family != Family::Gpt2 {
+            bail!(
+                "only GPT-2 models can be saved; this is a {} model",
+                self.family.model_type()
+            )
+        }
         let mut value = serde_json::to_value(self).map_err(candle_core::Error::wrap)?;
         if let Some(obj) = value.as_object_mut() {
             obj.insert(
@@ -190,6 +272,16 @@ impl GptConfig {
             obj.insert("n_ctx".into(), serde_json::json!(self.n_positions));
         }
         serde_json::to_string_pretty(&value).map_err(candle_core::Error::wrap)
+    }
+
+    /// Key/value heads after defaulting.
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_head.unwrap_or(self.n_head)
+    }
+
+    /// The local-attention window of block `layer`, if it has one.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.windows.get(layer).copied().flatten()
     }
 
     /// MLP hidden width after defaulting.
@@ -244,9 +336,33 @@ impl GptConfig {
             }
         }
         if let Some(t) = &self.model_type {
-            if t != "gpt2" {
-                bail!("config: model_type {t:?} is not supported (only gpt2)")
+            if Family::from_model_type(t)? != self.family {
+                bail!(
+                    "config: model_type {t:?} disagrees with the family {:?}",
+                    self.family
+                )
             }
+        }
+        let kv = self.kv_heads();
+        if kv == 0 || h % kv != 0 {
+            bail!("config: num_key_value_heads={kv} must be positive and divide the {h} attention heads")
+        }
+        if let Some(rope) = &self.rope {
+            rope.validate(d / h)
+                .map_err(|e| candle_core::Error::Msg(format!("config: {e}")))?;
+        }
+        if !self.windows.is_empty() && self.windows.len() != self.n_layer {
+            bail!(
+                "config: {} attention windows for {} layers",
+                self.windows.len(),
+                self.n_layer
+            )
+        }
+        if self.windows.contains(&Some(0)) {
+            bail!("config: an attention window (sliding_window / window_size) must be at least 1")
+        }
+        if self.family != Family::Gpt2 && self.norm_placement != NormPlacement::Pre {
+            bail!("config: only GPT-2 models can be post-norm")
         }
         if self.add_cross_attention {
             bail!("config: add_cross_attention (GPT-2 as a decoder with cross-attention) is not supported")

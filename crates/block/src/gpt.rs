@@ -1,13 +1,15 @@
-//! The GPT model: embeddings, blocks, final LayerNorm, tied language-model head.
+//! The model: embeddings, blocks, final norm, language-model head (tied or not). The
+//! family only decides the parts and their names.
 
 use std::collections::HashMap;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{bail, DType, ModuleT, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
-use mha::{Dropout, KvCache, Mask, Proj};
+use mha::{neox_to_fused, Dropout, KvCache, Mask, Proj, RopeTables};
 
-use crate::{Block, GptConfig, LayerNorm, NormPlacement};
+use crate::family::TensorNames;
+use crate::{Block, Family, GptConfig, Norm, NormPlacement};
 
 /// Which positions get logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,25 +51,27 @@ impl GptCache {
     }
 }
 
-/// A GPT-2 language model.
+/// A decoder-only language model of any supported [`Family`].
 ///
-/// Checkpoint names are Hugging Face's: `transformer.wte`, `transformer.wpe`,
-/// `transformer.h.{i}`, `transformer.ln_f`, and `lm_head` when not tied.
+/// Checkpoint names are Hugging Face's for the family: for GPT-2 `transformer.wte`,
+/// `transformer.wpe`, `transformer.h.{i}`, `transformer.ln_f`, and `lm_head` when not tied;
+/// for Llama `model.embed_tokens`, `model.layers.{i}`, `model.norm`, `lm_head`; and so on.
 #[derive(Debug, Clone)]
 pub struct Gpt {
     cfg: GptConfig,
     wte: Tensor,
-    wpe: Tensor,
+    /// Learned positions; `None` when attention rotates q and k instead.
+    wpe: Option<Tensor>,
     drop: Dropout,
     h: Vec<Block>,
-    ln_f: Option<LayerNorm>,
+    ln_f: Option<Norm>,
     lm_head: Proj,
     lm_head_weight: Option<Tensor>,
 }
 
 impl Gpt {
-    /// Builds the model from `vb` rooted at the checkpoint's top level (the body under
-    /// `transformer.`). From a `VarMap` it creates GPT-2's initialisation.
+    /// Builds the model from `vb` rooted at the checkpoint's top level (for GPT-2 the body
+    /// is under `transformer.`). From a `VarMap` it creates GPT-2's initialisation.
     pub fn new(cfg: &GptConfig, vb: VarBuilder) -> Result<Self> {
         Self::build(cfg, vb, None)
     }
@@ -85,14 +89,22 @@ impl Gpt {
         quantize: Option<GgmlDType>,
     ) -> Result<Self> {
         cfg.validate()?;
-        let t = vb.pp("transformer");
+        let names = TensorNames::of(cfg.family);
         let (v, d) = (cfg.vocab_size, cfg.n_embd);
         let normal = |stdev| Init::Randn { mean: 0.0, stdev };
-        let wte = t.get_with_hints((v, d), "wte.weight", normal(0.02))?;
-        let wpe = t.get_with_hints((cfg.n_positions, d), "wpe.weight", normal(0.01))?;
+        let wte = vb.get_with_hints((v, d), &format!("{}.weight", names.embed), normal(0.02))?;
+        let wpe = match cfg.rope {
+            Some(_) => None,
+            None => Some(vb.get_with_hints(
+                (cfg.n_positions, d),
+                &format!("{}.weight", names.positions),
+                normal(0.01),
+            )?),
+        };
+        let layers = vb.pp(names.layers);
         let h = (0..cfg.n_layer)
             .map(|i| {
-                let block = Block::new(cfg, i, t.pp(format!("h.{i}")))?;
+                let block = Block::new(cfg, i, layers.pp(i.to_string()))?;
                 match quantize {
                     Some(dtype) => block.quantize(dtype), // drops the f32 block
                     None => Ok(block),
@@ -100,17 +112,23 @@ impl Gpt {
             })
             .collect::<Result<Vec<_>>>()?;
         let ln_f = match cfg.norm_placement {
-            NormPlacement::Pre => Some(LayerNorm::new(d, cfg.layer_norm_epsilon, t.pp("ln_f"))?),
+            NormPlacement::Pre => Some(Norm::new(
+                cfg.norm,
+                d,
+                cfg.layer_norm_epsilon,
+                vb.pp(names.final_norm),
+            )?),
             NormPlacement::Post => None,
         };
         let lm_head_weight = if cfg.tie_word_embeddings {
             None
         } else {
-            Some(vb.get_with_hints((v, d), "lm_head.weight", normal(0.02))?)
+            let name = format!("{}.weight", names.head);
+            Some(vb.get_with_hints((v, d), &name, normal(0.02))?)
         };
         let mut lm_head = Proj::from_linear(lm_head_weight.as_ref().unwrap_or(&wte), None)?;
         if let Some(dtype) = quantize {
-            lm_head = lm_head.quantize(dtype)?;
+            lm_head = lm_head.quantize_or_keep(dtype)?;
         }
         Ok(Self {
             cfg: cfg.clone(),
@@ -134,14 +152,20 @@ impl Gpt {
                 .iter()
                 .map(|b| b.quantize(dtype))
                 .collect::<Result<_>>()?,
-            lm_head: self.lm_head.quantize(dtype)?,
+            lm_head: self.lm_head.quantize_or_keep(dtype)?,
             ..self.clone()
         })
     }
 
-    /// Whether the matrix products use quantized weights.
+    /// Whether any matrix product uses quantized weights.
     pub fn is_quantized(&self) -> bool {
         self.lm_head.is_quantized()
+            || self.h.iter().any(|b| {
+                let (_, attn, _, mlp) = b.parts();
+                let [q, k, v] = attn.qkv_proj();
+                [q, k, v, attn.out_proj()].iter().any(|p| p.is_quantized())
+                    || mlp.projections().0.iter().any(|(_, p)| p.is_quantized())
+            })
     }
 
     /// The configuration.
@@ -159,14 +183,23 @@ impl Gpt {
         &self.wte
     }
 
-    /// Position embedding `[n_positions, d]`.
-    pub fn wpe(&self) -> &Tensor {
-        &self.wpe
+    /// Learned position embedding `[n_positions, d]`; `None` for rotary models.
+    pub fn wpe(&self) -> Option<&Tensor> {
+        self.wpe.as_ref()
     }
 
-    /// Final LayerNorm (pre-norm models).
-    pub fn ln_f(&self) -> Option<&LayerNorm> {
+    /// Final norm (pre-norm models).
+    pub fn ln_f(&self) -> Option<&Norm> {
         self.ln_f.as_ref()
+    }
+
+    /// The rotary tables of positions `pos` (`[b, t]`), shared by every block; `None` for
+    /// models with learned positions.
+    pub fn rope_tables(&self, pos: &Tensor) -> Result<Option<RopeTables>> {
+        match self.h.first().and_then(|b| b.parts().1.rope()) {
+            Some(rope) => Ok(Some(rope.tables(pos)?)),
+            None => Ok(None),
+        }
     }
 
     /// Language-model head: `[.., d]` to `[.., vocab]`.
@@ -248,7 +281,13 @@ impl Gpt {
     }
 
     /// Position ids `[b, t]` of the last `t` of `past + t` positions.
-    fn positions(&self, b: usize, t: usize, past: usize, keep: Option<&Tensor>) -> Result<Tensor> {
+    pub fn positions(
+        &self,
+        b: usize,
+        t: usize,
+        past: usize,
+        keep: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let dev = self.wte.device();
         let Some(keep) = keep else {
             let pos = Tensor::arange(past as u32, (past + t) as u32, dev)?;
@@ -305,8 +344,11 @@ impl Gpt {
         }
         let pos = self.positions(b, t, past, keep)?;
         // (b, t, d)
-        let tok = self.wte.embedding_rows(&ids)?;
-        let xs = (tok + self.wpe.embedding_rows(&pos)?)?;
+        let mut xs = self.wte.embedding_rows(&ids)?;
+        if let Some(wpe) = &self.wpe {
+            xs = (xs + wpe.embedding_rows(&pos)?)?;
+        }
+        let rope = self.rope_tables(&pos)?;
         let mut xs = self.drop.forward(&xs, train)?;
         let mask = match keep {
             Some(k) => Mask::causal(past).with_keep(k),
@@ -319,12 +361,12 @@ impl Gpt {
         stages.push(("the embeddings".to_string(), xs.clone()));
         for (i, block) in self.h.iter().enumerate() {
             xs = if need_weights {
-                let (ys, w) = block.forward_with_weights(&xs, &mask, train)?;
+                let (ys, w) = block.forward_with_weights(&xs, &mask, rope.as_ref(), train)?;
                 weights.push(w);
                 ys
             } else {
                 let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
-                block.forward(&xs, &mask, layer_cache, train)?
+                block.forward(&xs, &mask, rope.as_ref(), layer_cache, train)?
             };
             stages.push((format!("block {i}"), xs.clone()));
         }
@@ -342,10 +384,9 @@ impl Gpt {
                 .collect::<Result<Vec<_>>>()?
                 .into_iter()
                 .find(|(_, ok)| !ok)
-                .map_or(
-                    "the final LayerNorm or the LM head".to_string(),
-                    |(n, _)| n.clone(),
-                );
+                .map_or("the final norm or the LM head".to_string(), |(n, _)| {
+                    n.clone()
+                });
             bail!("non-finite values (NaN or Inf) first appear in the output of {culprit}; check the weights (gpt --check-weights)")
         }
         Ok((logits, weights))
@@ -363,46 +404,90 @@ impl Gpt {
         Ok(())
     }
 
-    /// Every weight under its Hugging Face name (`transformer.` prefix; no `lm_head` when
-    /// tied), as `save_pretrained` writes them.
+    /// Every weight under its Hugging Face name for the model's family (for GPT-2 the
+    /// `transformer.` prefix, no `lm_head` when tied), as `save_pretrained` writes them.
     pub fn named_tensors(&self) -> Result<HashMap<String, Tensor>> {
+        let names = TensorNames::of(self.cfg.family);
         let mut out = HashMap::new();
         let mut put = |name: String, t: &Tensor| {
             out.insert(name, t.clone());
         };
-        put("transformer.wte.weight".into(), &self.wte);
-        put("transformer.wpe.weight".into(), &self.wpe);
-        let conv = |put: &mut dyn FnMut(String, &Tensor), name: String, p: &Proj| -> Result<()> {
-            put(format!("{name}.weight"), &p.weight_t()?);
+        put(format!("{}.weight", names.embed), &self.wte);
+        if let Some(wpe) = &self.wpe {
+            put(format!("{}.weight", names.positions), wpe);
+        }
+        // A projection as stored: Conv1D `[in, out]`, nn.Linear `[out, in]`.
+        let proj = |put: &mut dyn FnMut(String, &Tensor),
+                    name: String,
+                    p: &Proj,
+                    conv1d: bool|
+         -> Result<()> {
+            let w = p.weight_t()?;
+            put(format!("{name}.weight"), &if conv1d { w } else { w.t()? });
             if let Some(b) = p.bias() {
                 put(format!("{name}.bias"), b);
             }
             Ok(())
         };
+        let norm = |put: &mut dyn FnMut(String, &Tensor), name: String, n: &Norm| {
+            put(format!("{name}.weight"), n.weight());
+            if let Some(b) = n.bias() {
+                put(format!("{name}.bias"), b);
+            }
+        };
         for (i, block) in self.h.iter().enumerate() {
-            let pre = format!("transformer.h.{i}");
+            let pre = format!("{}.{i}", names.layers);
             let (ln_1, attn, ln_2, mlp) = block.parts();
-            for (n, ln) in [("ln_1", ln_1), ("ln_2", ln_2)] {
-                put(format!("{pre}.{n}.weight"), ln.weight());
-                put(format!("{pre}.{n}.bias"), ln.bias());
+            norm(&mut put, format!("{pre}.{}", names.attn_norm), ln_1);
+            norm(&mut put, format!("{pre}.{}", names.mlp_norm), ln_2);
+            let a = format!("{pre}.{}", names.attn);
+            match (TensorNames::attn_layout(self.cfg.family), attn.fused_qkv()) {
+                (mha::WeightLayout::Gpt2Conv1d, Some(qkv)) => {
+                    proj(&mut put, format!("{a}.c_attn"), qkv, true)?;
+                    proj(&mut put, format!("{a}.c_proj"), attn.out_proj(), true)?;
+                }
+                (mha::WeightLayout::HeadInterleavedQkv { qkv: q_name, o }, Some(qkv)) => {
+                    // Back to NeoX's per-head grouping.
+                    let h = self.cfg.n_head;
+                    let w = neox_to_fused(&qkv.weight_t()?.t()?, h, true)?;
+                    put(format!("{a}.{q_name}.weight"), &w);
+                    if let Some(b) = qkv.bias() {
+                        put(format!("{a}.{q_name}.bias"), &neox_to_fused(b, h, true)?);
+                    }
+                    proj(&mut put, format!("{a}.{o}"), attn.out_proj(), false)?;
+                }
+                (mha::WeightLayout::Separate { q, k, v, o }, None) => {
+                    let [pq, pk, pv] = attn.qkv_proj();
+                    for (n, p) in [(q, pq), (k, pk), (v, pv), (o, attn.out_proj())] {
+                        proj(&mut put, format!("{a}.{n}"), p, false)?;
+                    }
+                }
+                (layout, _) => {
+                    bail!("block {i}: attention weights do not match the {layout:?} layout")
+                }
             }
-            match attn.fused_qkv() {
-                Some(qkv) => conv(&mut put, format!("{pre}.attn.c_attn"), qkv)?,
-                None => bail!("block {i}: attention without fused c_attn weights"),
-            }
-            conv(&mut put, format!("{pre}.attn.c_proj"), attn.out_proj())?;
-            for (n, p) in mlp.projections() {
-                conv(&mut put, format!("{pre}.mlp.{n}"), p)?;
+            let (projections, conv1d) = mlp.projections();
+            for (n, p) in projections {
+                proj(
+                    &mut put,
+                    format!("{pre}.{}.{n}", names.mlp_prefix),
+                    p,
+                    conv1d,
+                )?;
             }
         }
         if let Some(ln_f) = &self.ln_f {
-            put("transformer.ln_f.weight".into(), ln_f.weight());
-            put("transformer.ln_f.bias".into(), ln_f.bias());
+            norm(&mut put, names.final_norm.to_string(), ln_f);
         }
         if let Some(w) = &self.lm_head_weight {
-            put("lm_head.weight".into(), w);
+            put(format!("{}.weight", names.head), w);
         }
         Ok(out)
+    }
+
+    /// The model's family.
+    pub fn family(&self) -> Family {
+        self.cfg.family
     }
 }
 

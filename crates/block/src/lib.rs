@@ -32,6 +32,7 @@
 mod block;
 mod check;
 mod config;
+mod family;
 mod files;
 pub mod generate;
 mod gpt;
@@ -44,7 +45,8 @@ mod pickle;
 
 pub use block::Block;
 pub use check::available_memory;
-pub use config::{Activation, GptConfig, NormPlacement};
+pub use config::{Activation, GptConfig, NormKind, NormPlacement};
+pub use family::Family;
 pub use generate::{argmax, generate, GenerateOptions, Sampler, SamplingParams, SplitMix64};
 pub use gpt::{next_token_loss, token_logprobs, Gpt, GptCache, Logits};
 pub use load::{
@@ -53,7 +55,7 @@ pub use load::{
 };
 pub use mlp::Mlp;
 pub use nanogpt::{load_nanogpt, nanogpt_config};
-pub use norm::LayerNorm;
+pub use norm::{LayerNorm, Norm, RmsNorm};
 pub use optim::{AdamW, AdamWParams};
 
 // The README's examples run as doctests.

@@ -1,6 +1,6 @@
-//! Reading and writing checkpoints in Hugging Face's GPT-2 layout: a directory with
+//! Reading checkpoints in Hugging Face's layout, any supported family: a directory with
 //! `config.json` and `model.safetensors` (or shards listed in
-//! `model.safetensors.index.json`).
+//! `model.safetensors.index.json`); writing GPT-2 ones.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -9,6 +9,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
+use crate::family::TensorNames;
 use crate::files::{self, FileTensors};
 use crate::{check, Gpt, GptConfig};
 
@@ -33,9 +34,18 @@ impl From<DType> for LoadAs {
     }
 }
 
-/// Buffers that old checkpoints carry and the model recomputes.
+/// Buffers that old checkpoints carry and the model recomputes: GPT-2's and GPT-Neo's
+/// causal masks, NeoX's, and the rotary frequencies.
 fn is_ignored_buffer(name: &str) -> bool {
-    name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")
+    [
+        ".attn.bias",
+        ".attn.masked_bias",
+        ".attention.bias",
+        ".attention.masked_bias",
+        ".rotary_emb.inv_freq",
+    ]
+    .iter()
+    .any(|b| name.ends_with(b))
 }
 
 /// An error that names the file it is about.
@@ -91,7 +101,7 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 /// is a float the model takes, every tensor the model needs is there with the shape the
 /// config implies, and the model fits in memory as `dtype`. (The safetensors parser has
 /// already checked each declared shape against its byte range.) Returns whether the names
-/// carry the `transformer.` prefix.
+/// carry the family's root prefix (`transformer.`, `model.`, `gpt_neox.`).
 fn check_header<'a>(
     cfg: &GptConfig,
     tensors: impl Iterator<Item = (&'a str, safetensors::Dtype, &'a [usize])>,
@@ -105,17 +115,24 @@ fn check_header<'a>(
         files::model_dtype(name, stored)?;
         shapes.insert(name.to_string(), shape.to_vec());
     }
-    let prefixed = shapes.contains_key("transformer.wte.weight");
-    if !prefixed && !shapes.contains_key("wte.weight") {
-        bail!("no token embedding (transformer.wte.weight or wte.weight): not a GPT-2 checkpoint")
+    let names = TensorNames::of(cfg.family);
+    let (root, head) = (names.root(), format!("{}.weight", names.head));
+    let embed = format!("{}.weight", names.embed);
+    let bare_embed = embed.strip_prefix(&format!("{root}.")).unwrap_or(&embed);
+    let prefixed = shapes.contains_key(&embed);
+    if !prefixed && !shapes.contains_key(bare_embed) {
+        bail!(
+            "no token embedding ({embed} or {bare_embed}): not a {} checkpoint",
+            cfg.family.model_type()
+        )
     }
     if !prefixed {
         // Look bare names up under the names the model asks for.
         shapes = shapes
             .into_iter()
-            .map(|(k, v)| match k.as_str() {
-                "lm_head.weight" => (k, v),
-                _ => (format!("transformer.{k}"), v),
+            .map(|(k, v)| match k == head {
+                true => (k, v),
+                false => (format!("{root}.{k}"), v),
             })
             .collect();
     }
@@ -123,17 +140,13 @@ fn check_header<'a>(
     Ok(prefixed)
 }
 
-/// Names without the prefix are looked up bare.
-fn with_prefix_fallback(vb: VarBuilder<'_>, prefixed: bool) -> VarBuilder<'_> {
+/// Names without the family's root prefix are looked up bare.
+fn with_prefix_fallback<'a>(vb: VarBuilder<'a>, cfg: &GptConfig, prefixed: bool) -> VarBuilder<'a> {
     if prefixed {
-        vb
-    } else {
-        vb.rename_f(|name: &str| {
-            name.strip_prefix("transformer.")
-                .unwrap_or(name)
-                .to_string()
-        })
+        return vb;
     }
+    let root = format!("{}.", TensorNames::of(cfg.family).root());
+    vb.rename_f(move |name: &str| name.strip_prefix(&root).unwrap_or(name).to_string())
 }
 
 /// Loads a model from a `config.json` text and safetensors bytes held in memory (an
@@ -154,7 +167,7 @@ pub fn load_bytes(
         .map(|(n, v)| (n.as_str(), v.dtype(), v.shape()));
     let prefixed = check_header(&cfg, infos, dtype)?;
     let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
-    Gpt::build(&cfg, with_prefix_fallback(vb, prefixed), quantize)
+    Gpt::build(&cfg, with_prefix_fallback(vb, &cfg, prefixed), quantize)
 }
 
 /// Opens the files and checks their headers against `cfg`. Returns the opened files and
@@ -173,15 +186,15 @@ fn open(cfg: &GptConfig, files: &[PathBuf], dtype: DType) -> Result<(FileTensors
     Ok((st, prefixed))
 }
 
-/// Loads a model from a Hugging Face GPT-2 directory, converting weights to a dtype (or
-/// [`LoadAs`]).
+/// Loads a model from a Hugging Face directory of any supported family, converting weights
+/// to a dtype (or [`LoadAs`]).
 pub fn load_dir(dir: &Path, load_as: impl Into<LoadAs>, device: &Device) -> Result<Gpt> {
     let cfg = read_config(dir)?;
     load_files(&cfg, &weight_files(dir)?, load_as, device)
 }
 
-/// Loads a model for `cfg` from safetensors files with or without the `transformer.`
-/// prefix.
+/// Loads a model for `cfg` from safetensors files with or without the family's root prefix
+/// (`transformer.`, `model.`, `gpt_neox.`).
 pub fn load_files(
     cfg: &GptConfig,
     files: &[PathBuf],
@@ -192,7 +205,7 @@ pub fn load_files(
     cfg.validate()?;
     let (st, prefixed) = open(cfg, files, dtype)?;
     let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
-    Gpt::build(cfg, with_prefix_fallback(vb, prefixed), quantize)
+    Gpt::build(cfg, with_prefix_fallback(vb, cfg, prefixed), quantize)
 }
 
 /// Writes `model` as a Hugging Face GPT-2 directory (`config.json`, `model.safetensors`)
@@ -210,6 +223,8 @@ pub fn save_dir_as(model: &Gpt, dir: &Path, dtype: DType) -> Result<()> {
             "post-norm models have no Hugging Face GPT-2 layout; only pre-norm models can be saved"
         )
     }
+    // Refuse what cannot be written before anything is.
+    let json = model.config().to_json()?;
     std::fs::create_dir_all(dir).map_err(|e| path_err(dir, e))?;
     let tensors: HashMap<String, Tensor> = model
         .named_tensors()?
@@ -223,7 +238,6 @@ pub fn save_dir_as(model: &Gpt, dir: &Path, dtype: DType) -> Result<()> {
             .map_err(candle_core::Error::wrap)
     })?;
     let config = dir.join("config.json");
-    let json = model.config().to_json()?;
     write_atomic(&config, |tmp| {
         std::fs::write(tmp, &json).map_err(|e| path_err(tmp, e))
     })

@@ -1,17 +1,31 @@
-//! The feed-forward half of a block.
+//! The feed-forward half of a block: plain (`down(act(up(x)))`, GPT-2, NeoX, Neo) or gated
+//! (`down(act(gate(x)) · up(x))`, SwiGLU in Llama, Mistral, Qwen2).
 
 use candle_core::{Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 use mha::Proj;
 
+use crate::family::TensorNames;
 use crate::{Activation, GptConfig};
 
-/// `c_proj(act(c_fc(x)))`, with GPT-2's Conv1D weights stored `[in, out]`.
+/// The MLP of a block, its projections named as in the checkpoint.
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    c_fc: Proj,
-    c_proj: Proj,
+    up: Proj,
+    gate: Option<Proj>,
+    down: Proj,
     act: Activation,
+    names: MlpNames,
+}
+
+/// The checkpoint names of an MLP's projections, and how their weights are stored.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MlpNames {
+    pub up: &'static str,
+    pub gate: Option<&'static str>,
+    pub down: &'static str,
+    /// GPT-2's Conv1D stores weights `[in, out]`; `nn.Linear` stores `[out, in]`.
+    pub conv1d: bool,
 }
 
 /// A GPT-2 Conv1D layer: `weight [d_in, d_out]`, `bias [d_out]`.
@@ -25,34 +39,87 @@ pub(crate) fn conv1d(d_in: usize, d_out: usize, vb: VarBuilder) -> Result<Proj> 
     Ok(Proj::new(w, Some(b)))
 }
 
+/// An `nn.Linear`: `weight [d_out, d_in]`, optional `bias [d_out]`.
+fn linear(d_in: usize, d_out: usize, bias: bool, vb: VarBuilder) -> Result<Proj> {
+    let bound = 1.0 / (d_in as f64).sqrt();
+    let init = Init::Uniform {
+        lo: -bound,
+        up: bound,
+    };
+    let w = vb.get_with_hints((d_out, d_in), "weight", init)?;
+    let b = match bias {
+        true => Some(vb.get_with_hints(d_out, "bias", Init::Const(0.0))?),
+        false => None,
+    };
+    Proj::from_linear(&w, b)
+}
+
 impl Mlp {
-    /// The MLP with both projections quantized to `dtype`.
+    /// Loads the projections under `vb` with the family's names.
+    pub fn new(cfg: &GptConfig, vb: VarBuilder) -> Result<Self> {
+        let names = TensorNames::of(cfg.family).mlp;
+        let (d, inner) = (cfg.n_embd, cfg.inner_dim());
+        let load = |name: &str, d_in, d_out| match names.conv1d {
+            true => conv1d(d_in, d_out, vb.pp(name)),
+            false => linear(d_in, d_out, cfg.mlp_bias, vb.pp(name)),
+        };
+        let gate = match (cfg.gated_mlp, names.gate) {
+            (true, Some(g)) => Some(load(g, d, inner)?),
+            (true, None) => candle_core::bail!("{:?} checkpoints have no gated MLP", cfg.family),
+            (false, _) => None,
+        };
+        Ok(Self {
+            up: load(names.up, d, inner)?,
+            gate,
+            down: load(names.down, inner, d)?,
+            act: cfg.activation_function,
+            names,
+        })
+    }
+
+    /// The MLP with its projections quantized to `dtype` (those whose input width allows).
     pub fn quantize(&self, dtype: candle_core::quantized::GgmlDType) -> Result<Self> {
         Ok(Self {
-            c_fc: self.c_fc.quantize(dtype)?,
-            c_proj: self.c_proj.quantize(dtype)?,
+            up: self.up.quantize_or_keep(dtype)?,
+            gate: self
+                .gate
+                .as_ref()
+                .map(|g| g.quantize_or_keep(dtype))
+                .transpose()?,
+            down: self.down.quantize_or_keep(dtype)?,
             ..self.clone()
         })
     }
 
-    /// Loads `c_fc` and `c_proj` under `vb`.
-    pub fn new(cfg: &GptConfig, vb: VarBuilder) -> Result<Self> {
-        let (d, inner) = (cfg.n_embd, cfg.inner_dim());
-        Ok(Self {
-            c_fc: conv1d(d, inner, vb.pp("c_fc"))?,
-            c_proj: conv1d(inner, d, vb.pp("c_proj"))?,
-            act: cfg.activation_function,
-        })
+    /// The projections under their checkpoint names, in the order they run, and whether
+    /// their weights are stored `[in, out]` (Conv1D) rather than `[out, in]`.
+    pub fn projections(&self) -> (Vec<(&'static str, &Proj)>, bool) {
+        let mut out = Vec::with_capacity(3);
+        if let (Some(g), Some(name)) = (&self.gate, self.names.gate) {
+            out.push((name, g));
+        }
+        out.push((self.names.up, &self.up));
+        out.push((self.names.down, &self.down));
+        (out, self.names.conv1d)
     }
 
-    /// The two projections, for saving.
-    pub fn projections(&self) -> [(&'static str, &Proj); 2] {
-        [("c_fc", &self.c_fc), ("c_proj", &self.c_proj)]
+    /// The activation.
+    pub fn activation(&self) -> Activation {
+        self.act
+    }
+
+    /// Whether the MLP is gated.
+    pub fn is_gated(&self) -> bool {
+        self.gate.is_some()
     }
 
     /// `[b, t, d]` to `[b, t, d]`.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let hs = self.act.apply(&self.c_fc.forward(xs)?)?;
-        self.c_proj.forward(&hs)
+        let hs = match &self.gate {
+            // (b, t, inner)
+            Some(gate) => (self.act.apply(&gate.forward(xs)?)? * self.up.forward(xs)?)?,
+            None => self.act.apply(&self.up.forward(xs)?)?,
+        };
+        self.down.forward(&hs)
     }
 }

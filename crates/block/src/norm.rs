@@ -1,7 +1,9 @@
-//! LayerNorm that keeps its gradient.
+//! LayerNorm and RMSNorm that keep their gradients.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
+
+use crate::NormKind;
 
 /// LayerNorm over the last dimension, with `weight` and `bias` named as in checkpoints.
 ///
@@ -41,6 +43,96 @@ impl LayerNorm {
             candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, self.eps as f32)
         } else {
             candle_nn::ops::layer_norm(xs, &self.weight, &self.bias, self.eps as f32)
+        }
+    }
+}
+
+/// RMSNorm over the last dimension (Llama, Mistral, Qwen2): `x / sqrt(mean(x²) + eps) ·
+/// weight`, the statistics in f32 whatever the input's dtype (as transformers computes it).
+///
+/// Candle's fused `rms_norm` has no backward pass, so it runs only when nothing needs a
+/// gradient; otherwise the formula is built from differentiable ops.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// Loads (or creates, as ones) `weight` of width `dim`.
+    pub fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get_with_hints(dim, "weight", Init::Const(1.0))?,
+            eps,
+        })
+    }
+
+    /// The scale, `[dim]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// `[.., dim]` to `[.., dim]`.
+    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let needs_grad = xs.track_op() || self.weight.track_op();
+        if !needs_grad && xs.is_contiguous() && xs.dtype() == DType::F32 {
+            return candle_nn::ops::rms_norm(xs, &self.weight, self.eps as f32);
+        }
+        let dtype = xs.dtype();
+        let x = xs.to_dtype(DType::F32)?;
+        let var = x.sqr()?.mean_keepdim(D::Minus1)?;
+        let x = x.broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        x.to_dtype(dtype)?.broadcast_mul(&self.weight)
+    }
+}
+
+/// The normalisation a model uses, with its checkpoint weights.
+#[derive(Debug, Clone)]
+pub enum Norm {
+    /// Weight and bias (GPT-2, GPT-NeoX, GPT-Neo).
+    LayerNorm(LayerNorm),
+    /// Weight only (Llama, Mistral, Qwen2).
+    RmsNorm(RmsNorm),
+}
+
+impl Norm {
+    /// Loads the norm `kind` of width `dim` under `vb`.
+    pub fn new(kind: NormKind, dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(match kind {
+            NormKind::LayerNorm => Self::LayerNorm(LayerNorm::new(dim, eps, vb)?),
+            NormKind::RmsNorm => Self::RmsNorm(RmsNorm::new(dim, eps, vb)?),
+        })
+    }
+
+    /// `[.., dim]` to `[.., dim]`.
+    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::LayerNorm(n) => n.forward(xs),
+            Self::RmsNorm(n) => n.forward(xs),
+        }
+    }
+
+    /// The scale, `[dim]`.
+    pub fn weight(&self) -> &Tensor {
+        match self {
+            Self::LayerNorm(n) => n.weight(),
+            Self::RmsNorm(n) => n.weight(),
+        }
+    }
+
+    /// The shift, `[dim]` (LayerNorm only).
+    pub fn bias(&self) -> Option<&Tensor> {
+        match self {
+            Self::LayerNorm(n) => Some(n.bias()),
+            Self::RmsNorm(_) => None,
+        }
+    }
+
+    /// The name of the kind, for messages.
+    pub fn kind(&self) -> NormKind {
+        match self {
+            Self::LayerNorm(_) => NormKind::LayerNorm,
+            Self::RmsNorm(_) => NormKind::RmsNorm,
         }
     }
 }

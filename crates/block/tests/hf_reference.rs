@@ -258,10 +258,10 @@ fn bad_checkpoints_are_errors_that_name_the_problem() {
     write_dir(&dir, name, &good);
     let cfg = std::fs::read_to_string(dir.join("config.json"))
         .unwrap()
-        .replace("gelu_new", "swish");
+        .replace("gelu_new", "mish");
     std::fs::write(dir.join("config.json"), cfg).unwrap();
     let err = load_err(&dir);
-    assert!(err.contains("swish"), "{err}");
+    assert!(err.contains("mish"), "{err}");
 
     let err = load_err(&tmp.path().join("nowhere"));
     assert!(err.contains("config.json"), "{err}");

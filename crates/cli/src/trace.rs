@@ -28,7 +28,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
     } = common::load(margs)?;
     let cfg = model.config().clone();
     if cfg.norm_placement != NormPlacement::Pre {
-        bail!("trace follows GPT-2's pre-norm blocks; this model is post-norm")
+        bail!("trace follows pre-norm blocks; this model is post-norm")
     }
     let ids = a.prompt.ids(tokenizer.as_ref())?;
     if ids.is_empty() || ids.len() > cfg.n_positions {
@@ -47,13 +47,18 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
             )
         }
     }
-    let (h, d) = (cfg.n_head, cfg.n_embd);
+    let (h, hk, d, f) = (cfg.n_head, cfg.kv_heads(), cfg.n_embd, cfg.inner_dim());
     let dk = d / h;
     let s = ids.len();
     let dev = model.device().clone();
     let input = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
+    let kv_note = if hk == h {
+        String::new()
+    } else {
+        format!(", H_kv = {hk} key/value heads")
+    };
     println!(
-        "B = 1 sequence, S = {s} tokens, D = {d} (n_embd), H = {h} heads, d_k = D/H = {dk}, V = {}",
+        "B = 1 sequence, S = {s} tokens, D = {d} (n_embd), H = {h} heads, d_k = D/H = {dk}{kv_note}, F = {f} (MLP), V = {}",
         cfg.vocab_size
     );
     println!(
@@ -64,21 +69,25 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         "input ids                               [B, S]        = {}",
         shape(&input)
     );
-    let tok = model
+    let mut xs = model
         .wte()
         .index_select(&input.flatten_all()?, 0)?
         .unsqueeze(0)?;
-    let pos = model.wpe().narrow(0, 0, s)?.unsqueeze(0)?;
-    let mut xs = (&tok + &pos)?;
     println!(
         "token embedding wte[ids]                [B, S, D]     = {}",
-        shape(&tok)
-    );
-    println!(
-        "+ position embedding wpe[0..S]          [B, S, D]     = {}",
         shape(&xs)
     );
-    let mask = mha::Mask::causal(0);
+    match model.wpe() {
+        Some(wpe) => {
+            xs = (&xs + wpe.narrow(0, 0, s)?.unsqueeze(0)?)?;
+            println!(
+                "+ position embedding wpe[0..S]          [B, S, D]     = {}",
+                shape(&xs)
+            );
+        }
+        None => println!("positions: rotary, applied to q and k in every block"),
+    }
+    let rope = model.rope_tables(&Tensor::arange(0u32, s as u32, &dev)?.unsqueeze(0)?)?;
     for (i, block) in model.blocks().iter().enumerate() {
         let (ln_1, attn, ln_2, mlp) = block.parts();
         let show = a.layer.is_none_or(|l| l == i);
@@ -90,18 +99,34 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         if show {
             println!("block {i}:");
         }
+        let norm = |n: &block::Norm| format!("{:?}", n.kind());
         let x_ln = ln_1.forward(&xs)?;
-        say("ln_1(x)", "[B, S, D]", &x_ln);
+        say(&format!("{}(x)", norm(ln_1)), "[B, S, D]", &x_ln);
         let [qp, kp, vp] = attn.qkv_proj();
         let (q, k, v) = (qp.forward(&x_ln)?, kp.forward(&x_ln)?, vp.forward(&x_ln)?);
-        say("q = x·W_q (c_attn, first third)", "[B, S, D]", &q);
-        let split = |t: &Tensor| t.reshape((1, s, h, dk));
-        let q4 = split(&q)?;
+        say("q = x·W_q", "[B, S, D]", &q);
+        if hk != h {
+            say("k = x·W_k, v = x·W_v", "[B, S, H_kv·d_k]", &k);
+        }
+        let q4 = q.reshape((1, s, h, dk))?;
         say("q split into heads", "[B, S, H, d_k]", &q4);
         let q = q4.transpose(1, 2)?.contiguous()?;
-        let k = split(&k)?.transpose(1, 2)?.contiguous()?;
-        let v = split(&v)?.transpose(1, 2)?.contiguous()?;
+        let k = k.reshape((1, s, hk, dk))?.transpose(1, 2)?.contiguous()?;
+        let v = v.reshape((1, s, hk, dk))?.transpose(1, 2)?.contiguous()?;
         say("q, k, v with heads first", "[B, H, S, d_k]", &q);
+        let (q, k) = match (attn.rope(), &rope) {
+            (Some(r), Some(tables)) => {
+                let (q, k) = (r.apply(&q, tables)?, r.apply(&k, tables)?);
+                let what = format!("q, k rotated (RoPE, {} of {dk} dims)", r.rotary_dim());
+                say(&what, "[B, H, S, d_k]", &q);
+                (q, k)
+            }
+            _ => (q, k),
+        };
+        let (k, v) = (mha::repeat_kv(&k, h / hk)?, mha::repeat_kv(&v, h / hk)?);
+        if hk != h {
+            say("k, v shared by groups of heads", "[B, H, S, d_k]", &k);
+        }
         let scale = attn.config().softmax_scale();
         let scores = (q.matmul(&k.t()?)? * scale)?;
         say(
@@ -109,47 +134,88 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
             "[B, H, S, S]",
             &scores,
         );
+        let window = attn.config().window;
+        let mask = mha::Mask {
+            window,
+            ..mha::Mask::causal(0)
+        };
         let bias = mask.to_bias((1, h, s, s), &dev)?;
         let scores = match bias {
             Some(b) => scores.broadcast_add(&b)?,
             None => scores,
         };
         let weights = mha::masked_softmax(&scores)?;
-        say("causal mask, softmax over keys", "[B, H, S, S]", &weights);
+        let what = match window {
+            Some(w) => format!("causal mask (window {w}), softmax"),
+            None => "causal mask, softmax over keys".to_string(),
+        };
+        say(&what, "[B, H, S, S]", &weights);
         let per_head = weights.matmul(&v)?;
         say("weights·v", "[B, H, S, d_k]", &per_head);
         let merged = per_head.transpose(1, 2)?.reshape((1, s, d))?;
         say("heads merged back", "[B, S, D]", &merged);
         let projected = attn.out_proj().forward(&merged)?;
-        say("output projection (c_proj)", "[B, S, D]", &projected);
-        xs = (&xs + projected)?;
-        say("x + attention (residual)", "[B, S, D]", &xs);
-        let hid = ln_2.forward(&xs)?;
-        say("ln_2(x)", "[B, S, D]", &hid);
-        let [(_, fc), (_, proj)] = mlp.projections();
-        let hid = fc.forward(&hid)?;
-        say("MLP up (c_fc)", "[B, S, 4D]", &hid);
-        let hid = cfg.activation_function.apply(&hid)?;
+        say("output projection (W_o)", "[B, S, D]", &projected);
+        // Parallel blocks feed the MLP the block's input, not the attention's output.
+        let mlp_in = if block.is_parallel() {
+            xs.clone()
+        } else {
+            xs = (&xs + &projected)?;
+            say("x + attention (residual)", "[B, S, D]", &xs);
+            xs.clone()
+        };
+        let hid = ln_2.forward(&mlp_in)?;
+        say(&format!("{}(x)", norm(ln_2)), "[B, S, D]", &hid);
+        let (projections, _) = mlp.projections();
+        let act = mlp.activation();
+        let hid = match projections.as_slice() {
+            [(gn, gate), (un, up), _] => {
+                let g = act.apply(&gate.forward(&hid)?)?;
+                say(&format!("{act:?}({gn}(x))"), "[B, S, F]", &g);
+                let u = up.forward(&hid)?;
+                say(&format!("{un}(x)"), "[B, S, F]", &u);
+                let prod = (g * u)?;
+                say("gate · up", "[B, S, F]", &prod);
+                prod
+            }
+            [(un, up), _] => {
+                let u = up.forward(&hid)?;
+                say(&format!("MLP up ({un})"), "[B, S, F]", &u);
+                let u = act.apply(&u)?;
+                say(&format!("{act:?}"), "[B, S, F]", &u);
+                u
+            }
+            _ => bail!("an MLP with {} projections", projections.len()),
+        };
+        let down = projections.last().map(|p| p.1);
+        let Some(down) = down else {
+            bail!("an MLP without projections")
+        };
+        let hid = down.forward(&hid)?;
         say(
-            &format!("{:?}", cfg.activation_function),
-            "[B, S, 4D]",
+            &format!("MLP down ({})", projections[projections.len() - 1].0),
+            "[B, S, D]",
             &hid,
         );
-        let hid = proj.forward(&hid)?;
-        say("MLP down (c_proj)", "[B, S, D]", &hid);
-        xs = (&xs + hid)?;
-        say("x + MLP (residual)", "[B, S, D]", &xs);
+        if block.is_parallel() {
+            xs = ((&xs + projected)? + hid)?;
+            say("x + attention + MLP (parallel)", "[B, S, D]", &xs);
+        } else {
+            xs = (&xs + hid)?;
+            say("x + MLP (residual)", "[B, S, D]", &xs);
+        }
     }
     if let Some(ln_f) = model.ln_f() {
         xs = ln_f.forward(&xs)?;
         println!(
-            "final LayerNorm ln_f                    [B, S, D]     = {}",
+            "final {:<34}[B, S, D]     = {}",
+            format!("{:?}", ln_f.kind()),
             shape(&xs)
         );
     }
     let logits = model.lm_head().forward(&xs)?;
     println!(
-        "logits = x·wteᵀ (LM head)               [B, S, V]     = {}",
+        "logits = x·W_headᵀ (LM head)            [B, S, V]     = {}",
         shape(&logits)
     );
     let reference = model.infer(&input, None, None, block::Logits::All)?;

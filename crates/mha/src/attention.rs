@@ -4,7 +4,7 @@ use candle_core::{bail, DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::layout::{self, Proj, Projections, WeightLayout};
-use crate::{kernel, Dropout, KvCache, Mask, MhaConfig};
+use crate::{kernel, Dropout, KvCache, Mask, MhaConfig, Rope, RopeTables};
 
 /// How to run [`sdpa`] beyond its tensors and mask.
 #[derive(Debug, Clone, Copy)]
@@ -212,6 +212,31 @@ pub struct MultiHeadAttention {
     cfg: MhaConfig,
     proj: Projections,
     dropout: Dropout,
+    rope: Option<Rope>,
+}
+
+/// Everything a call of [`MultiHeadAttention::forward_with`] takes beside its three inputs.
+///
+/// ```
+/// use mha::{ForwardArgs, Mask};
+/// let args = ForwardArgs { mask: Mask::causal(0), ..Default::default() };
+/// assert!(!args.train && args.cache.is_none());
+/// ```
+#[derive(Debug, Default)]
+pub struct ForwardArgs<'a> {
+    /// What hides keys from queries. The layer's own `window` is added to it.
+    pub mask: Mask<'a>,
+    /// Rotary tables of the query positions, `[batch, q_len, rotary_dim / 2]` (from
+    /// [`Rope::tables`]); with `None` a rotary layer places its queries at
+    /// `offset..offset + q_len`, `offset` being the cache length (without a cache, the
+    /// mask's causal offset, else 0). Left-padded batches pass their own positions here.
+    pub rope: Option<&'a RopeTables>,
+    /// Keys and values of earlier positions; the new ones are appended (inference only).
+    pub cache: Option<&'a mut KvCache>,
+    /// Also return the attention weights of every head.
+    pub need_weights: bool,
+    /// Training mode: dropout on.
+    pub train: bool,
 }
 
 impl MultiHeadAttention {
@@ -224,11 +249,21 @@ impl MultiHeadAttention {
     /// Loads the layer from a checkpoint in the given layout.
     pub fn load(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
+        let rope = match &cfg.rope {
+            Some(r) => Some(Rope::new(r, cfg.head_dim())?),
+            None => None,
+        };
         Ok(Self {
             cfg: cfg.clone(),
             proj: layout::load(cfg, layout, vb)?,
             dropout: Dropout::new(cfg.dropout, cfg.seed)?,
+            rope,
         })
+    }
+
+    /// The rotary embedding of this layer, when it has one.
+    pub fn rope(&self) -> Option<&Rope> {
+        self.rope.as_ref()
     }
 
     /// The configuration this layer was built with.
@@ -258,7 +293,7 @@ impl MultiHeadAttention {
         Ok(Self {
             cfg: self.cfg.clone(),
             proj: self.proj.quantize(dtype)?,
-            dropout: self.dropout.clone(),
+            ..self.clone()
         })
     }
 
@@ -276,7 +311,12 @@ impl MultiHeadAttention {
         mask: &Mask,
         train: bool,
     ) -> Result<Tensor> {
-        Ok(self.run(query, key, value, mask, None, false, train)?.0)
+        let args = ForwardArgs {
+            mask: *mask,
+            train,
+            ..Default::default()
+        };
+        Ok(self.forward_with(query, key, value, args)?.0)
     }
 
     /// As [`Self::forward`], also returning the attention weights of every head.
@@ -288,8 +328,14 @@ impl MultiHeadAttention {
         mask: &Mask,
         train: bool,
     ) -> Result<(Tensor, AttnWeights)> {
-        match self.run(query, key, value, mask, None, true, train)? {
-            (ys, Some(per_head)) => Ok((ys, AttnWeights { per_head })),
+        let args = ForwardArgs {
+            mask: *mask,
+            need_weights: true,
+            train,
+            ..Default::default()
+        };
+        match self.forward_with(query, key, value, args)? {
+            (ys, Some(w)) => Ok((ys, w)),
             _ => bail!("attention weights were not computed"),
         }
     }
@@ -307,9 +353,36 @@ impl MultiHeadAttention {
         mask: &Mask,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        Ok(self
-            .run(query, key, value, mask, Some(cache), false, false)?
-            .0)
+        let args = ForwardArgs {
+            mask: *mask,
+            cache: Some(cache),
+            ..Default::default()
+        };
+        Ok(self.forward_with(query, key, value, args)?.0)
+    }
+
+    /// The general call: any mask, explicit rotary positions, an optional cache, the
+    /// weights on request. Shapes as in [`Self::forward`]; the weights are
+    /// `[batch, n_heads, q_len, kv_len]`.
+    pub fn forward_with(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        args: ForwardArgs,
+    ) -> Result<(Tensor, Option<AttnWeights>)> {
+        let ForwardArgs {
+            mask,
+            rope,
+            cache,
+            need_weights,
+            train,
+        } = args;
+        if need_weights && cache.is_some() {
+            bail!("attention weights are not returned from cached steps")
+        }
+        let (ys, w) = self.run(query, key, value, &mask, rope, cache, need_weights, train)?;
+        Ok((ys, w.map(|per_head| AttnWeights { per_head })))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -319,6 +392,7 @@ impl MultiHeadAttention {
         key: &Tensor,
         value: &Tensor,
         mask: &Mask,
+        rope: Option<&RopeTables>,
         cache: Option<&mut KvCache>,
         need_weights: bool,
         train: bool,
@@ -372,6 +446,29 @@ impl MultiHeadAttention {
         } else {
             (q, k, v)
         };
+        // Rotate the queries and the new keys at their positions; the cache keeps rotated
+        // keys, so earlier positions are never rotated again.
+        let (q, k) = match &self.rope {
+            None => (q, k),
+            Some(r) => {
+                if tk != tq {
+                    bail!("attention: rotary embeddings need as many keys as queries (self-attention), got {tq} queries and {tk} keys")
+                }
+                let own;
+                let tables = match rope {
+                    Some(t) => t,
+                    None => {
+                        let offset = match &cache {
+                            Some(c) => c.len(),
+                            None => mask.causal.unwrap_or(0),
+                        };
+                        own = r.tables_from(b, tq, offset, q.device())?;
+                        &own
+                    }
+                };
+                (r.apply(&q, tables)?, r.apply(&k, tables)?)
+            }
+        };
         let (k, v) = match cache {
             Some(cache) => cache.append(&k, &v)?,
             None => (k, v),
@@ -382,7 +479,14 @@ impl MultiHeadAttention {
             train,
             need_weights,
         };
-        let (ys, weights) = sdpa(&q, &k, &v, mask, &params)?;
+        let mask = match cfg.window {
+            Some(w) => Mask {
+                window: Some(mask.window.map_or(w, |m| m.min(w))),
+                ..*mask
+            },
+            None => *mask,
+        };
+        let (ys, weights) = sdpa(&q, &k, &v, &mask, &params)?;
         // (b, h, tq, hd) -> (b, tq, h·hd)
         let ys = ys
             .to_dtype(dtype)?

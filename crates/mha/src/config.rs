@@ -3,6 +3,8 @@
 use candle_core::{bail, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::RopeConfig;
+
 /// Configuration of [`crate::MultiHeadAttention`], named as `torch.nn.MultiheadAttention`
 /// names its arguments where it has them.
 ///
@@ -22,8 +24,18 @@ pub struct MhaConfig {
     pub kdim: Option<usize>,
     /// Width of the value input (`vdim`); `None` is `d_model`.
     pub vdim: Option<usize>,
-    /// Whether the four projections have biases.
+    /// Whether the projections have biases (all four, as PyTorch's `bias`, unless
+    /// `out_bias` says otherwise for the output projection).
     pub bias: bool,
+    /// Whether the output projection has a bias; `None` is `bias`. (Qwen2 has q/k/v biases
+    /// and none on `o_proj`; GPT-Neo the other way round.)
+    pub out_bias: Option<bool>,
+    /// Rotary position embeddings applied to queries and keys (the cache keeps rotated
+    /// keys); `None` for none.
+    pub rope: Option<RopeConfig>,
+    /// Local attention: with causal masking, query `i` sees only the `window` most recent
+    /// keys, itself included (GPT-Neo's `window_size`, Mistral's `sliding_window`).
+    pub window: Option<usize>,
     /// Dropout probability on the attention weights (after softmax), in `[0, 1)`.
     pub dropout: f32,
     /// Factor applied to the scores `q·k`; `None` is `1/sqrt(head_dim)`.
@@ -48,6 +60,9 @@ impl MhaConfig {
             kdim: None,
             vdim: None,
             bias: true,
+            out_bias: None,
+            rope: None,
+            window: None,
             dropout: 0.0,
             scale: None,
             seed: 0,
@@ -79,6 +94,11 @@ impl MhaConfig {
         self.kv_heads() * self.head_dim()
     }
 
+    /// Whether the output projection has a bias, after defaulting.
+    pub fn o_bias(&self) -> bool {
+        self.out_bias.unwrap_or(self.bias)
+    }
+
     /// The factor applied to the scores after defaulting.
     pub fn softmax_scale(&self) -> f64 {
         self.scale
@@ -107,6 +127,12 @@ impl MhaConfig {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             bail!("dropout must be in [0, 1), got {}", self.dropout)
+        }
+        if self.window == Some(0) {
+            bail!("window must be at least 1 (the query itself)")
+        }
+        if let Some(rope) = &self.rope {
+            rope.validate(self.head_dim())?;
         }
         if let Some(s) = self.scale {
             if !s.is_finite() {

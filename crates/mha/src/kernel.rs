@@ -35,9 +35,13 @@ pub fn flash_attn_cpu(
         Some(keep) => Some(keep.flatten_all()?.to_vec1::<u8>()?),
         None => None,
     };
+    if mask.window == Some(0) {
+        bail!("attention window must be at least 1")
+    }
     let op = FlashAttn {
         scale: scale as f32,
         causal: mask.causal,
+        window: mask.causal.and(mask.window),
         keep,
     };
     // The kernel reads rows with unit stride; cache views (strided heads) are fine.
@@ -54,6 +58,8 @@ pub fn flash_attn_cpu(
 struct FlashAttn {
     scale: f32,
     causal: Option<usize>,
+    /// Keys visible to a query with `causal`, itself included (local attention).
+    window: Option<usize>,
     /// `[b · tk]`, 1 where the key is kept.
     keep: Option<Vec<u8>>,
 }
@@ -156,6 +162,7 @@ impl CustomOp3 for FlashAttn {
                             tk,
                             // An offset past the keys shows them all; clamped, it cannot overflow.
                             first_pos: self.causal.map(|o| o.min(tk) + i0),
+                            window: self.window,
                             keep,
                             scale: self.scale,
                         };
@@ -181,6 +188,8 @@ struct Block<'a> {
     tk: usize,
     /// Absolute position of the first query row when causal.
     first_pos: Option<usize>,
+    /// With `first_pos`: keys visible to a query, itself included.
+    window: Option<usize>,
     keep: Option<&'a [u8]>,
     scale: f32,
 }
@@ -197,7 +206,12 @@ impl Block<'_> {
         let mut m = [f32::NEG_INFINITY; BR];
         let mut l = [0f32; BR];
         out.fill(0.0);
-        let mut j0 = 0;
+        // Nor are keys before the first row's window.
+        let oldest = |pos: usize| match self.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        };
+        let mut j0 = self.first_pos.map_or(0, oldest);
         while j0 < kv_end {
             let bc = BC.min(kv_end - j0);
             let s = &mut scores[..rows * bc];
@@ -235,6 +249,10 @@ impl Block<'_> {
                     None => bc,
                 };
                 row[visible..].fill(f32::NEG_INFINITY);
+                if let Some(p) = self.first_pos {
+                    let hidden = oldest(p + r).saturating_sub(j0).min(visible);
+                    row[..hidden].fill(f32::NEG_INFINITY);
+                }
                 if let Some(keep) = self.keep {
                     for (x, &kp) in row[..visible].iter_mut().zip(&keep[j0..j0 + visible]) {
                         if kp == 0 {

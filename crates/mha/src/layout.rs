@@ -32,6 +32,15 @@ pub enum WeightLayout {
     /// `q_proj_weight`/`k_proj_weight`/`v_proj_weight` when `kdim`/`vdim` differ), the
     /// fused `in_proj_bias`, and `out_proj.weight`/`out_proj.bias`.
     TorchInProj,
+    /// GPT-NeoX: one `nn.Linear` `{qkv}` `[3·d_model, d_model]` whose outputs are grouped
+    /// by head (q, k, v of head 0, then of head 1, ...), and an `{o}` `nn.Linear`. The rows
+    /// are regrouped as `[q | k | v]` while loading ([`neox_to_fused`]).
+    HeadInterleavedQkv {
+        /// Fused projection prefix (`query_key_value`).
+        qkv: String,
+        /// Output projection prefix (`dense`).
+        o: String,
+    },
 }
 
 impl WeightLayout {
@@ -161,6 +170,16 @@ impl Proj {
         })
     }
 
+    /// As [`Self::quantize`], but a dense weight whose input width is not a multiple of the
+    /// format's block size stays as it is (llama.cpp's quantizer falls back likewise), so a
+    /// whole model quantizes even when one width, say an MLP of 48, does not divide.
+    pub fn quantize_or_keep(&self, dtype: GgmlDType) -> Result<Self> {
+        match &self.w {
+            Weight::Dense(w_t) if w_t.dim(0)? % dtype.block_size() != 0 => Ok(self.clone()),
+            _ => self.quantize(dtype),
+        }
+    }
+
     /// Output columns `start..start + len` of this projection, sharing its storage.
     pub fn narrow(&self, start: usize, len: usize) -> Result<Self> {
         let b = match &self.b {
@@ -254,12 +273,13 @@ pub(crate) struct Projections {
 }
 
 impl Projections {
-    /// Every projection quantized; q/k/v stay views of the fused one when there is one.
+    /// Every projection quantized (where its width allows); q/k/v stay views of the fused
+    /// one when there is one.
     pub(crate) fn quantize(&self, dtype: GgmlDType) -> Result<Self> {
-        let o = self.o.quantize(dtype)?;
+        let o = self.o.quantize_or_keep(dtype)?;
         match &self.qkv {
             Some(qkv) => {
-                let qkv = qkv.quantize(dtype)?;
+                let qkv = qkv.quantize_or_keep(dtype)?;
                 let (_, q_len) = self.q.dims()?;
                 let (_, kv_len) = self.k.dims()?;
                 Ok(Projections {
@@ -271,9 +291,9 @@ impl Projections {
                 })
             }
             None => Ok(Projections {
-                q: self.q.quantize(dtype)?,
-                k: self.k.quantize(dtype)?,
-                v: self.v.quantize(dtype)?,
+                q: self.q.quantize_or_keep(dtype)?,
+                k: self.k.quantize_or_keep(dtype)?,
+                v: self.v.quantize_or_keep(dtype)?,
                 o,
                 qkv: None,
             }),
@@ -294,17 +314,39 @@ fn get(vb: &VarBuilder, shape: (usize, usize), name: &str, init: Init) -> Result
     vb.get_with_hints(shape, name, init)
 }
 
-fn get_bias(vb: &VarBuilder, len: usize, name: &str, cfg: &MhaConfig) -> Result<Option<Tensor>> {
-    if cfg.bias {
+fn get_bias(vb: &VarBuilder, len: usize, name: &str, on: bool) -> Result<Option<Tensor>> {
+    if on {
         Ok(Some(vb.get_with_hints(len, name, Init::Const(0.0))?))
     } else {
         Ok(None)
     }
 }
 
-fn linear(vb: VarBuilder, d_in: usize, d_out: usize, cfg: &MhaConfig) -> Result<Proj> {
+fn linear(vb: VarBuilder, d_in: usize, d_out: usize, bias: bool) -> Result<Proj> {
     let w = get(&vb, (d_out, d_in), "weight", linear_init(d_in))?;
-    Proj::from_linear(&w, get_bias(&vb, d_out, "bias", cfg)?)
+    Proj::from_linear(&w, get_bias(&vb, d_out, "bias", bias)?)
+}
+
+/// Regroups the outputs of GPT-NeoX's fused projection, `[h, 3, head_dim, ..]` (per head
+/// q, k, v) to `[3, h, head_dim, ..]` (all queries, all keys, all values), along dimension
+/// 0 of `xs` (`[3·h·head_dim]` or `[3·h·head_dim, d_in]`). `inverse` goes back.
+pub fn neox_to_fused(xs: &Tensor, n_heads: usize, inverse: bool) -> Result<Tensor> {
+    let rows = xs.dim(0)?;
+    if n_heads == 0 || rows % (3 * n_heads) != 0 {
+        bail!("fused q/k/v of {rows} rows cannot be split into 3 x {n_heads} heads")
+    }
+    let hd = rows / (3 * n_heads);
+    let rest: Vec<usize> = xs.dims()[1..].to_vec();
+    let split = |a: usize, b: usize| {
+        let mut d = vec![a, b, hd];
+        d.extend_from_slice(&rest);
+        d
+    };
+    let (from, to) = match inverse {
+        false => (split(n_heads, 3), xs.dims().to_vec()),
+        true => (split(3, n_heads), xs.dims().to_vec()),
+    };
+    xs.reshape(from)?.transpose(0, 1)?.contiguous()?.reshape(to)
 }
 
 /// Splits a fused `[in, q + 2·kv]` projection into views.
@@ -325,12 +367,26 @@ pub(crate) fn load(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Re
     let same_width = kdim == d && vdim == d;
     match layout {
         WeightLayout::Separate { q, k, v, o } => Ok(Projections {
-            q: linear(vb.pp(q), d, d, cfg)?,
-            k: linear(vb.pp(k), kdim, kv, cfg)?,
-            v: linear(vb.pp(v), vdim, kv, cfg)?,
-            o: linear(vb.pp(o), d, d, cfg)?,
+            q: linear(vb.pp(q), d, d, cfg.bias)?,
+            k: linear(vb.pp(k), kdim, kv, cfg.bias)?,
+            v: linear(vb.pp(v), vdim, kv, cfg.bias)?,
+            o: linear(vb.pp(o), d, d, cfg.o_bias())?,
             qkv: None,
         }),
+        WeightLayout::HeadInterleavedQkv { qkv, o } => {
+            if !same_width || kv != d {
+                bail!("the GPT-NeoX query_key_value layout needs kdim = vdim = d_model = {d} and no grouped heads")
+            }
+            let fused = vb.pp(qkv);
+            let w = get(&fused, (3 * d, d), "weight", linear_init(d))?;
+            let w = neox_to_fused(&w, cfg.n_heads, false)?;
+            let b = match get_bias(&fused, 3 * d, "bias", cfg.bias)? {
+                Some(b) => Some(neox_to_fused(&b, cfg.n_heads, false)?),
+                None => None,
+            };
+            let o = linear(vb.pp(o), d, d, cfg.o_bias())?;
+            split_fused(Proj::from_linear(&w, b)?, o, cfg)
+        }
         WeightLayout::Gpt2Conv1d => {
             if !same_width {
                 bail!("the GPT-2 c_attn layout needs kdim = vdim = d_model = {d}, got kdim={kdim}, vdim={vdim}")
@@ -341,17 +397,17 @@ pub(crate) fn load(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Re
             };
             let attn = vb.pp("c_attn");
             let w = get(&attn, (d, d + 2 * kv), "weight", gpt2_init)?;
-            let qkv = Proj::new(w, get_bias(&attn, d + 2 * kv, "bias", cfg)?);
+            let qkv = Proj::new(w, get_bias(&attn, d + 2 * kv, "bias", cfg.bias)?);
             let proj = vb.pp("c_proj");
             let o = Proj::new(
                 get(&proj, (d, d), "weight", gpt2_init)?,
-                get_bias(&proj, d, "bias", cfg)?,
+                get_bias(&proj, d, "bias", cfg.o_bias())?,
             );
             split_fused(qkv, o, cfg)
         }
         WeightLayout::TorchInProj => {
-            let o = linear(vb.pp("out_proj"), d, d, cfg)?;
-            let bias = get_bias(&vb, d + 2 * kv, "in_proj_bias", cfg)?;
+            let o = linear(vb.pp("out_proj"), d, d, cfg.o_bias())?;
+            let bias = get_bias(&vb, d + 2 * kv, "in_proj_bias", cfg.bias)?;
             if same_width {
                 let w = get(&vb, (d + 2 * kv, d), "in_proj_weight", linear_init(d))?;
                 let qkv = Proj::from_linear(&w, bias)?;

@@ -8,6 +8,8 @@
 //! - per-head attention weights on request;
 //! - a caller-owned [`KvCache`] for incremental decoding;
 //! - grouped-query and multi-query attention (`n_kv_heads`);
+//! - rotary position embeddings ([`RopeConfig`]: theta, partial rotary, linear scaling) and
+//!   local (sliding-window) attention, both understood by the fused kernel;
 //! - the weight layouts people have: separate q/k/v/o linears, GPT-2's fused `c_attn`
 //!   Conv1D, PyTorch's `in_proj_weight` ([`WeightLayout`]);
 //! - a fused CPU kernel for inference, held to the plain differentiable path.
@@ -48,13 +50,16 @@ pub mod kernel;
 mod layout;
 mod mask;
 pub mod matvec;
+mod rope;
 mod simd;
 
 pub use attention::{
-    masked_softmax, repeat_kv, sdpa, sdpa_reference, AttnWeights, MultiHeadAttention, SdpaParams,
+    masked_softmax, repeat_kv, sdpa, sdpa_reference, AttnWeights, ForwardArgs, MultiHeadAttention,
+    SdpaParams,
 };
 pub use cache::KvCache;
 pub use config::MhaConfig;
 pub use dropout::Dropout;
-pub use layout::{Proj, WeightLayout};
+pub use layout::{neox_to_fused, Proj, WeightLayout};
 pub use mask::{KeyPadding, Mask};
+pub use rope::{Rope, RopeConfig, RopeScaling, RopeTables};

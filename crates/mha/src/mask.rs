@@ -33,6 +33,10 @@ pub struct Mask<'a> {
     /// `Some(offset)`: query `i` sits at absolute position `offset + i` and sees the keys
     /// `0..=offset + i`. With a KV cache, `offset` is the number of cached tokens.
     pub causal: Option<usize>,
+    /// With `causal`: query `i` sees only the `window` most recent keys, itself included,
+    /// i.e. the keys `offset + i + 1 - window ..= offset + i` (local / sliding-window
+    /// attention). Ignored without `causal`.
+    pub window: Option<usize>,
     /// Padding keys to hide, per batch row.
     pub key_padding: Option<KeyPadding<'a>>,
     /// Added to the scores before softmax (`-inf` hides a key); any float dtype, any shape
@@ -44,6 +48,7 @@ impl<'a> Mask<'a> {
     /// No masking at all.
     pub const NONE: Mask<'static> = Mask {
         causal: None,
+        window: None,
         key_padding: None,
         additive: None,
     };
@@ -53,6 +58,14 @@ impl<'a> Mask<'a> {
         Mask {
             causal: Some(offset),
             ..Default::default()
+        }
+    }
+
+    /// Limits causal attention to the `window` most recent keys.
+    pub fn with_window(self, window: usize) -> Self {
+        Mask {
+            window: Some(window),
+            ..self
         }
     }
 
@@ -138,7 +151,18 @@ impl<'a> Mask<'a> {
             let rows = Tensor::arange(offset as u32, (offset + q_len) as u32, device)?
                 .reshape((q_len, 1))?;
             let cols = Tensor::arange(0u32, kv_len as u32, device)?.reshape((1, kv_len))?;
-            let visible = cols.broadcast_le(&rows)?;
+            let mut visible = cols.broadcast_le(&rows)?;
+            if let Some(w) = self.window {
+                if w == 0 {
+                    bail!("attention window must be at least 1")
+                }
+                // The oldest key each query still sees.
+                let first: Vec<u32> = (offset..offset + q_len)
+                    .map(|p| (p + 1).saturating_sub(w) as u32)
+                    .collect();
+                let first = Tensor::from_vec(first, (q_len, 1), device)?;
+                visible = (visible * cols.broadcast_ge(&first)?)?;
+            }
             add(keep_to_bias(&visible)?)?;
         }
         if let Some(keep) = self.keep_keys(b_sz, kv_len, device)? {

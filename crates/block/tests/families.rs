@@ -1,0 +1,477 @@
+//! Llama, Mistral, Qwen2, GPT-NeoX and GPT-Neo checkpoints against Hugging Face
+//! transformers 5.23 (torch 2.15), on small random-weight models made by
+//! `scripts/family_fixtures.py` (every parameter redrawn; GQA, MQA, untied heads, q/k/v
+//! biases, partial rotary, linear RoPE scaling, parallel residual, sliding windows and
+//! GPT-Neo's local layers exercised): logits within 1e-4 absolute, the loss within 1e-4
+//! relative, greedy tokens identical (steps after a near-tie of the reference, top-two
+//! margin < 1e-4, are not compared). Then, without a reference: cached decoding equals the
+//! full pass within 1e-5, left-padded rows equal the rows alone, the older `config.json`
+//! field names give the same model, quantized and half-precision models track f32, and
+//! bad configs are one-line errors that name the field.
+
+#[path = "../../mha/tests/common/mod.rs"]
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use block::{generate, load_dir, GenerateOptions, Gpt, GptCache, Logits, SamplingParams};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, IndexOp, Tensor};
+use common::{assert_close, max_abs_diff};
+
+const MODELS: [&str; 7] = [
+    "llama_gqa_bias",
+    "llama_mqa_linear",
+    "mistral_window",
+    "qwen2_bias_window",
+    "neox_parallel",
+    "neox_sequential",
+    "neo_local",
+];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/families")
+        .join(name)
+}
+
+fn expected(name: &str) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(fixture(name).join("expected.safetensors"), &Device::Cpu)
+        .unwrap()
+}
+
+fn load(dir: &Path, dtype: DType) -> Gpt {
+    load_dir(dir, dtype, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+}
+
+fn ids_of(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap()[0].clone()
+}
+
+#[test]
+fn logits_loss_and_greedy_tokens_match_transformers() {
+    for name in MODELS {
+        let model = load(&fixture(name), DType::F32);
+        let exp = expected(name);
+        let ids = &exp["input_ids"];
+        let got = model.infer(ids, None, None, Logits::All).unwrap();
+        println!(
+            "{name}: max |logit diff| = {:e}",
+            max_abs_diff(&got, &exp["logits"])
+        );
+        assert_close(&got, &exp["logits"], 1e-4, 0.0, &format!("{name}: logits"));
+
+        let loss = model.loss(&ids.narrow(0, 0, 1).unwrap(), false).unwrap();
+        let (loss, want) = (
+            loss.to_scalar::<f32>().unwrap(),
+            exp["loss"].to_scalar::<f32>().unwrap(),
+        );
+        assert!(
+            ((loss - want) / want).abs() <= 1e-4,
+            "{name}: loss {loss} vs {want}"
+        );
+
+        let greedy = ids_of(&exp["greedy"]);
+        let margins: Vec<f32> = exp["margins"].to_vec1().unwrap();
+        let opts = GenerateOptions {
+            max_new_tokens: greedy.len(),
+            sampling: SamplingParams::default(),
+            stop_tokens: vec![],
+        };
+        let ours = generate(&model, &[ids_of(&exp["prompt"])], &opts, |_, _| true).unwrap();
+        let comparable = margins
+            .iter()
+            .position(|&m| m < 1e-4)
+            .unwrap_or(greedy.len());
+        assert!(comparable >= 3, "{name}: a near-tie too early");
+        assert_eq!(
+            ours[0][..comparable],
+            greedy[..comparable],
+            "{name}: greedy tokens"
+        );
+    }
+}
+
+/// Prefill of part of the sequence, then one token at a time through the cache, equals
+/// the full causal pass: the cache holds rotated keys, and windows slide past the prefill.
+#[test]
+fn cached_decoding_equals_the_full_pass() {
+    for name in MODELS {
+        let model = load(&fixture(name), DType::F32);
+        let ids = &expected(name)["input_ids"];
+        let (_, t) = ids.dims2().unwrap();
+        let full = model.infer(ids, None, None, Logits::All).unwrap();
+        let mut cache = GptCache::new(model.config(), 4);
+        let mut steps = vec![model
+            .infer(
+                &ids.narrow(1, 0, 3).unwrap(),
+                None,
+                Some(&mut cache),
+                Logits::All,
+            )
+            .unwrap()];
+        for i in 3..t {
+            let step = ids.narrow(1, i, 1).unwrap();
+            steps.push(
+                model
+                    .infer(&step, None, Some(&mut cache), Logits::All)
+                    .unwrap(),
+            );
+        }
+        let stepped = Tensor::cat(&steps, 1).unwrap();
+        assert_close(
+            &stepped,
+            &full,
+            1e-5,
+            1e-5,
+            &format!("{name}: cached decoding"),
+        );
+    }
+}
+
+/// A left-padded batch gives each row the logits of that row run alone (positions count
+/// real tokens only, for learned and rotary positions alike).
+#[test]
+fn left_padded_rows_equal_rows_alone() {
+    for name in MODELS {
+        let model = load(&fixture(name), DType::F32);
+        let ids = &expected(name)["input_ids"];
+        let short = ids.i((1..2, 0..7)).unwrap();
+        let long = ids.i((0..1, ..)).unwrap();
+        let pad = 12 - 7;
+        let padded = Tensor::cat(
+            &[
+                &Tensor::zeros((1, pad), DType::I64, &Device::Cpu).unwrap(),
+                &short,
+            ],
+            1,
+        )
+        .unwrap();
+        let batch = Tensor::cat(&[&long, &padded], 0).unwrap();
+        let mut keep = vec![1u8; 24];
+        keep[12..12 + pad].fill(0);
+        let keep = Tensor::from_vec(keep, (2, 12), &Device::Cpu).unwrap();
+        let got = model.infer(&batch, Some(&keep), None, Logits::All).unwrap();
+        let alone = model.infer(&short, None, None, Logits::All).unwrap();
+        let want_long = model.infer(&long, None, None, Logits::All).unwrap();
+        assert_close(
+            &got.i(0..1).unwrap(),
+            &want_long,
+            1e-5,
+            1e-5,
+            &format!("{name}: row 0"),
+        );
+        assert_close(
+            &got.i((1..2, pad..)).unwrap(),
+            &alone,
+            1e-5,
+            1e-5,
+            &format!("{name}: padded row"),
+        );
+    }
+}
+
+/// The hub's older field names (top-level `rope_theta`/`rope_scaling`, NeoX's `rotary_pct`
+/// and `rotary_emb_base`, Qwen2 without `layer_types`) read as the same model.
+#[test]
+fn legacy_config_fields_give_the_same_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in MODELS {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(
+            fixture(name).join("config.legacy.json"),
+            dir.join("config.json"),
+        )
+        .unwrap();
+        std::fs::copy(
+            fixture(name).join("model.safetensors"),
+            dir.join("model.safetensors"),
+        )
+        .unwrap();
+        let new = load(&fixture(name), DType::F32);
+        let old = load(&dir, DType::F32);
+        assert_eq!(new.config(), old.config(), "{name}: configs differ");
+    }
+}
+
+/// Quantized (q8_0) and half-precision models track f32, prefill and cached decoding.
+#[test]
+fn quantized_and_half_precision_track_f32() {
+    for name in MODELS {
+        let exp = expected(name);
+        let ids = &exp["input_ids"];
+        let want = load(&fixture(name), DType::F32)
+            .infer(ids, None, None, Logits::All)
+            .unwrap();
+        let spread = common::flat(&want)
+            .unwrap()
+            .iter()
+            .fold(0f32, |m, x| m.max(x.abs()));
+        // Each variant's largest logit error as a share of the largest logit, and its
+        // bound, about twice the largest measured over these models (q8_0 1.7-4.7e-2: it
+        // rounds weights and activations to 8 bits; f16 1.2-3.1e-3; bf16 1.0-2.1e-2).
+        for (what, bound) in [("q8_0", 0.08), ("f16", 0.006), ("bf16", 0.04)] {
+            let model = match what {
+                "q8_0" => load(&fixture(name), DType::F32)
+                    .quantize(GgmlDType::Q8_0)
+                    .unwrap(),
+                "f16" => load(&fixture(name), DType::F16),
+                _ => load(&fixture(name), DType::BF16),
+            };
+            let got = model.infer(ids, None, None, Logits::All).unwrap();
+            let err = max_abs_diff(&got.to_dtype(DType::F32).unwrap(), &want) / spread;
+            println!("{name}: {what} max logit error {err:.2e} of the largest logit {spread:.2}");
+            assert!(
+                err < bound,
+                "{name}: {what} error {err} of the logits' range"
+            );
+            // Cached decoding in that precision matches its own full pass.
+            let mut cache = GptCache::new(model.config(), 4);
+            let first = model
+                .infer(
+                    &ids.narrow(1, 0, 6).unwrap(),
+                    None,
+                    Some(&mut cache),
+                    Logits::All,
+                )
+                .unwrap();
+            let next = model
+                .infer(
+                    &ids.narrow(1, 6, 6).unwrap(),
+                    None,
+                    Some(&mut cache),
+                    Logits::All,
+                )
+                .unwrap();
+            let stepped = Tensor::cat(&[first, next], 1)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let tol = if what == "q8_0" { 1e-4 } else { 2e-2 };
+            assert_close(
+                &stepped,
+                &got.to_dtype(DType::F32).unwrap(),
+                tol,
+                tol,
+                &format!("{name}: {what} cached"),
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_configs_are_one_line_errors_naming_the_field() {
+    use serde_json::json;
+    // (fixture, JSON pointer of the field, new value (null removes it), words expected)
+    let cases = [
+        (
+            "llama_gqa_bias",
+            "/num_attention_heads",
+            json!(5),
+            "num_attention_heads=5",
+        ),
+        (
+            "llama_gqa_bias",
+            "/num_key_value_heads",
+            json!(3),
+            "num_key_value_heads=3",
+        ),
+        (
+            "llama_gqa_bias",
+            "/hidden_size",
+            json!(0),
+            "hidden_size must be positive",
+        ),
+        (
+            "llama_gqa_bias",
+            "/intermediate_size",
+            json!(null),
+            "intermediate_size is missing",
+        ),
+        ("llama_gqa_bias", "/head_dim", json!(16), "head_dim=16"),
+        (
+            "llama_gqa_bias",
+            "/hidden_act",
+            json!("mish"),
+            "hidden_act \"mish\"",
+        ),
+        (
+            "llama_gqa_bias",
+            "/rope_parameters/rope_type",
+            json!("yarn"),
+            "rope_parameters type \"yarn\"",
+        ),
+        (
+            "llama_gqa_bias",
+            "/rope_parameters/rope_theta",
+            json!(-1.0),
+            "theta",
+        ),
+        (
+            "llama_gqa_bias",
+            "/rms_norm_eps",
+            json!("small"),
+            "rms_norm_eps",
+        ),
+        (
+            "llama_gqa_bias",
+            "/model_type",
+            json!("mamba"),
+            "model_type \"mamba\"",
+        ),
+        ("llama_gqa_bias", "/vocab_size", json!(-3), "vocab_size"),
+        (
+            "mistral_window",
+            "/sliding_window",
+            json!(0),
+            "sliding_window",
+        ),
+        (
+            "qwen2_bias_window",
+            "/layer_types",
+            json!(["full_attention"]),
+            "layer_types",
+        ),
+        (
+            "neox_parallel",
+            "/rope_parameters/partial_rotary_factor",
+            json!(1.5),
+            "partial_rotary_factor",
+        ),
+        (
+            "neox_parallel",
+            "/use_parallel_residual",
+            json!("yes"),
+            "use_parallel_residual",
+        ),
+        (
+            "neo_local",
+            "/attention_types",
+            json!([[["global", "sparse"], 1]]),
+            "\"sparse\"",
+        ),
+        (
+            "neo_local",
+            "/attention_types",
+            json!([[["global"], 1]]),
+            "num_layers=2",
+        ),
+        ("neo_local", "/num_heads", json!(3), "num_heads=3"),
+    ];
+    for (name, field, value, needle) in cases {
+        let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
+        let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
+        *config.pointer_mut(field).unwrap() = value;
+        let err = block::GptConfig::from_json(&config.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(needle),
+            "{name} {field}: {needle:?} not in {err:?}"
+        );
+        assert!(!err.contains('\n'), "{name} {field}: several lines: {err}");
+    }
+}
+
+#[test]
+fn bad_checkpoints_of_new_families_name_the_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, drop) in [
+        ("llama_gqa_bias", "model.layers.1.self_attn.k_proj.bias"),
+        (
+            "neox_parallel",
+            "gpt_neox.layers.0.attention.query_key_value.weight",
+        ),
+        ("neo_local", "transformer.h.1.attn.attention.out_proj.bias"),
+    ] {
+        let mut tensors =
+            candle_core::safetensors::load(fixture(name).join("model.safetensors"), &Device::Cpu)
+                .unwrap();
+        tensors.remove(drop);
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(fixture(name).join("config.json"), dir.join("config.json")).unwrap();
+        candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+        let err = load_dir(&dir, DType::F32, &Device::Cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(drop), "{name}: {err}");
+    }
+    // A wrong shape: k_proj sized for 4 kv heads where the config says 2.
+    let mut tensors = candle_core::safetensors::load(
+        fixture("llama_gqa_bias").join("model.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    tensors.insert(
+        "model.layers.0.self_attn.k_proj.weight".into(),
+        Tensor::zeros((32, 32), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let dir = tmp.path().join("shape");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        fixture("llama_gqa_bias").join("config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    let err = load_dir(&dir, DType::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("k_proj.weight") && err.contains("[16, 32]"),
+        "{err}"
+    );
+}
+
+/// `named_tensors` gives back every tensor of the checkpoint under its own name and
+/// value (NeoX's per-head q/k/v grouping restored), and keys without the root prefix load.
+#[test]
+fn named_tensors_round_trip_and_bare_names_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in MODELS {
+        let stored =
+            candle_core::safetensors::load(fixture(name).join("model.safetensors"), &Device::Cpu)
+                .unwrap();
+        let model = load(&fixture(name), DType::F32);
+        let named = model.named_tensors().unwrap();
+        let mut a: Vec<_> = stored.keys().collect();
+        let mut b: Vec<_> = named.keys().collect();
+        a.sort();
+        b.sort();
+        assert_eq!(a, b, "{name}: tensor names");
+        for (k, v) in &stored {
+            assert_close(&named[k], v, 0.0, 0.0, &format!("{name}: {k}"));
+        }
+        // Without the root prefix (`model.`, `gpt_neox.`, `transformer.`).
+        let in_a_block = a.iter().find(|k| k.contains(".0.")).unwrap();
+        let root = in_a_block.split('.').next().unwrap().to_string();
+        let bare: HashMap<String, Tensor> = stored
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    k.strip_prefix(&format!("{root}."))
+                        .unwrap_or(&k)
+                        .to_string(),
+                    v,
+                )
+            })
+            .collect();
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(fixture(name).join("config.json"), dir.join("config.json")).unwrap();
+        candle_core::safetensors::save(&bare, dir.join("model.safetensors")).unwrap();
+        let ids = &expected(name)["input_ids"];
+        assert_close(
+            &load(&dir, DType::F32)
+                .infer(ids, None, None, Logits::All)
+                .unwrap(),
+            &model.infer(ids, None, None, Logits::All).unwrap(),
+            0.0,
+            0.0,
+            &format!("{name}: bare names"),
+        );
+    }
+}

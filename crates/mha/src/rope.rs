@@ -1,0 +1,186 @@
+//! Rotary position embeddings (RoPE), as Hugging Face applies them: the rotate-half layout
+//! (Llama, Mistral, Qwen2, GPT-NeoX), optionally on the first `rotary_dim` features of each
+//! head only (NeoX's `rotary_pct`, `partial_rotary_factor`).
+//!
+//! Feature `i < rotary_dim / 2` of a head is paired with feature `i + rotary_dim / 2` and the
+//! pair is turned by the angle `position · inv_freq[i]`, where
+//! `inv_freq[i] = theta^(-2i / rotary_dim)` (divided by the factor under linear scaling).
+
+use candle_core::{bail, DType, Device, Result, Tensor, D};
+use serde::{Deserialize, Serialize};
+
+/// How the frequencies are stretched for contexts longer than the model was trained on
+/// (`rope_scaling` / `rope_parameters.rope_type` in `config.json`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum RopeScaling {
+    /// The frequencies as trained.
+    None,
+    /// Positions divided by `factor` (Hugging Face's `"linear"`).
+    Linear {
+        /// The divisor, > 0.
+        factor: f64,
+    },
+}
+
+/// Configuration of rotary embeddings for one attention layer.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RopeConfig {
+    /// The base of the frequencies (`rope_theta`, NeoX's `rotary_emb_base`), > 1.
+    pub theta: f64,
+    /// How many leading features of each head are rotated; `None` is all of them. Must be
+    /// even and at most `head_dim`.
+    pub rotary_dim: Option<usize>,
+    /// Frequency scaling.
+    pub scaling: RopeScaling,
+}
+
+impl Default for RopeConfig {
+    /// Llama's: theta 10000, every feature rotated, no scaling.
+    fn default() -> Self {
+        Self {
+            theta: 10_000.0,
+            rotary_dim: None,
+            scaling: RopeScaling::None,
+        }
+    }
+}
+
+impl RopeConfig {
+    /// Checks the values against the head width; the error names them.
+    pub fn validate(&self, head_dim: usize) -> Result<()> {
+        if !(self.theta > 1.0 && self.theta.is_finite()) {
+            bail!("rope: theta must be finite and > 1, got {}", self.theta)
+        }
+        let dim = self.rotary_dim.unwrap_or(head_dim);
+        if dim == 0 || !dim.is_multiple_of(2) || dim > head_dim {
+            bail!("rope: rotary_dim={dim} must be even, positive and at most head_dim={head_dim}")
+        }
+        if let RopeScaling::Linear { factor } = self.scaling {
+            if !(factor > 0.0 && factor.is_finite()) {
+                bail!("rope: the linear scaling factor must be > 0, got {factor}")
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The angles of one layer's rotary embedding; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    /// `[rotary_dim / 2]`, f32 as transformers computes them.
+    inv_freq: Vec<f32>,
+    rotary_dim: usize,
+}
+
+/// Cosines and sines for a batch of positions, `[b, t, rotary_dim / 2]` each (f32). Made
+/// once per forward pass by [`Rope::tables`] and shared by every layer.
+#[derive(Debug, Clone)]
+pub struct RopeTables {
+    /// `cos(position · inv_freq)`.
+    pub cos: Tensor,
+    /// `sin(position · inv_freq)`.
+    pub sin: Tensor,
+}
+
+impl Rope {
+    /// The frequencies for heads of width `head_dim`.
+    pub fn new(cfg: &RopeConfig, head_dim: usize) -> Result<Self> {
+        cfg.validate(head_dim)?;
+        let dim = cfg.rotary_dim.unwrap_or(head_dim);
+        let divisor = match cfg.scaling {
+            RopeScaling::None => 1.0,
+            RopeScaling::Linear { factor } => factor as f32,
+        };
+        // transformers: 1 / base ** (arange(0, dim, 2).float() / dim), in f32.
+        let inv_freq = (0..dim / 2)
+            .map(|i| 1.0 / (cfg.theta as f32).powf((2 * i) as f32 / dim as f32) / divisor)
+            .collect();
+        Ok(Self {
+            inv_freq,
+            rotary_dim: dim,
+        })
+    }
+
+    /// Number of rotated features per head.
+    pub fn rotary_dim(&self) -> usize {
+        self.rotary_dim
+    }
+
+    /// The tables for `positions` (`[b, t]`, integer).
+    pub fn tables(&self, positions: &Tensor) -> Result<RopeTables> {
+        let (b, t) = positions.dims2()?;
+        let pos = positions.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let half = self.inv_freq.len();
+        let (mut cos, mut sin) = (Vec::with_capacity(b * t * half), Vec::new());
+        sin.reserve(b * t * half);
+        for p in pos.iter().flatten() {
+            for &f in &self.inv_freq {
+                // The product rounded to f32 first, as transformers' f32 matmul does.
+                let angle = p * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        let dev = positions.device();
+        Ok(RopeTables {
+            cos: Tensor::from_vec(cos, (b, t, half), dev)?,
+            sin: Tensor::from_vec(sin, (b, t, half), dev)?,
+        })
+    }
+
+    /// Positions `offset..offset + t` for every row: the tables of a sequence without
+    /// padding whose first `offset` tokens are cached.
+    pub fn tables_from(
+        &self,
+        b: usize,
+        t: usize,
+        offset: usize,
+        dev: &Device,
+    ) -> Result<RopeTables> {
+        if offset + t > u32::MAX as usize {
+            bail!("rope: positions beyond {} are not supported", u32::MAX)
+        }
+        let pos = Tensor::arange(offset as u32, (offset + t) as u32, dev)?
+            .unsqueeze(0)?
+            .broadcast_as((b, t))?
+            .contiguous()?;
+        self.tables(&pos)
+    }
+
+    /// Rotates the first `rotary_dim` features of every head of `xs` (`[b, h, t, head_dim]`).
+    /// Differentiable when `xs` needs a gradient; otherwise Candle's fused kernel.
+    pub fn apply(&self, xs: &Tensor, tables: &RopeTables) -> Result<Tensor> {
+        let (b, _, t, d) = xs.dims4()?;
+        let half = self.rotary_dim / 2;
+        if tables.cos.dims() != [b, t, half] || tables.sin.dims() != [b, t, half] {
+            bail!(
+                "rope: tables {:?} do not fit [batch, seq, rotary_dim/2] = [{b}, {t}, {half}]",
+                tables.cos.dims()
+            )
+        }
+        let dtype = xs.dtype();
+        let (cos, sin) = (tables.cos.to_dtype(dtype)?, tables.sin.to_dtype(dtype)?);
+        let (rot, pass) = match self.rotary_dim < d {
+            true => (
+                xs.narrow(D::Minus1, 0, self.rotary_dim)?,
+                Some(xs.narrow(D::Minus1, self.rotary_dim, d - self.rotary_dim)?),
+            ),
+            false => (xs.clone(), None),
+        };
+        let rotated = if xs.track_op() {
+            // [b, 1, t, rot]: each half of the pair sees the same angle.
+            let cos = Tensor::cat(&[&cos, &cos], D::Minus1)?.unsqueeze(1)?;
+            let sin = Tensor::cat(&[&sin, &sin], D::Minus1)?.unsqueeze(1)?;
+            let x1 = rot.narrow(D::Minus1, 0, half)?;
+            let x2 = rot.narrow(D::Minus1, half, half)?;
+            let rotate_half = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+            (rot.broadcast_mul(&cos)? + rotate_half.broadcast_mul(&sin)?)?
+        } else {
+            candle_nn::rotary_emb::rope(&rot.contiguous()?, &cos.contiguous()?, &sin.contiguous()?)?
+        };
+        match pass {
+            Some(pass) => Tensor::cat(&[&rotated, &pass], D::Minus1),
+            None => Ok(rotated),
+        }
+    }
+}

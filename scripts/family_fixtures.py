@@ -1,0 +1,137 @@
+"""Small random-weight checkpoints of the Llama, Mistral, Qwen2, GPT-NeoX and GPT-Neo
+families, and what Hugging Face transformers computes with them. Read by
+crates/block/tests/families.rs.
+
+    python3 -m venv /tmp/ref && /tmp/ref/bin/pip install torch transformers safetensors
+    /tmp/ref/bin/python scripts/family_fixtures.py
+
+Each crates/block/tests/fixtures/families/<name>/ gets what `save_pretrained` writes
+(config.json with transformers 5's `rope_parameters`, model.safetensors), the same config
+in the field names of the hub's older files (config.legacy.json: top-level `rope_theta` and
+`rope_scaling`, NeoX's `rotary_pct`/`rotary_emb_base`, Qwen2 without `layer_types`), and
+expected.safetensors:
+- input_ids [2, T] (i64), logits [2, T, vocab] (f32): model(input_ids).logits
+- loss (f32 scalar): model(input_ids[:1], labels=input_ids[:1]).loss
+- prompt [1, P], greedy [1, N]: generate(do_sample=False, max_new_tokens=N) new tokens
+- margins [N]: top-1 minus top-2 logit at each greedy step (near ties may be skipped)
+
+Weights are redrawn at scales that make every part matter (matrices with std
+1/sqrt(fan_in), norms 1 + 0.1·noise, biases 0.1·noise): the default init (std 0.02, unit
+norms, zero biases) gives near-uniform logits and would hide a loader that drops or swaps
+a part. Attention is transformers' eager implementation.
+"""
+
+import json
+import math
+import os
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "crates", "block", "tests", "fixtures",
+                    "families")
+T = 12  # longer than every window below, so local attention changes the result
+
+
+def legacy(cfg):
+    """config.json as the hub's pre-transformers-5 files spell it."""
+    cfg = dict(cfg)
+    rope = cfg.pop("rope_parameters", None)
+    cfg.pop("layer_types", None) if cfg["model_type"] == "qwen2" else None
+    if rope is not None:
+        kind = rope.get("rope_type", "default")
+        if cfg["model_type"] == "gpt_neox":
+            cfg["rotary_emb_base"] = rope["rope_theta"]
+            cfg["rotary_pct"] = rope.get("partial_rotary_factor", 1.0)
+        else:
+            cfg["rope_theta"] = rope["rope_theta"]
+            if "partial_rotary_factor" in rope:
+                cfg["partial_rotary_factor"] = rope["partial_rotary_factor"]
+        if kind != "default":
+            # Older files say "type"; newer pre-5 files "rope_type". Both are read.
+            cfg["rope_scaling"] = {"type": kind, "factor": rope["factor"]}
+    return cfg
+
+
+def build(name, family, seed, **kw):
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(family, **kw)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+            elif "norm" in pname or "ln" in pname:
+                if pname.endswith("weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                else:
+                    p.copy_(0.1 * torch.randn_like(p))
+            else:  # biases
+                p.copy_(0.1 * torch.randn_like(p))
+    out = os.path.join(ROOT, name)
+    model.save_pretrained(out, safe_serialization=True)
+    # generation_config.json is not read by us; keep the fixture to what the loader needs.
+    gen_cfg = os.path.join(out, "generation_config.json")
+    if os.path.exists(gen_cfg):
+        os.remove(gen_cfg)
+    with open(os.path.join(out, "config.json")) as f:
+        written = json.load(f)
+    with open(os.path.join(out, "config.legacy.json"), "w") as f:
+        json.dump(legacy(written), f, indent=2, sort_keys=True)
+
+    vocab = config.vocab_size
+    input_ids = torch.randint(0, vocab, (2, T))
+    with torch.no_grad():
+        logits = model(input_ids).logits
+        loss = model(input_ids[:1], labels=input_ids[:1]).loss
+        prompt = torch.randint(0, vocab, (1, 5))
+        n_new = 10
+        gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                             max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=0,
+                             eos_token_id=None, output_scores=True,
+                             return_dict_in_generate=True)
+        greedy = gen.sequences[:, prompt.shape[1]:]
+        margins = torch.stack([s[0].topk(2).values[0] - s[0].topk(2).values[1]
+                               for s in gen.scores])
+    save_file({
+        "input_ids": input_ids.contiguous(),
+        "logits": logits.float().contiguous(),
+        "loss": loss.float().reshape(()),
+        "prompt": prompt.contiguous(),
+        "greedy": greedy.contiguous(),
+        "margins": margins.float().contiguous(),
+    }, os.path.join(out, "expected.safetensors"))
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {family}, {n} parameters, loss {loss.item():.6f}, "
+          f"smallest greedy margin {margins.min().item():.2e}")
+
+
+common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=48, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+
+# GQA (4 query heads over 2 kv heads), biases on every projection, untied head, theta 500.
+build("llama_gqa_bias", "llama", 11, num_key_value_heads=2, attention_bias=True,
+      mlp_bias=True, tie_word_embeddings=False,
+      rope_parameters={"rope_type": "default", "rope_theta": 500.0}, **common)
+# Multi-query attention, tied head, linear RoPE scaling, no biases.
+build("llama_mqa_linear", "llama", 12, num_key_value_heads=1, tie_word_embeddings=True,
+      rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+      **common)
+# Sliding-window attention on every layer (window 5 < T), GQA.
+build("mistral_window", "mistral", 13, num_key_value_heads=2, sliding_window=5,
+      tie_word_embeddings=False, **common)
+# q/k/v biases (o_proj has none), tied head, the second layer windowed (max_window_layers).
+build("qwen2_bias_window", "qwen2", 14, num_key_value_heads=2, tie_word_embeddings=True,
+      use_sliding_window=True, sliding_window=4, max_window_layers=1, **common)
+# Partial rotary (a quarter of each head), parallel residual, untied head, exact GELU.
+build("neox_parallel", "gpt_neox", 15, rotary_pct=0.25, use_parallel_residual=True,
+      tie_word_embeddings=False, **common)
+# Half rotary, sequential residual, theta 1000.
+build("neox_sequential", "gpt_neox", 16, rotary_pct=0.5, rotary_emb_base=1000,
+      use_parallel_residual=False, tie_word_embeddings=False, **common)
+# Global then local attention (window 4), unscaled scores, learned positions, tied head.
+build("neo_local", "gpt_neo", 17, vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+      attention_types=[[["global", "local"], 1]], window_size=4, max_position_embeddings=64,
+      bos_token_id=1, eos_token_id=2)
