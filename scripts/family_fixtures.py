@@ -27,7 +27,8 @@ import os
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaTokenizer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "crates", "block", "tests", "fixtures",
                     "families")
@@ -54,7 +55,7 @@ def legacy(cfg):
     return cfg
 
 
-def build(name, family, seed, **kw):
+def build(name, family, seed, tokenizer=None, **kw):
     torch.manual_seed(seed)
     config = AutoConfig.for_model(family, **kw)
     config._attn_implementation = "eager"
@@ -72,6 +73,8 @@ def build(name, family, seed, **kw):
                 p.copy_(0.1 * torch.randn_like(p))
     out = os.path.join(ROOT, name)
     model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     # generation_config.json is not read by us; keep the fixture to what the loader needs.
     gen_cfg = os.path.join(out, "generation_config.json")
     if os.path.exists(gen_cfg):
@@ -135,3 +138,47 @@ build("neox_sequential", "gpt_neox", 16, rotary_pct=0.5, rotary_emb_base=1000,
 build("neo_local", "gpt_neo", 17, vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
       attention_types=[[["global", "local"], 1]], window_size=4, max_position_embeddings=64,
       bos_token_id=1, eos_token_id=2)
+
+
+# A SentencePiece-style BPE with byte fallback, as Llama's and TinyLlama's tokenizers are
+# (Metaspace pre-tokenizer, <0xNN> byte tokens, a template that adds <s>), trained on a few
+# sentences, and a Llama-layout model over its vocabulary. transformers 5 adds BOS when
+# tokenizer.json's post-processor says so (it ignores tokenizer_config.json's add_bos_token:
+# checked with 5.23), so this records what `tokenizer(text)` gives.
+TEXT = ("The quick brown fox jumps over the lazy dog. Now is the winter of our discontent "
+        "made glorious summer by this sun of York. Zwölf Boxkämpfer jagen Viktor quer über "
+        "den großen Sylter Deich. ") * 8
+bpe = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+bpe.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                 decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+bpe.train_from_iterator([TEXT], trainers.BpeTrainer(
+    vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"] + bytes_, show_progress=False))
+tmp = os.path.join(ROOT, "tokenizer.tmp.json")
+bpe.save(tmp)
+tok = LlamaTokenizer(tokenizer_file=tmp, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                     add_bos_token=True)
+os.remove(tmp)
+build("llama_tokenizer", "llama", 18, tokenizer=tok, vocab_size=len(tok), hidden_size=32,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+      max_position_embeddings=64, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+out = os.path.join(ROOT, "llama_tokenizer")
+tok = AutoTokenizer.from_pretrained(out)
+model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+cases = []
+for prompt in ["The quick brown fox", "Zwölf Boxkämpfer 🙂 über"]:
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=8, min_new_tokens=8, pad_token_id=0,
+                             eos_token_id=None, output_scores=True,
+                             return_dict_in_generate=True)
+        loss = model(ids, labels=ids).loss.item()
+    new = gen.sequences[0, ids.shape[1]:].tolist()
+    margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in gen.scores]
+    cases.append({"prompt": prompt, "prompt_ids": ids[0].tolist(), "new_ids": new,
+                  "text": tok.decode(new), "loss": loss, "margins": margins})
+with open(os.path.join(out, "expected.json"), "w") as f:
+    json.dump(cases, f, indent=1, ensure_ascii=False)
+print("llama_tokenizer:", [c["prompt_ids"][:3] for c in cases])

@@ -274,6 +274,14 @@ impl GptConfig {
         serde_json::to_string_pretty(&value).map_err(candle_core::Error::wrap)
     }
 
+    /// The norm's name as papers write it.
+    pub fn norm_name(&self) -> &'static str {
+        match self.norm {
+            NormKind::LayerNorm => "LayerNorm",
+            NormKind::RmsNorm => "RMSNorm",
+        }
+    }
+
     /// Key/value heads after defaulting.
     pub fn kv_heads(&self) -> usize {
         self.n_kv_head.unwrap_or(self.n_head)

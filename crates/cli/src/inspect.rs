@@ -13,19 +13,53 @@ pub struct InspectArgs {
     pub format: Format,
 }
 
-/// The part of the model a tensor belongs to.
+/// The part of the model a tensor belongs to, from the names every family uses.
 fn part(name: &str) -> &'static str {
-    if name.contains(".wte.") || name.contains(".wpe.") {
+    if name.starts_with("lm_head.") || name.starts_with("embed_out.") {
+        "lm_head"
+    } else if name.contains("embed") || name.contains(".wte.") || name.contains(".wpe.") {
         "embeddings"
-    } else if name.contains(".attn.") {
+    } else if [".attn.", ".self_attn.", ".attention."]
+        .iter()
+        .any(|p| name.contains(p))
+    {
         "attention"
     } else if name.contains(".mlp.") {
         "mlp"
-    } else if name.contains(".ln_") {
-        "norms"
     } else {
-        "lm_head"
+        "norms"
     }
+}
+
+/// What the family chose for each part, in words.
+fn parts_of(cfg: &block::GptConfig) -> serde_json::Value {
+    let positions = match &cfg.rope {
+        None => "learned".to_string(),
+        Some(r) => {
+            let dims = r.rotary_dim.unwrap_or(cfg.n_embd / cfg.n_head);
+            let scaling = match r.scaling {
+                mha::RopeScaling::None => String::new(),
+                mha::RopeScaling::Linear { factor } => format!(", linear scaling {factor}"),
+            };
+            format!(
+                "rotary (theta {}, {dims} of {} dims{scaling})",
+                r.theta,
+                cfg.n_embd / cfg.n_head
+            )
+        }
+    };
+    let windows: Vec<String> = (0..cfg.n_layer)
+        .filter_map(|i| cfg.window(i).map(|w| format!("{i}:{w}")))
+        .collect();
+    serde_json::json!({
+        "family": cfg.family.model_type(),
+        "norm": format!("{:?}", cfg.norm),
+        "positions": positions,
+        "mlp": format!("{} {:?} of width {}", if cfg.gated_mlp { "gated" } else { "plain" }, cfg.activation_function, cfg.inner_dim()),
+        "residual": if cfg.parallel_residual { "parallel" } else { "sequential" },
+        "kv_heads": cfg.kv_heads(),
+        "local_attention_windows": windows,
+    })
 }
 
 /// Runs `gpt inspect`.
@@ -61,6 +95,7 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
             let obj = serde_json::json!({
                 "source": source,
                 "config": cfg,
+                "parts": parts_of(cfg),
                 "tokenizer": tokenizer.as_ref().map(|t| t.get_vocab_size(true)),
                 "tensors": tensors.iter().map(|(n, t)| serde_json::json!({
                     "name": n, "dtype": format!("{:?}", t.dtype()).to_lowercase(), "shape": t.dims(),
@@ -75,16 +110,35 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
         }
         Format::Text => {
             println!("model: {source}");
+            let parts = parts_of(cfg);
+            let heads = match cfg.kv_heads() {
+                kv if kv == cfg.n_head => format!("{} heads", cfg.n_head),
+                kv => format!("{} heads over {kv} key/value heads", cfg.n_head),
+            };
             println!(
-                "config: {} layers, {} heads, width {}, context {}, vocabulary {}, {:?}, LayerNorm eps {}, tied head: {}",
+                "config: {}, {} layers, {heads}, width {}, context {}, vocabulary {}, tied head: {}",
+                cfg.family.model_type(),
                 cfg.n_layer,
-                cfg.n_head,
                 cfg.n_embd,
                 cfg.n_positions,
                 cfg.vocab_size,
-                cfg.activation_function,
-                cfg.layer_norm_epsilon,
                 cfg.tie_word_embeddings
+            );
+            let windows = parts["local_attention_windows"]
+                .as_array()
+                .filter(|w| !w.is_empty())
+                .map(|w| {
+                    let list: Vec<_> = w.iter().filter_map(|x| x.as_str()).collect();
+                    format!(", local attention (layer:window) {}", list.join(" "))
+                })
+                .unwrap_or_default();
+            println!(
+                "parts: {} eps {}, positions {}, MLP {}, {} residual{windows}",
+                cfg.norm_name(),
+                cfg.layer_norm_epsilon,
+                parts["positions"].as_str().unwrap_or_default(),
+                parts["mlp"].as_str().unwrap_or_default(),
+                parts["residual"].as_str().unwrap_or_default(),
             );
             match &tokenizer {
                 Some(t) => println!("tokenizer: {} tokens", t.get_vocab_size(true)),

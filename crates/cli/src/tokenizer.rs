@@ -24,9 +24,12 @@ pub fn parse(bytes: &[u8]) -> Result<Tokenizer> {
     guard(|| Tokenizer::from_bytes(bytes))?.map_err(|e| anyhow!("{e}"))
 }
 
-/// Encodes `text` without special tokens.
+/// Encodes `text` as transformers 5's `tokenizer(text)` does: with the special tokens that
+/// the tokenizer's own post-processor adds (Llama's template puts BOS first; GPT-2's adds
+/// nothing). transformers 5 ignores `tokenizer_config.json`'s `add_bos_token` (checked with
+/// 5.23), so it is not read here either.
 pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
-    let enc = guard(|| tok.encode(text, false))?.map_err(|e| anyhow!("tokenizing: {e}"))?;
+    let enc = guard(|| tok.encode(text, true))?.map_err(|e| anyhow!("tokenizing: {e}"))?;
     Ok(enc.get_ids().to_vec())
 }
 

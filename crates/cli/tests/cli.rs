@@ -949,3 +949,127 @@ fn quantized_scores_stay_close_to_f32() {
         "--quantize is for inference",
     );
 }
+
+/// A Llama-layout model with a byte-fallback BPE tokenizer whose template adds BOS
+/// (`scripts/family_fixtures.py`): from text, `gpt generate` gives transformers' prompt ids
+/// (BOS included), greedy tokens and decoded text, and `gpt score` its loss.
+#[test]
+fn llama_text_in_and_out_equals_transformers() {
+    let dir = fixture("families/llama_tokenizer");
+    let model = dir.to_str().unwrap();
+    let text = std::fs::read_to_string(dir.join("expected.json")).unwrap();
+    let cases: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+    for case in cases {
+        let prompt = case["prompt"].as_str().unwrap();
+        let new_ids: Vec<u32> = serde_json::from_value(case["new_ids"].clone()).unwrap();
+        let out = ok(&[
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            prompt,
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            &new_ids.len().to_string(),
+            "--format",
+            "json",
+        ]);
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(v["prompt_ids"], case["prompt_ids"], "{prompt}: prompt ids");
+        // No greedy step of the reference is a near-tie (top-two margin < 1e-4).
+        assert!(case["margins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m.as_f64().unwrap() > 1e-4));
+        assert_eq!(v["new_ids"], case["new_ids"], "{prompt}: greedy tokens");
+        assert_eq!(v["text"], case["text"], "{prompt}: decoded text");
+
+        let out = ok(&[
+            "score", "--model", model, "--text", prompt, "--format", "json",
+        ]);
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        let (nll, want) = (v["nll"].as_f64().unwrap(), case["loss"].as_f64().unwrap());
+        assert!(
+            ((nll - want) / want).abs() < 1e-4,
+            "{prompt}: nll {nll} vs transformers {want}"
+        );
+    }
+}
+
+/// Every subcommand that reads a model runs on every family, and `trace` checks itself
+/// against the model.
+#[test]
+fn every_subcommand_runs_on_every_family() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, family) in [
+        ("llama_gqa_bias", "llama"),
+        ("mistral_window", "mistral"),
+        ("qwen2_bias_window", "qwen2"),
+        ("neox_parallel", "gpt_neox"),
+        ("neo_local", "gpt_neo"),
+    ] {
+        let dir = fixture(&format!("families/{name}"));
+        let model = dir.to_str().unwrap();
+        let ids = "3,1,4,1,5,9,2,6,5,3";
+        let out = ok(&["--model", model, "trace", "--prompt-ids", ids]);
+        let diff: f64 = out
+            .lines()
+            .find_map(|l| l.split("max |difference| ").nth(1))
+            .and_then(|s| s.trim_end_matches(')').parse().ok())
+            .unwrap_or_else(|| panic!("{name}: no check line in\n{out}"));
+        assert!(diff < 1e-5, "{name}: trace differs by {diff}\n{out}");
+        let out = ok(&["--model", model, "inspect", "--format", "json"]);
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(v["parts"]["family"], family);
+        let png = tmp.path().join(format!("{name}.png"));
+        ok(&[
+            "--model",
+            model,
+            "attention",
+            "--prompt-ids",
+            ids,
+            "--layer",
+            "1",
+            "--out",
+            png.to_str().unwrap(),
+        ]);
+        assert!(png.is_file());
+        for extra in [&[][..], &["--quantize", "q8_0"], &["--dtype", "bf16"]] {
+            let mut args = vec!["--model", model];
+            args.extend_from_slice(extra);
+            args.extend([
+                "bench",
+                "--prompt-len",
+                "8",
+                "--new-tokens",
+                "4",
+                "--batch",
+                "2",
+                "--runs",
+                "1",
+                "--format",
+                "json",
+            ]);
+            let v: serde_json::Value = serde_json::from_str(ok(&args).trim()).unwrap();
+            assert!(
+                v["decode_tokens_per_s"].as_f64().unwrap() > 0.0,
+                "{name} {extra:?}"
+            );
+        }
+        let out = ok(&[
+            "--model",
+            model,
+            "generate",
+            "--prompt-ids",
+            "3,1,4",
+            "--max-new-tokens",
+            "5",
+            "--format",
+            "json",
+        ]);
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(v["new_ids"].as_array().unwrap().len(), 5, "{name}: {out}");
+    }
+}

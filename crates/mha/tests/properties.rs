@@ -301,6 +301,60 @@ fn gradients_match_finite_differences() -> Result<()> {
     Ok(())
 }
 
+/// A layer with partial rotary embeddings (linear scaling) and a local window: the
+/// differentiable path (an input that needs a gradient: plain RoPE ops, reference
+/// attention) equals the inference path (Candle's fused RoPE, the fused kernel), one token
+/// at a time through the cache too, and its gradients equal finite differences.
+#[test]
+fn rotary_windowed_layer_paths_agree_and_differentiate() -> Result<()> {
+    let rope = mha::RopeConfig {
+        theta: 100.0,
+        rotary_dim: Some(4),
+        scaling: mha::RopeScaling::Linear { factor: 2.0 },
+    };
+    let cfg = MhaConfig {
+        n_kv_heads: Some(1),
+        rope: Some(rope),
+        window: Some(3),
+        ..MhaConfig::new(12, 2)
+    };
+    let (_vm, attn) = layer(&cfg, &WeightLayout::hf(), DType::F32);
+    let xs = randn(&[2, 7, 12]);
+    let fused = attn.forward(&xs, &xs, &xs, &Mask::causal(0), false)?;
+    let var = Var::from_tensor(&xs)?;
+    let x = var.as_tensor();
+    let plain = attn.forward(x, x, x, &Mask::causal(0), false)?;
+    assert_close(&plain, &fused, 1e-5, 1e-5, "differentiable vs fused");
+    let mut cache = KvCache::new(2);
+    let mut steps = Vec::new();
+    for t in 0..7 {
+        let x = xs.narrow(1, t, 1)?;
+        steps.push(attn.forward_cached(&x, &x, &x, &Mask::causal(cache.len()), &mut cache)?);
+    }
+    assert_close(&Tensor::cat(&steps, 1)?, &fused, 1e-5, 1e-5, "cached");
+
+    let (varmap, attn) = layer(&cfg, &WeightLayout::hf(), DType::F64);
+    let xs = Var::from_tensor(&randn(&[1, 5, 12]).to_dtype(DType::F64)?)?;
+    let target = randn(&[1, 5, 12]).to_dtype(DType::F64)?;
+    let loss = |x: &Tensor| -> Result<Tensor> {
+        (attn.forward(x, x, x, &Mask::causal(0), true)? * &target)?.sum_all()
+    };
+    let grads = loss(xs.as_tensor())?.backward()?;
+    let mut vars: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    vars.push(("input".into(), xs.clone()));
+    let checked = common::check_gradients(&vars, &grads, 5, 1e-4, || {
+        loss(xs.as_tensor())?.to_scalar::<f64>()
+    })?;
+    assert!(checked >= 20, "only {checked} coordinates checked");
+    Ok(())
+}
+
 #[test]
 fn training_mode_keeps_gradients_with_dropout() -> Result<()> {
     // With dropout on, every parameter still receives a gradient (no fused op drops it).
@@ -477,7 +531,7 @@ proptest! {
     })]
 
     /// The fused CPU kernel equals the reference path for any shape, GQA factor, causal
-    /// offset and key padding.
+    /// offset, local-attention window and key padding.
     #[test]
     fn fused_kernel_equals_reference(
         b in 1usize..3,
@@ -488,6 +542,7 @@ proptest! {
         d in 1usize..20,
         causal in any::<bool>(),
         padded in any::<bool>(),
+        window in proptest::option::of(1usize..200),
         bits in any::<u64>(),
         seed in any::<u64>(),
     ) {
@@ -512,6 +567,7 @@ proptest! {
         if padded {
             mask = mask.with_keep(&keep);
         }
+        mask.window = window;
         let p = SdpaParams::inference(1.0 / (d as f64).sqrt());
         let fast = mha::kernel::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
         let (slow, _) = sdpa_reference(&q, &k, &v, &mask, &p).unwrap();
@@ -524,13 +580,17 @@ proptest! {
 /// reference with and without causal offsets, padding and GQA, across key blocks.
 #[test]
 fn fused_decode_rows_equal_reference() {
-    for (tq, tk, h_kv, rep, causal, padded) in [
-        (1, 1, 1, 1, false, false),
-        (1, 300, 2, 3, true, false),
-        (1, 257, 1, 4, false, true),
-        (1, 129, 2, 1, true, true),
-        (65, 65, 2, 2, true, false),
-        (65, 200, 1, 3, true, true),
+    for (tq, tk, h_kv, rep, causal, padded, window) in [
+        (1, 1, 1, 1, false, false, None),
+        (1, 300, 2, 3, true, false, None),
+        (1, 257, 1, 4, false, true, None),
+        (1, 129, 2, 1, true, true, None),
+        (65, 65, 2, 2, true, false, None),
+        (65, 200, 1, 3, true, true, None),
+        // Windows that end inside a key block, span several, or hold one key.
+        (1, 300, 2, 3, true, false, Some(130)),
+        (65, 200, 1, 3, true, true, Some(7)),
+        (65, 65, 2, 2, true, false, Some(1)),
     ] {
         let (b, d) = (2, 24);
         let q = randn(&[b, h_kv * rep, tq, d]);
@@ -545,6 +605,7 @@ fn fused_decode_rows_equal_reference() {
         if padded {
             mask = mask.with_keep(&keep);
         }
+        mask.window = window;
         let p = SdpaParams::inference(1.0 / (d as f64).sqrt());
         let fast = mha::kernel::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
         let (slow, _) = sdpa_reference(&q, &k, &v, &mask, &p).unwrap();
@@ -553,7 +614,7 @@ fn fused_decode_rows_equal_reference() {
             &slow,
             1e-5,
             1e-4,
-            &format!("decode rows tq={tq} tk={tk}"),
+            &format!("decode rows tq={tq} tk={tk} window={window:?}"),
         );
     }
 }
