@@ -1,10 +1,12 @@
 """`gpt bench` against Hugging Face transformers on the same checkpoint, same machine, in
 alternation.
 
-    /tmp/ref/bin/python bench/compare.py [--model DIR] [--threads 2] [--rounds 3]
+    /tmp/ref/bin/python bench/compare.py [--arch gpt2|llama] [--model DIR] [--threads 2] [--rounds 3]
 
-Without --model, a GPT-2 124M checkpoint with random weights is made by transformers in
-/tmp/gpt2-124m-random (not committed). Each round runs every workload once through
+Without --model, a checkpoint with random weights is made by transformers (not committed):
+GPT-2 124M in /tmp/gpt2-124m-random, or with --arch llama SmolLM-135M's Llama geometry (30
+layers, width 576, 9 heads over 3 key/value heads, MLP 1536, vocabulary 49152, tied
+embeddings) in /tmp/smollm-135m-random. Each round runs every workload once through
 `target/release/gpt bench` (build it first: cargo build --release --bin gpt) and once
 through transformers (f32, torch.set_num_threads = --threads, inference_mode, KV cache,
 greedy, `generate()` for decoding); the medians over rounds and the ratio ours / theirs (in tokens/s, higher is
@@ -18,20 +20,31 @@ import subprocess
 import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 p = argparse.ArgumentParser()
-p.add_argument("--model", default="/tmp/gpt2-124m-random")
+p.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
+p.add_argument("--model")
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--rounds", type=int, default=3)
 args = p.parse_args()
+args.model = args.model or {"gpt2": "/tmp/gpt2-124m-random",
+                            "llama": "/tmp/smollm-135m-random"}[args.arch]
 
 if not os.path.exists(os.path.join(args.model, "config.json")):
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config()).save_pretrained(args.model, safe_serialization=True)
+    if args.arch == "gpt2":
+        GPT2LMHeadModel(GPT2Config()).save_pretrained(args.model, safe_serialization=True)
+    else:
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          max_position_embeddings=2048, rms_norm_eps=1e-5,
+                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(args.model,
+                                                              safe_serialization=True)
 torch.set_num_threads(args.threads)
-model = GPT2LMHeadModel.from_pretrained(args.model).eval()
+model = AutoModelForCausalLM.from_pretrained(args.model).eval()
 vocab = model.config.vocab_size
 
 # (name, batch, prompt_len, new_tokens, extra `gpt` flags); transformers always runs f32.
@@ -43,6 +56,10 @@ workloads = [
     ("decode b1, gpt q8_0 weights", 1, 16, 128, ["--quantize", "q8_0"]),
     ("decode b8: 16 + 64 new", 8, 16, 64, []),
 ]
+if args.arch == "llama":
+    # The rows the families issue asks for.
+    workloads = [w for w in workloads if w[0] in (
+        "prefill 512, last logits", "decode b1: 16 + 128 new", "decode b1, gpt q8_0 weights")]
 
 
 def prompt(b, n):

@@ -1,11 +1,16 @@
-//! Transformer blocks and a GPT-2 model on [Candle](https://github.com/huggingface/candle),
-//! built on the `mha` attention crate.
+//! Transformer blocks and one decoder model for six checkpoint families on
+//! [Candle](https://github.com/huggingface/candle), built on the `mha` attention crate.
 //!
-//! - [`Block`]: LayerNorm, attention, MLP, residuals and dropout, pre- or post-norm;
-//! - [`Gpt`]: GPT-2 with tied (or separate) LM head, training mode with dropout and a
-//!   next-token loss, cached decoding, left-padded batches;
-//! - [`load_dir`] / [`save_dir`]: Hugging Face GPT-2 directories (`config.json` +
-//!   safetensors, sharded or not, with or without the `transformer.` prefix);
+//! - [`Block`]: a norm (LayerNorm or RMSNorm), attention (rotary or not, global or local),
+//!   an MLP (plain or gated), residuals in sequence or in parallel, dropout, pre- or
+//!   post-norm;
+//! - [`Gpt`]: embeddings, blocks, final norm, tied or separate LM head; training mode with
+//!   dropout and a next-token loss, cached decoding, left-padded batches. The [`Family`]
+//!   (GPT-2, Llama, Mistral, Qwen2, GPT-NeoX, GPT-Neo) decides the parts and the tensor
+//!   names, nothing else;
+//! - [`load_dir`]: Hugging Face directories of any family (`config.json` in either
+//!   generation of field names + safetensors, sharded or not, with or without the root
+//!   prefix); [`save_dir`]: GPT-2 directories;
 //! - [`load_nanogpt`]: nanoGPT `ckpt.pt` checkpoints;
 //! - [`generate()`]: greedy and sampled generation (temperature, top-k, top-p, repeat
 //!   penalty), reproducible under a seed.

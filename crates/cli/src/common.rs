@@ -84,8 +84,9 @@ pub enum Format {
 /// Options of every subcommand that runs a model.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// A Hugging Face GPT-2 directory, a nanoGPT ckpt.pt, or a model id on the Hugging Face
-    /// hub (e.g. openai-community/gpt2). Default: the small model built into gpt.
+    /// A Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2, GPT-NeoX or GPT-Neo), a
+    /// nanoGPT ckpt.pt, or a model id on the Hugging Face hub (e.g. openai-community/gpt2).
+    /// Default: the small model built into gpt.
     #[arg(long, global = true)]
     pub model: Option<String>,
     /// Device to run on.

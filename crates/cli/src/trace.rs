@@ -74,7 +74,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         .index_select(&input.flatten_all()?, 0)?
         .unsqueeze(0)?;
     println!(
-        "token embedding wte[ids]                [B, S, D]     = {}",
+        "token embedding E[ids]                  [B, S, D]     = {}",
         shape(&xs)
     );
     match model.wpe() {
@@ -99,9 +99,8 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         if show {
             println!("block {i}:");
         }
-        let norm = |n: &block::Norm| format!("{:?}", n.kind());
         let x_ln = ln_1.forward(&xs)?;
-        say(&format!("{}(x)", norm(ln_1)), "[B, S, D]", &x_ln);
+        say(&format!("{}(x)", cfg.norm_name()), "[B, S, D]", &x_ln);
         let [qp, kp, vp] = attn.qkv_proj();
         let (q, k, v) = (qp.forward(&x_ln)?, kp.forward(&x_ln)?, vp.forward(&x_ln)?);
         say("q = x·W_q", "[B, S, D]", &q);
@@ -165,7 +164,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
             xs.clone()
         };
         let hid = ln_2.forward(&mlp_in)?;
-        say(&format!("{}(x)", norm(ln_2)), "[B, S, D]", &hid);
+        say(&format!("{}(x)", cfg.norm_name()), "[B, S, D]", &hid);
         let (projections, _) = mlp.projections();
         let act = mlp.activation();
         let hid = match projections.as_slice() {
@@ -209,7 +208,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         xs = ln_f.forward(&xs)?;
         println!(
             "final {:<34}[B, S, D]     = {}",
-            format!("{:?}", ln_f.kind()),
+            cfg.norm_name(),
             shape(&xs)
         );
     }
