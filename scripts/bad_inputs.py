@@ -2,8 +2,8 @@
 tests/bad-inputs/cases.json: for each case, the `gpt` arguments (paths relative to
 tests/bad-inputs/) and a piece of the one-line error it must give.
 
-Everything is built from a micro GPT-2 (vocabulary 8, width 4, one block) written here
-with the standard library; the nanoGPT cases start from a checkpoint written by
+Everything is built from micro models (vocabulary 8, width 4, one block: GPT-2, and Llama,
+GPT-NeoX and GPT-Neo layouts) written here with the standard library; the nanoGPT cases start from a checkpoint written by
 torch.save (run in the reference environment: python scripts/bad_inputs.py).
 Two cases are inputs the fuzzers found (fuzz/README.md).
 """
@@ -188,6 +188,74 @@ case("compressed zip entries", generate(rezip(base, "nanogpt-compressed.pt", lam
 case("tensor storage shorter than its shape", generate(rezip(base, "nanogpt-short-storage.pt", lambda n, d: (n, d[:8] if n.endswith("data/0") else d, zipfile.ZIP_STORED))), "past the end of its storage")
 case("model_args disagree with the tensors", generate(pt("nanogpt-wrong-width.pt", {"model": nano, "model_args": {**ARGS, "n_embd": 8, "n_head": 2}})), "config implies")
 case("model_args with a huge block size", generate(pt("nanogpt-huge-block.pt", {"model": nano, "model_args": {**ARGS, "block_size": 1 << 40}})), "block_size")
+
+# Other families (issue 13): the same checks before anything is allocated.
+I = 8  # MLP width of the micro Llama and NeoX models
+
+
+def t(*shape, fill=None):
+    n = math.prod(shape)
+    return (list(shape), [fill] * n if fill is not None else [rng.uniform(-1, 1) for _ in range(n)])
+
+
+def llama_state():
+    s = {"model.embed_tokens.weight": t(V, D), "model.norm.weight": t(D, fill=1.0)}
+    p = "model.layers.0."
+    s.update({
+        p + "input_layernorm.weight": t(D, fill=1.0), p + "post_attention_layernorm.weight": t(D, fill=1.0),
+        p + "self_attn.q_proj.weight": t(D, D), p + "self_attn.k_proj.weight": t(D // H, D),
+        p + "self_attn.v_proj.weight": t(D // H, D), p + "self_attn.o_proj.weight": t(D, D),
+        p + "mlp.gate_proj.weight": t(I, D), p + "mlp.up_proj.weight": t(I, D), p + "mlp.down_proj.weight": t(D, I),
+    })
+    return s
+
+
+def neox_state(qkv_rows=3 * D):
+    s = {"gpt_neox.embed_in.weight": t(V, D), "embed_out.weight": t(V, D),
+         "gpt_neox.final_layer_norm.weight": t(D, fill=1.0), "gpt_neox.final_layer_norm.bias": t(D, fill=0.0)}
+    p = "gpt_neox.layers.0."
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        s.update({p + n + ".weight": t(D, fill=1.0), p + n + ".bias": t(D, fill=0.0)})
+    s.update({
+        p + "attention.query_key_value.weight": t(qkv_rows, D), p + "attention.query_key_value.bias": t(qkv_rows),
+        p + "attention.dense.weight": t(D, D), p + "attention.dense.bias": t(D),
+        p + "mlp.dense_h_to_4h.weight": t(I, D), p + "mlp.dense_h_to_4h.bias": t(I),
+        p + "mlp.dense_4h_to_h.weight": t(D, I), p + "mlp.dense_4h_to_h.bias": t(D),
+    })
+    return s
+
+
+def neo_state():
+    s = {"transformer.wte.weight": t(V, D), "transformer.wpe.weight": t(P, D),
+         "transformer.ln_f.weight": t(D, fill=1.0), "transformer.ln_f.bias": t(D, fill=0.0)}
+    p = "transformer.h.0."
+    for n in ("ln_1", "ln_2"):
+        s.update({p + n + ".weight": t(D, fill=1.0), p + n + ".bias": t(D, fill=0.0)})
+    for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        s[p + "attn.attention." + n + ".weight"] = t(D, D)
+    s.update({p + "attn.attention.out_proj.bias": t(D),
+              p + "mlp.c_fc.weight": t(4 * D, D), p + "mlp.c_fc.bias": t(4 * D),
+              p + "mlp.c_proj.weight": t(D, 4 * D), p + "mlp.c_proj.bias": t(D)})
+    return s
+
+
+LLAMA = {"model_type": "llama", "vocab_size": V, "hidden_size": D, "intermediate_size": I,
+         "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": 1,
+         "max_position_embeddings": P, "tie_word_embeddings": True}
+NEOX = {"model_type": "gpt_neox", "vocab_size": V, "hidden_size": D, "intermediate_size": I,
+        "num_hidden_layers": L, "num_attention_heads": H, "max_position_embeddings": P, "rotary_pct": 1.0}
+NEO = {"model_type": "gpt_neo", "vocab_size": V, "hidden_size": D, "num_layers": L, "num_heads": H,
+       "max_position_embeddings": P, "attention_types": [[["local"], 1]], "window_size": 2}
+llama, neo = safetensors(llama_state()), safetensors(neo_state())
+case("llama: a billion layers", generate(model_dir("llama-billion-layers", config={**LLAMA, "num_hidden_layers": 1_000_000_000}, weights=llama)), "no tensor model.layers.1.")
+case("mistral: a billion sliding-window layers", generate(model_dir("mistral-billion-layers", config={**LLAMA, "model_type": "mistral", "sliding_window": 2, "num_hidden_layers": 1_000_000_000}, weights=llama)), "no tensor model.layers.1.")
+case("gpt_neo: attention_types of a billion layers", generate(model_dir("neo-billion-layers", config={**NEO, "num_layers": 1_000_000_000, "attention_types": [[["global", "local"], 500_000_000]]}, weights=neo)), "no tensor transformer.h.1.")
+case("gpt_neo: attention_types repeated 2^60 times", generate(model_dir("neo-huge-repeat", config={**NEO, "attention_types": [[["global", "local"], 1 << 60]]}, weights=neo)), "attention_types")
+case("llama: huge MLP width", generate(model_dir("llama-huge-mlp", config={**LLAMA, "intermediate_size": 1_000_000_000}, weights=llama)), "config implies [1000000000, 4]")
+case("llama: unsupported RoPE scaling", generate(model_dir("llama-yarn", config={**LLAMA, "rope_scaling": {"type": "yarn", "factor": 4.0}}, weights=llama)), "rope_scaling type \"yarn\"")
+case("llama: key/value heads that do not divide", generate(model_dir("llama-kv-heads", config={**LLAMA, "num_key_value_heads": 3}, weights=llama)), "num_key_value_heads=3")
+case("gpt_neox: query_key_value of the wrong shape", generate(model_dir("neox-qkv-shape", config=NEOX, weights=safetensors(neox_state(qkv_rows=2 * D)))), "query_key_value.weight")
+case("unknown model_type", generate(model_dir("unknown-model-type", config={**LLAMA, "model_type": "mamba"}, weights=llama)), "model_type \"mamba\"")
 
 os.remove(os.path.join(ROOT, base))
 with open(os.path.join(ROOT, "cases.json"), "w") as f:

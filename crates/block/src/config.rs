@@ -135,10 +135,13 @@ pub struct GptConfig {
     /// Biases on the MLP's projections (GPT-2's Conv1D always has them).
     #[serde(skip)]
     pub mlp_bias: bool,
-    /// Per block, the local-attention window (keys a query sees, itself included), or
-    /// `None` for global attention; empty is global everywhere.
+    /// Which blocks attend locally, as runs of a repeated pattern (GPT-Neo's
+    /// `attention_types` form): `(pattern, repeat)` covers `pattern.len() · repeat` blocks,
+    /// and block `i` of the run gets `pattern[i % pattern.len()]`: the number of keys a query
+    /// sees, itself included, or `None` for global attention. Empty: every block global.
+    /// Runs keep a config that claims billions of layers as small as its text.
     #[serde(skip)]
-    pub windows: Vec<Option<usize>>,
+    pub windows: Vec<(Vec<Option<usize>>, usize)>,
 }
 
 impl Default for GptConfig {
@@ -289,7 +292,18 @@ impl GptConfig {
 
     /// The local-attention window of block `layer`, if it has one.
     pub fn window(&self, layer: usize) -> Option<usize> {
-        self.windows.get(layer).copied().flatten()
+        let mut first = 0usize;
+        for (pattern, repeat) in &self.windows {
+            let span = pattern.len().saturating_mul(*repeat);
+            if layer < first.saturating_add(span) {
+                return pattern
+                    .get((layer - first) % pattern.len().max(1))
+                    .copied()
+                    .flatten();
+            }
+            first = first.saturating_add(span);
+        }
+        None
     }
 
     /// MLP hidden width after defaulting.
@@ -359,14 +373,17 @@ impl GptConfig {
             rope.validate(d / h)
                 .map_err(|e| candle_core::Error::Msg(format!("config: {e}")))?;
         }
-        if !self.windows.is_empty() && self.windows.len() != self.n_layer {
-            bail!(
-                "config: {} attention windows for {} layers",
-                self.windows.len(),
-                self.n_layer
-            )
+        if !self.windows.is_empty() {
+            let covered = layers_covered(&self.windows);
+            if covered != Some(self.n_layer) {
+                bail!(
+                    "config: the attention types describe {} layers but there are {}",
+                    covered.map_or("too many".to_string(), |n| n.to_string()),
+                    self.n_layer
+                )
+            }
         }
-        if self.windows.contains(&Some(0)) {
+        if self.windows.iter().any(|(p, _)| p.contains(&Some(0))) {
             bail!("config: an attention window (sliding_window / window_size) must be at least 1")
         }
         if self.family != Family::Gpt2 && self.norm_placement != NormPlacement::Pre {
@@ -377,4 +394,11 @@ impl GptConfig {
         }
         Ok(())
     }
+}
+
+/// How many blocks the window runs of [`GptConfig::windows`] cover; `None` past `usize`.
+pub(crate) fn layers_covered(runs: &[(Vec<Option<usize>>, usize)]) -> Option<usize> {
+    runs.iter().try_fold(0usize, |n, (pattern, repeat)| {
+        n.checked_add(pattern.len().checked_mul(*repeat)?)
+    })
 }

@@ -370,15 +370,25 @@ fn head_dim(f: &Fields, (d_name, d): (&str, usize), (h_name, h): (&str, usize)) 
     }
 }
 
-/// Which layers attend locally, from `layer_types` when given.
+/// Which layers attend locally: `layer_types` when the config lists them, else the first
+/// `global` layers global and the rest windowed (Mistral: none global; Qwen2:
+/// `max_window_layers`), as runs (see [`GptConfig::windows`]).
 fn layer_windows(
     f: &Fields,
     n_layer: usize,
     window: Option<usize>,
-    default: impl Fn(usize) -> bool,
-) -> Result<Vec<Option<usize>>> {
-    let local: Vec<bool> = match f.get("layer_types") {
-        None => (0..n_layer).map(default).collect(),
+    global: usize,
+) -> Result<Vec<(Vec<Option<usize>>, usize)>> {
+    match f.get("layer_types") {
+        None => {
+            let (Some(w), true) = (window, global < n_layer) else {
+                return Ok(Vec::new());
+            };
+            Ok(vec![
+                (vec![None], global),
+                (vec![Some(w)], n_layer - global),
+            ])
+        }
         Some(Value::Array(types)) => {
             if types.len() != n_layer {
                 bail!(
@@ -386,21 +396,21 @@ fn layer_windows(
                     types.len()
                 )
             }
-            types
+            let pattern = types
                 .iter()
-                .map(|t| match t.as_str() {
-                    Some("full_attention") => Ok(false),
-                    Some("sliding_attention") => Ok(true),
+                .map(|t| match (t.as_str(), window) {
+                    (Some("full_attention"), _) => Ok(None),
+                    (Some("sliding_attention"), Some(w)) => Ok(Some(w)),
+                    (Some("sliding_attention"), None) => {
+                        bail!("config: sliding_attention layers need sliding_window")
+                    }
                     _ => bail!("config: layer_types entry {t} is not supported (full_attention, sliding_attention)"),
                 })
-                .collect::<Result<_>>()?
+                .collect::<Result<_>>()?;
+            Ok(vec![(pattern, 1)])
         }
         Some(v) => bail!("config: layer_types must be a list, got {v}"),
-    };
-    if local.iter().any(|&l| l) && window.is_none() {
-        bail!("config: sliding-window layers need sliding_window")
     }
-    Ok(local.into_iter().map(|l| window.filter(|_| l)).collect())
 }
 
 fn llama_like(family: Family, f: &Fields) -> Result<GptConfig> {
@@ -415,16 +425,16 @@ fn llama_like(family: Family, f: &Fields) -> Result<GptConfig> {
         _ => (attention_bias, attention_bias),
     };
     let window = f.usize("sliding_window")?;
-    let windows = match family {
+    let global = match family {
         // Mistral: every layer, when sliding_window is set.
-        Family::Mistral => layer_windows(f, n_layer, window, |_| window.is_some())?,
-        Family::Qwen2 => {
-            let on = f.bool("use_sliding_window")?.unwrap_or(false);
-            let from = f.usize("max_window_layers")?.unwrap_or(n_layer);
-            layer_windows(f, n_layer, window, |i| on && i >= from)?
+        Family::Mistral => 0,
+        // Qwen2: from max_window_layers on, when use_sliding_window is set.
+        Family::Qwen2 if f.bool("use_sliding_window")?.unwrap_or(false) => {
+            f.usize("max_window_layers")?.unwrap_or(n_layer)
         }
-        _ => layer_windows(f, n_layer, window, |_| false)?,
+        _ => n_layer,
     };
+    let windows = layer_windows(f, n_layer, window, global)?;
     Ok(GptConfig {
         family,
         vocab_size: f.need("vocab_size")?,
@@ -494,52 +504,42 @@ fn neo(f: &Fields) -> Result<GptConfig> {
     let n_layer = f.need("num_layers")?;
     head_dim(f, ("hidden_size", d), ("num_heads", f.need("num_heads")?))?;
     let window = f.usize("window_size")?;
-    // `attention_types`: [[["global", "local"], 12]] expands to 24 layers; transformers
-    // also writes the expansion as `attention_layers`.
-    let mut kinds: Vec<String> = Vec::new();
-    match f.get("attention_types") {
-        Some(Value::Array(groups)) => {
-            for g in groups {
+    // `attention_types`: [[["global", "local"], 12]] is 24 layers, kept as that run.
+    let kind = |k: &Value| match (k.as_str(), window) {
+        (Some("global"), _) => Ok(None),
+        (Some("local"), Some(w)) => Ok(Some(w)),
+        (Some("local"), None) => bail!("config: local attention layers need window_size"),
+        _ => bail!("config: attention type {k} is not supported (global, local)"),
+    };
+    let windows: Vec<(Vec<Option<usize>>, usize)> = match f.get("attention_types") {
+        None => Vec::new(),
+        Some(Value::Array(groups)) => groups
+            .iter()
+            .map(|g| {
                 let bad = || {
                     candle_core::Error::Msg(format!(
                         "config: attention_types entry {g} must be [[kinds...], repeat]"
                     ))
                 };
                 let pair = g.as_array().filter(|p| p.len() == 2).ok_or_else(bad)?;
-                let (list, times) = (
-                    pair[0].as_array().ok_or_else(bad)?,
-                    pair[1].as_u64().ok_or_else(bad)?,
-                );
-                if times as usize > n_layer {
-                    return Err(bad());
-                }
-                for _ in 0..times {
-                    for k in list {
-                        kinds.push(k.as_str().ok_or_else(bad)?.to_string());
-                    }
-                }
-            }
-        }
-        None => kinds = vec!["global".into(); n_layer],
+                let kinds = pair[0]
+                    .as_array()
+                    .filter(|k| !k.is_empty())
+                    .ok_or_else(bad)?;
+                let times = pair[1].as_u64().ok_or_else(bad)?;
+                let pattern = kinds.iter().map(kind).collect::<Result<_>>()?;
+                Ok((pattern, usize::try_from(times).map_err(|_| bad())?))
+            })
+            .collect::<Result<_>>()?,
         Some(v) => bail!("config: attention_types must be a list, got {v}"),
-    }
-    if kinds.len() != n_layer {
+    };
+    let covered = crate::config::layers_covered(&windows);
+    if !windows.is_empty() && covered != Some(n_layer) {
         bail!(
             "config: attention_types describes {} layers but num_layers={n_layer}",
-            kinds.len()
+            covered.map_or("too many".to_string(), |n| n.to_string())
         )
     }
-    let windows = kinds
-        .iter()
-        .map(|k| match k.as_str() {
-            "global" => Ok(None),
-            "local" => match window {
-                Some(w) => Ok(Some(w)),
-                None => bail!("config: local attention layers need window_size"),
-            },
-            other => bail!("config: attention type {other:?} is not supported (global, local)"),
-        })
-        .collect::<Result<_>>()?;
     Ok(GptConfig {
         family: Family::GptNeo,
         vocab_size: f.need("vocab_size")?,
