@@ -52,7 +52,7 @@ proptest! {
         n_kv_heads in prop::option::of(0usize..5),
         kdim in prop::option::of(0usize..9),
         dropout in prop_oneof![4 => Just(0.0f32), 2 => Just(0.5), 1 => Just(1.0), 1 => Just(f32::NAN), 1 => Just(-1.0)],
-        layout in 0usize..3,
+        layout in 0usize..4,
         mut q in dims(), mut k in prop::option::of(dims()), mut v in prop::option::of(dims()),
         fit_widths in prop::bool::weighted(0.8),
         dtype in prop_oneof![3 => Just(0usize), 1 => 0usize..6],
@@ -61,9 +61,22 @@ proptest! {
         additive in prop::option::of(dims()),
         mode in 0usize..3,
         train in any::<bool>(),
+        rope in prop::option::of((prop_oneof![Just(10_000.0f64), Just(0.5), Just(f64::NAN), Just(f64::INFINITY)], prop::option::of(0usize..10), prop_oneof![Just(1.0f64), Just(0.0), Just(-2.0)])),
+        window in prop::option::of(prop_oneof![0usize..4, Just(usize::MAX)]),
+        mask_window in prop::option::of(prop_oneof![0usize..4, Just(usize::MAX)]),
     ) {
-        let cfg = MhaConfig { n_kv_heads, kdim, dropout, ..MhaConfig::new(d_model, n_heads) };
-        let layout = [WeightLayout::hf(), WeightLayout::Gpt2Conv1d, WeightLayout::TorchInProj][layout].clone();
+        let rope = rope.map(|(theta, rotary_dim, factor)| mha::RopeConfig {
+            theta,
+            rotary_dim,
+            scaling: if factor == 1.0 { mha::RopeScaling::None } else { mha::RopeScaling::Linear { factor } },
+        });
+        let cfg = MhaConfig { n_kv_heads, kdim, dropout, rope, window, ..MhaConfig::new(d_model, n_heads) };
+        let layout = [
+            WeightLayout::hf(),
+            WeightLayout::Gpt2Conv1d,
+            WeightLayout::TorchInProj,
+            WeightLayout::HeadInterleavedQkv { qkv: "query_key_value".into(), o: "dense".into() },
+        ][layout].clone();
         let varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
         let Ok(attn) = MultiHeadAttention::load(&cfg, &layout, vb) else { return Ok(()) };
@@ -82,7 +95,7 @@ proptest! {
         let (k, v) = (k.as_ref().unwrap_or(&q), v.as_ref().unwrap_or(&q));
         let padding = padding.map(|(keep, d, t)| (keep, tensor(&d, DTYPES[t])));
         let additive = additive.map(|d| tensor(&d, dt));
-        let mut mask = Mask { causal, ..Mask::NONE };
+        let mut mask = Mask { causal, window: mask_window, ..Mask::NONE };
         if let Some((keep, t)) = &padding {
             mask = if *keep { mask.with_keep(t) } else { mask.with_ignore(t) };
         }
