@@ -99,29 +99,10 @@ pub(crate) fn for_each_tensor(
         let mp = format!("{p}.{}", names.mlp_prefix);
         // GPT-2's Conv1D MLP always has biases.
         let mlp_bias = cfg.mlp_bias || m.conv1d;
-        if let (true, Some(gate)) = (cfg.gated_mlp, m.gate) {
-            proj(
-                &mut one,
-                &format!("{mp}.{gate}"),
-                (d, i),
-                m.conv1d,
-                mlp_bias,
-            )?;
+        let gate = m.gate.filter(|_| cfg.gated_mlp).map(|g| (g, (d, i)));
+        for (name, io) in gate.into_iter().chain([(m.up, (d, i)), (m.down, (i, d))]) {
+            proj(&mut one, &format!("{mp}.{name}"), io, m.conv1d, mlp_bias)?;
         }
-        proj(
-            &mut one,
-            &format!("{mp}.{}", m.up),
-            (d, i),
-            m.conv1d,
-            mlp_bias,
-        )?;
-        proj(
-            &mut one,
-            &format!("{mp}.{}", m.down),
-            (i, d),
-            m.conv1d,
-            mlp_bias,
-        )?;
     }
     if cfg.norm_placement == NormPlacement::Pre {
         norm(&mut one, names.final_norm)?;

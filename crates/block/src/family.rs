@@ -413,6 +413,24 @@ fn layer_windows(
     }
 }
 
+/// What every family's config reads alike: vocabulary, context, end tokens, the head's
+/// tying (whose default differs by family), no dropout in inference.
+fn base(family: Family, f: &Fields, tied: bool) -> Result<GptConfig> {
+    Ok(GptConfig {
+        family,
+        model_type: Some(family.model_type().into()),
+        vocab_size: f.need("vocab_size")?,
+        n_positions: f.usize("max_position_embeddings")?.unwrap_or(2048),
+        tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(tied),
+        bos_token_id: f.token("bos_token_id")?,
+        eos_token_id: f.token("eos_token_id")?,
+        resid_pdrop: 0.0,
+        embd_pdrop: 0.0,
+        attn_pdrop: 0.0,
+        ..GptConfig::gpt2()
+    })
+}
+
 fn llama_like(family: Family, f: &Fields) -> Result<GptConfig> {
     let d = f.need("hidden_size")?;
     let h = f.need("num_attention_heads")?;
@@ -436,9 +454,6 @@ fn llama_like(family: Family, f: &Fields) -> Result<GptConfig> {
     };
     let windows = layer_windows(f, n_layer, window, global)?;
     Ok(GptConfig {
-        family,
-        vocab_size: f.need("vocab_size")?,
-        n_positions: f.usize("max_position_embeddings")?.unwrap_or(2048),
         n_embd: d,
         n_layer,
         n_head: h,
@@ -454,14 +469,7 @@ fn llama_like(family: Family, f: &Fields) -> Result<GptConfig> {
         attn_out_bias: o_bias,
         mlp_bias: f.bool("mlp_bias")?.unwrap_or(false),
         windows,
-        tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(false),
-        bos_token_id: f.token("bos_token_id")?,
-        eos_token_id: f.token("eos_token_id")?,
-        resid_pdrop: 0.0,
-        embd_pdrop: 0.0,
-        attn_pdrop: f.f64("attention_dropout")?.unwrap_or(0.0) as f32,
-        model_type: Some(family.model_type().into()),
-        ..GptConfig::gpt2()
+        ..base(family, f, false)?
     })
 }
 
@@ -471,9 +479,6 @@ fn neox(f: &Fields) -> Result<GptConfig> {
     let hd = head_dim(f, ("hidden_size", d), ("num_attention_heads", h))?;
     let bias = f.bool("attention_bias")?.unwrap_or(true);
     Ok(GptConfig {
-        family: Family::GptNeox,
-        vocab_size: f.need("vocab_size")?,
-        n_positions: f.usize("max_position_embeddings")?.unwrap_or(2048),
         n_embd: d,
         n_layer: f.need("num_hidden_layers")?,
         n_head: h,
@@ -487,15 +492,7 @@ fn neox(f: &Fields) -> Result<GptConfig> {
         attn_bias: bias,
         attn_out_bias: bias,
         mlp_bias: true,
-        windows: Vec::new(),
-        tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(false),
-        bos_token_id: f.token("bos_token_id")?,
-        eos_token_id: f.token("eos_token_id")?,
-        resid_pdrop: 0.0,
-        embd_pdrop: 0.0,
-        attn_pdrop: f.f64("attention_dropout")?.unwrap_or(0.0) as f32,
-        model_type: Some("gpt_neox".into()),
-        ..GptConfig::gpt2()
+        ..base(Family::GptNeox, f, false)?
     })
 }
 
@@ -541,9 +538,6 @@ fn neo(f: &Fields) -> Result<GptConfig> {
         )
     }
     Ok(GptConfig {
-        family: Family::GptNeo,
-        vocab_size: f.need("vocab_size")?,
-        n_positions: f.usize("max_position_embeddings")?.unwrap_or(2048),
         n_embd: d,
         n_layer,
         n_head: f.need("num_heads")?,
@@ -561,13 +555,6 @@ fn neo(f: &Fields) -> Result<GptConfig> {
         windows,
         // GPT-Neo does not scale the scores by 1/sqrt(head_dim).
         scale_attn_weights: false,
-        tie_word_embeddings: f.bool("tie_word_embeddings")?.unwrap_or(true),
-        bos_token_id: f.token("bos_token_id")?,
-        eos_token_id: f.token("eos_token_id")?,
-        resid_pdrop: 0.0,
-        embd_pdrop: 0.0,
-        attn_pdrop: 0.0,
-        model_type: Some("gpt_neo".into()),
-        ..GptConfig::gpt2()
+        ..base(Family::GptNeo, f, true)?
     })
 }

@@ -11,11 +11,12 @@
 
 #[path = "../../mha/tests/common/mod.rs"]
 mod common;
+mod reference;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use block::{generate, load_dir, GenerateOptions, Gpt, GptCache, Logits, SamplingParams};
+use block::{load_dir, Gpt, GptCache, Logits};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, max_abs_diff};
@@ -45,51 +46,11 @@ fn load(dir: &Path, dtype: DType) -> Gpt {
     load_dir(dir, dtype, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
-fn ids_of(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap()[0].clone()
-}
-
 #[test]
 fn logits_loss_and_greedy_tokens_match_transformers() {
     for name in MODELS {
         let model = load(&fixture(name), DType::F32);
-        let exp = expected(name);
-        let ids = &exp["input_ids"];
-        let got = model.infer(ids, None, None, Logits::All).unwrap();
-        println!(
-            "{name}: max |logit diff| = {:e}",
-            max_abs_diff(&got, &exp["logits"])
-        );
-        assert_close(&got, &exp["logits"], 1e-4, 0.0, &format!("{name}: logits"));
-
-        let loss = model.loss(&ids.narrow(0, 0, 1).unwrap(), false).unwrap();
-        let (loss, want) = (
-            loss.to_scalar::<f32>().unwrap(),
-            exp["loss"].to_scalar::<f32>().unwrap(),
-        );
-        assert!(
-            ((loss - want) / want).abs() <= 1e-4,
-            "{name}: loss {loss} vs {want}"
-        );
-
-        let greedy = ids_of(&exp["greedy"]);
-        let margins: Vec<f32> = exp["margins"].to_vec1().unwrap();
-        let opts = GenerateOptions {
-            max_new_tokens: greedy.len(),
-            sampling: SamplingParams::default(),
-            stop_tokens: vec![],
-        };
-        let ours = generate(&model, &[ids_of(&exp["prompt"])], &opts, |_, _| true).unwrap();
-        let comparable = margins
-            .iter()
-            .position(|&m| m < 1e-4)
-            .unwrap_or(greedy.len());
-        assert!(comparable >= 3, "{name}: a near-tie too early");
-        assert_eq!(
-            ours[0][..comparable],
-            greedy[..comparable],
-            "{name}: greedy tokens"
-        );
+        reference::matches_transformers(&model, &expected(name), 1e-4, name);
     }
 }
 

@@ -7,13 +7,14 @@
 // The tolerance helpers live with the mha tests.
 #[path = "../../mha/tests/common/mod.rs"]
 mod common;
+mod reference;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use block::{generate, load_dir, save_dir, GenerateOptions, Gpt, Logits, SamplingParams};
+use block::{load_dir, save_dir, Gpt, Logits};
 use candle_core::{DType, Device, Tensor};
-use common::{assert_close, max_abs_diff};
+use common::assert_close;
 
 const MODELS: [&str; 3] = ["tiny", "inverse_layer_scale", "untied_exact_gelu"];
 
@@ -39,58 +40,7 @@ fn logits(model: &Gpt, ids: &Tensor) -> Tensor {
 #[test]
 fn logits_loss_and_greedy_tokens_match_transformers() {
     for name in MODELS {
-        let model = load(&fixture(name));
-        let exp = expected(name);
-        let ids = &exp["input_ids"];
-        let got = logits(&model, ids);
-        println!(
-            "{name}: max |logit diff| = {:e}",
-            max_abs_diff(&got, &exp["logits"])
-        );
-        assert_close(&got, &exp["logits"], 1e-4, 0.0, &format!("{name}: logits"));
-
-        let loss = model.loss(&ids.narrow(0, 0, 1).unwrap(), false).unwrap();
-        let (loss, want) = (
-            loss.to_scalar::<f32>().unwrap(),
-            exp["loss"].to_scalar::<f32>().unwrap(),
-        );
-        assert!(
-            ((loss - want) / want).abs() <= 1e-5,
-            "{name}: loss {loss} vs {want}"
-        );
-
-        let prompt: Vec<u32> = exp["prompt"]
-            .to_dtype(DType::U32)
-            .unwrap()
-            .to_vec2()
-            .unwrap()[0]
-            .clone();
-        let greedy: Vec<u32> = exp["greedy"]
-            .to_dtype(DType::U32)
-            .unwrap()
-            .to_vec2()
-            .unwrap()[0]
-            .clone();
-        let margins: Vec<f32> = exp["margins"].to_vec1().unwrap();
-        let opts = GenerateOptions {
-            max_new_tokens: greedy.len(),
-            sampling: SamplingParams::default(),
-            stop_tokens: vec![],
-        };
-        let ours = generate(&model, &[prompt], &opts, |_, _| true).unwrap();
-        let comparable = margins
-            .iter()
-            .position(|&m| m < 1e-4)
-            .unwrap_or(greedy.len());
-        assert!(
-            comparable >= 3,
-            "{name}: the reference has a near-tie too early"
-        );
-        assert_eq!(
-            ours[0][..comparable],
-            greedy[..comparable],
-            "{name}: greedy tokens"
-        );
+        reference::matches_transformers(&load(&fixture(name)), &expected(name), 1e-5, name);
     }
 }
 

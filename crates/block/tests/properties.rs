@@ -9,7 +9,7 @@ use block::{
     generate, GenerateOptions, Gpt, GptCache, GptConfig, Logits, NormPlacement, Sampler,
     SamplingParams,
 };
-use candle_core::{DType, Device, ModuleT, Result, Tensor, Var};
+use candle_core::{DType, Device, ModuleT, Result, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use common::assert_close;
 
@@ -293,13 +293,7 @@ fn gradients_match_finite_differences() -> Result<()> {
     let loss = |g: &Gpt| log_likelihood(g)?.to_scalar::<f64>();
     let loss_t = log_likelihood(&gpt)?;
     let grads = loss_t.backward()?;
-    let vars: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let vars = common::vars_of(&varmap);
     // Candle's tanh-GELU backward uses 6-digit constants: 1e-4 relative holds.
     let checked = common::check_gradients(&vars, &grads, 3, 1e-4, || loss(&gpt))?;
     assert!(

@@ -34,7 +34,8 @@ pub enum WeightLayout {
     TorchInProj,
     /// GPT-NeoX: one `nn.Linear` `{qkv}` `[3·d_model, d_model]` whose outputs are grouped
     /// by head (q, k, v of head 0, then of head 1, ...), and an `{o}` `nn.Linear`. The rows
-    /// are regrouped as `[q | k | v]` while loading ([`neox_to_fused`]).
+    /// are regrouped as `[q | k | v]` into a copy while loading ([`neox_to_fused`]), so
+    /// this layout is for inference: trainable variables (a `VarMap`) are refused.
     HeadInterleavedQkv {
         /// Fused projection prefix (`query_key_value`).
         qkv: String,
@@ -379,6 +380,11 @@ pub(crate) fn load(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Re
             }
             let fused = vb.pp(qkv);
             let w = get(&fused, (3 * d, d), "weight", linear_init(d))?;
+            if w.is_variable() {
+                // The rows are regrouped into a copy: an optimiser stepping the variable
+                // would never change what the layer reads.
+                bail!("the GPT-NeoX query_key_value layout loads checkpoints for inference; to train a layer, use WeightLayout::hf() or Gpt2Conv1d")
+            }
             let w = neox_to_fused(&w, cfg.n_heads, false)?;
             let b = match get_bias(&fused, 3 * d, "bias", cfg.bias)? {
                 Some(b) => Some(neox_to_fused(&b, cfg.n_heads, false)?),

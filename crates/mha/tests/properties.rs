@@ -265,39 +265,55 @@ fn dropout_is_identity_outside_training_and_repeatable_inside() -> Result<()> {
     Ok(())
 }
 
+/// Gradients of `sum(attn(x, x, x) · target)` in f64 (central differences are accurate
+/// there), for every weight and the input, against finite differences; returns how many
+/// coordinates were checked.
+fn gradients_checked(
+    cfg: &MhaConfig,
+    layout: &WeightLayout,
+    dims: &[usize],
+    mask: &Mask,
+) -> Result<usize> {
+    let (varmap, attn) = layer(cfg, layout, DType::F64);
+    let xs = Var::from_tensor(&randn(dims).to_dtype(DType::F64)?)?;
+    let target = randn(dims).to_dtype(DType::F64)?;
+    let loss = |x: &Tensor| -> Result<Tensor> {
+        (attn.forward(x, x, x, mask, true)? * &target)?.sum_all()
+    };
+    let grads = loss(xs.as_tensor())?.backward()?;
+    let mut vars = common::vars_of(&varmap);
+    vars.push(("input".into(), xs.clone()));
+    common::check_gradients(&vars, &grads, 5, 1e-4, || {
+        loss(xs.as_tensor())?.to_scalar::<f64>()
+    })
+}
+
 #[test]
 fn gradients_match_finite_differences() -> Result<()> {
-    // f64 so that central differences are accurate; dropout off, masks on.
+    // Dropout off, masks on.
     let cfg = MhaConfig {
         n_kv_heads: Some(1),
         ..MhaConfig::new(8, 2)
     };
+    let keep = Tensor::new(&[[1u8, 1, 1, 1], [0, 1, 1, 1]], &DEV)?;
+    let mask = Mask::causal(0).with_keep(&keep);
     for layout in layouts() {
-        let (varmap, attn) = layer(&cfg, &layout, DType::F64);
-        let xs = Var::from_tensor(&randn(&[2, 4, 8]).to_dtype(DType::F64)?)?;
-        let keep = Tensor::new(&[[1u8, 1, 1, 1], [0, 1, 1, 1]], &DEV)?;
-        let mask = Mask::causal(0).with_keep(&keep);
-        let target = randn(&[2, 4, 8]).to_dtype(DType::F64)?;
-        let loss = |x: &Tensor| -> Result<Tensor> {
-            (attn.forward(x, x, x, &mask, true)? * &target)?.sum_all()
-        };
-        let grads = loss(xs.as_tensor())?.backward()?;
-        let mut vars: Vec<(String, Var)> = varmap
-            .data()
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        vars.push(("input".into(), xs.clone()));
-        let checked = common::check_gradients(&vars, &grads, 5, 1e-4, || {
-            loss(xs.as_tensor())?.to_scalar::<f64>()
-        })?;
+        let checked = gradients_checked(&cfg, &layout, &[2, 4, 8], &mask)?;
         assert!(
             checked >= 20,
             "{layout:?}: only {checked} coordinates checked"
         );
     }
+    // GPT-NeoX's per-head q/k/v rows are regrouped into a copy while loading: an optimiser
+    // would step variables the layer never reads again, so trainable ones are refused.
+    let neox = WeightLayout::HeadInterleavedQkv {
+        qkv: "query_key_value".into(),
+        o: "dense".into(),
+    };
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F64, &DEV);
+    let err = MultiHeadAttention::load(&MhaConfig::new(8, 2), &neox, vb).unwrap_err();
+    assert!(err.to_string().contains("for inference"), "{err}");
     Ok(())
 }
 
@@ -333,24 +349,7 @@ fn rotary_windowed_layer_paths_agree_and_differentiate() -> Result<()> {
     }
     assert_close(&Tensor::cat(&steps, 1)?, &fused, 1e-5, 1e-5, "cached");
 
-    let (varmap, attn) = layer(&cfg, &WeightLayout::hf(), DType::F64);
-    let xs = Var::from_tensor(&randn(&[1, 5, 12]).to_dtype(DType::F64)?)?;
-    let target = randn(&[1, 5, 12]).to_dtype(DType::F64)?;
-    let loss = |x: &Tensor| -> Result<Tensor> {
-        (attn.forward(x, x, x, &Mask::causal(0), true)? * &target)?.sum_all()
-    };
-    let grads = loss(xs.as_tensor())?.backward()?;
-    let mut vars: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    vars.push(("input".into(), xs.clone()));
-    let checked = common::check_gradients(&vars, &grads, 5, 1e-4, || {
-        loss(xs.as_tensor())?.to_scalar::<f64>()
-    })?;
+    let checked = gradients_checked(&cfg, &WeightLayout::hf(), &[1, 5, 12], &Mask::causal(0))?;
     assert!(checked >= 20, "only {checked} coordinates checked");
     Ok(())
 }

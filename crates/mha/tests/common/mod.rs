@@ -46,6 +46,12 @@ pub fn flat(t: &Tensor) -> Result<Vec<f32>> {
     t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
 }
 
+/// Every variable of `varmap`, named.
+pub fn vars_of(varmap: &candle_nn::VarMap) -> Vec<(String, Var)> {
+    let data = varmap.data().lock().unwrap();
+    data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
 /// Compares each variable's autograd gradient with central finite differences (step 1e-5)
 /// on about `per_var` of its coordinates: `|fd - g| <= 1e-6 + rtol·max(|fd|, |g|)`.
 /// `loss` recomputes the loss from the variables' current values. Returns how many
