@@ -92,6 +92,13 @@ fn keep_freed_memory() {
 }
 
 fn main() -> ExitCode {
+    // Rust ignores SIGPIPE, so `gpt inspect | head` would fail on a closed pipe mid-print;
+    // the default action ends the process quietly, as other command-line tools do.
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to its default before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     keep_freed_memory();
     // Candle attaches a backtrace to every error when RUST_BACKTRACE is set, and messages
     // that quote an error would carry it along. Errors here are for users: keep library
