@@ -370,8 +370,14 @@ impl GptConfig {
             bail!("config: num_key_value_heads={kv} must be positive and divide the {h} attention heads")
         }
         if let Some(rope) = &self.rope {
-            rope.validate(d / h)
-                .map_err(|e| candle_core::Error::Msg(format!("config: {e}")))?;
+            rope.validate(d / h).map_err(|e| {
+                // The message alone: Candle's backtrace (under RUST_BACKTRACE) stays out of it.
+                let msg = match e {
+                    candle_core::Error::WithBacktrace { inner, .. } => inner.to_string(),
+                    e => e.to_string(),
+                };
+                candle_core::Error::Msg(format!("config: {msg}"))
+            })?;
         }
         if !self.windows.is_empty() {
             let covered = layers_covered(&self.windows);

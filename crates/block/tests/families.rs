@@ -342,9 +342,12 @@ fn bad_configs_are_one_line_errors_naming_the_field() {
         let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
         let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
         *config.pointer_mut(field).unwrap() = value;
-        let err = block::GptConfig::from_json(&config.to_string())
-            .unwrap_err()
-            .to_string();
+        // The message itself: with RUST_BACKTRACE set, Candle wraps errors with a backtrace
+        // (which `gpt` turns off for users).
+        let err = match block::GptConfig::from_json(&config.to_string()).unwrap_err() {
+            candle_core::Error::WithBacktrace { inner, .. } => inner.to_string(),
+            e => e.to_string(),
+        };
         assert!(
             err.contains(needle),
             "{name} {field}: {needle:?} not in {err:?}"
