@@ -281,13 +281,7 @@ impl Gpt {
     }
 
     /// Position ids `[b, t]` of the last `t` of `past + t` positions.
-    pub fn positions(
-        &self,
-        b: usize,
-        t: usize,
-        past: usize,
-        keep: Option<&Tensor>,
-    ) -> Result<Tensor> {
+    fn positions(&self, b: usize, t: usize, past: usize, keep: Option<&Tensor>) -> Result<Tensor> {
         let dev = self.wte.device();
         let Some(keep) = keep else {
             let pos = Tensor::arange(past as u32, (past + t) as u32, dev)?;

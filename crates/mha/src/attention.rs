@@ -381,22 +381,6 @@ impl MultiHeadAttention {
         if need_weights && cache.is_some() {
             bail!("attention weights are not returned from cached steps")
         }
-        let (ys, w) = self.run(query, key, value, &mask, rope, cache, need_weights, train)?;
-        Ok((ys, w.map(|per_head| AttnWeights { per_head })))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn run(
-        &self,
-        query: &Tensor,
-        key: &Tensor,
-        value: &Tensor,
-        mask: &Mask,
-        rope: Option<&RopeTables>,
-        cache: Option<&mut KvCache>,
-        need_weights: bool,
-        train: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
         let cfg = &self.cfg;
         let (h, h_kv, hd) = (cfg.n_heads, cfg.kv_heads(), cfg.head_dim());
         let (b, tq) = check_input(query, "query", None, cfg.d_model)?;
@@ -482,9 +466,9 @@ impl MultiHeadAttention {
         let mask = match cfg.window {
             Some(w) => Mask {
                 window: Some(mask.window.map_or(w, |m| m.min(w))),
-                ..*mask
+                ..mask
             },
-            None => *mask,
+            None => mask,
         };
         let (ys, weights) = sdpa(&q, &k, &v, &mask, &params)?;
         // (b, h, tq, hd) -> (b, tq, h·hd)
@@ -492,6 +476,7 @@ impl MultiHeadAttention {
             .to_dtype(dtype)?
             .transpose(1, 2)?
             .reshape((b, tq, cfg.d_model))?;
+        let weights = weights.map(|per_head| AttnWeights { per_head });
         Ok((self.proj.o.forward(&ys)?, weights))
     }
 }

@@ -111,8 +111,8 @@ impl Rope {
         let (b, t) = positions.dims2()?;
         let pos = positions.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let half = self.inv_freq.len();
-        let (mut cos, mut sin) = (Vec::with_capacity(b * t * half), Vec::new());
-        sin.reserve(b * t * half);
+        let mut cos = Vec::with_capacity(b * t * half);
+        let mut sin = Vec::with_capacity(b * t * half);
         for p in pos.iter().flatten() {
             for &f in &self.inv_freq {
                 // The product rounded to f32 first, as transformers' f32 matmul does.
