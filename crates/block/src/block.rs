@@ -26,6 +26,50 @@ impl Block {
     /// `scale_attn_by_inverse_layer_idx` is on, its window, and its dropout seed).
     pub fn new(cfg: &GptConfig, layer_idx: usize, vb: VarBuilder) -> Result<Self> {
         let names = TensorNames::of(cfg.family);
+        let (d, eps) = (cfg.n_embd, cfg.layer_norm_epsilon);
+        let layout = TensorNames::attn_layout(cfg.family);
+        let attn_cfg = Self::attn_config(cfg, layer_idx);
+        Self::from_parts(
+            cfg,
+            layer_idx,
+            Norm::new(cfg.norm, d, eps, vb.pp(names.attn_norm))?,
+            MultiHeadAttention::load(&attn_cfg, &layout, vb.pp(names.attn))?,
+            Norm::new(cfg.norm, d, eps, vb.pp(names.mlp_norm))?,
+            Mlp::new(cfg, vb.pp(names.mlp_prefix))?,
+        )
+    }
+
+    /// The block from parts loaded elsewhere (a GGUF file's, say); `attn` should be built
+    /// with [`Self::attn_config`].
+    pub fn from_parts(
+        cfg: &GptConfig,
+        layer_idx: usize,
+        ln_1: Norm,
+        attn: MultiHeadAttention,
+        ln_2: Norm,
+        mlp: Mlp,
+    ) -> Result<Self> {
+        let seed = Self::seed(cfg, layer_idx);
+        Ok(Self {
+            ln_1,
+            attn,
+            ln_2,
+            mlp,
+            resid_drop: Dropout::new(cfg.resid_pdrop, seed.wrapping_add(1))?,
+            placement: cfg.norm_placement,
+            parallel: cfg.parallel_residual,
+        })
+    }
+
+    /// Distinct, reproducible dropout streams per block and per site.
+    fn seed(cfg: &GptConfig, layer_idx: usize) -> u64 {
+        cfg.seed
+            .wrapping_add(1000u64.wrapping_mul(layer_idx as u64 + 1))
+    }
+
+    /// The attention configuration of block `layer_idx`: heads, biases, rotary positions,
+    /// its window and its scale.
+    pub fn attn_config(cfg: &GptConfig, layer_idx: usize) -> MhaConfig {
         let head_dim = (cfg.n_embd / cfg.n_head) as f64;
         let mut scale = if cfg.scale_attn_weights {
             1.0 / head_dim.sqrt()
@@ -35,11 +79,7 @@ impl Block {
         if cfg.scale_attn_by_inverse_layer_idx {
             scale /= (layer_idx + 1) as f64;
         }
-        // Distinct, reproducible dropout streams per block and per site.
-        let seed = cfg
-            .seed
-            .wrapping_add(1000u64.wrapping_mul(layer_idx as u64 + 1));
-        let attn_cfg = MhaConfig {
+        MhaConfig {
             n_kv_heads: cfg.n_kv_head,
             bias: cfg.attn_bias,
             out_bias: Some(cfg.attn_out_bias),
@@ -47,20 +87,9 @@ impl Block {
             window: cfg.window(layer_idx),
             dropout: cfg.attn_pdrop,
             scale: Some(scale),
-            seed,
+            seed: Self::seed(cfg, layer_idx),
             ..MhaConfig::new(cfg.n_embd, cfg.n_head)
-        };
-        let (d, eps) = (cfg.n_embd, cfg.layer_norm_epsilon);
-        let layout = TensorNames::attn_layout(cfg.family);
-        Ok(Self {
-            ln_1: Norm::new(cfg.norm, d, eps, vb.pp(names.attn_norm))?,
-            attn: MultiHeadAttention::load(&attn_cfg, &layout, vb.pp(names.attn))?,
-            ln_2: Norm::new(cfg.norm, d, eps, vb.pp(names.mlp_norm))?,
-            mlp: Mlp::new(cfg, vb.pp(names.mlp_prefix))?,
-            resid_drop: Dropout::new(cfg.resid_pdrop, seed.wrapping_add(1))?,
-            placement: cfg.norm_placement,
-            parallel: cfg.parallel_residual,
-        })
+        }
     }
 
     /// The block with its attention and MLP projections quantized to `dtype`.

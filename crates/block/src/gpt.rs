@@ -130,6 +130,56 @@ impl Gpt {
         if let Some(dtype) = quantize {
             lm_head = lm_head.quantize_or_keep(dtype)?;
         }
+        let mut model = Self::from_parts(cfg, wte, wpe, h, ln_f, lm_head)?;
+        model.lm_head_weight = lm_head_weight;
+        Ok(model)
+    }
+
+    /// The model from parts loaded elsewhere (a GGUF file's, say): the token embedding
+    /// `wte [vocab, d]`, learned positions `wpe [n_positions, d]` when the config has no
+    /// rotary positions, the blocks, the final norm (pre-norm models), and the head
+    /// `[d] -> [vocab]` (for a tied model, a projection of `wte` or its quantized copy).
+    pub fn from_parts(
+        cfg: &GptConfig,
+        wte: Tensor,
+        wpe: Option<Tensor>,
+        h: Vec<Block>,
+        ln_f: Option<Norm>,
+        lm_head: Proj,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let (v, d) = (cfg.vocab_size, cfg.n_embd);
+        if wte.dims() != [v, d] {
+            bail!(
+                "token embedding {:?}, the config needs [{v}, {d}]",
+                wte.dims()
+            )
+        }
+        match (&wpe, cfg.rope) {
+            (None, Some(_)) => {}
+            (Some(p), None) if p.dims() == [cfg.n_positions, d] => {}
+            (p, _) => bail!(
+                "position embedding {:?} for a model with {} positions",
+                p.as_ref().map(|p| p.dims().to_vec()),
+                if cfg.rope.is_some() {
+                    "rotary"
+                } else {
+                    "learned"
+                }
+            ),
+        }
+        if h.len() != cfg.n_layer {
+            bail!("{} blocks for n_layer = {}", h.len(), cfg.n_layer)
+        }
+        if ln_f.is_some() != (cfg.norm_placement == NormPlacement::Pre) {
+            bail!("a final norm goes with pre-norm blocks, and only with them")
+        }
+        if lm_head.dims()? != (d, v) {
+            bail!(
+                "LM head (in, out) = {:?}, the config needs ({d}, {v})",
+                lm_head.dims()?
+            )
+        }
         Ok(Self {
             cfg: cfg.clone(),
             wte,
@@ -138,7 +188,7 @@ impl Gpt {
             h,
             ln_f,
             lm_head,
-            lm_head_weight,
+            lm_head_weight: None,
         })
     }
 
@@ -473,8 +523,14 @@ impl Gpt {
         if let Some(ln_f) = &self.ln_f {
             norm(&mut put, names.final_norm.to_string(), ln_f);
         }
-        if let Some(w) = &self.lm_head_weight {
-            put(format!("{}.weight", names.head), w);
+        match &self.lm_head_weight {
+            Some(w) => put(format!("{}.weight", names.head), w),
+            // A head loaded as a part (from GGUF): its weight, dequantized if need be.
+            None if !self.cfg.tie_word_embeddings => put(
+                format!("{}.weight", names.head),
+                &self.lm_head.weight_t()?.t()?,
+            ),
+            None => {}
         }
         Ok(out)
     }

@@ -40,6 +40,7 @@ mod config;
 mod family;
 mod files;
 pub mod generate;
+mod gguf;
 mod gpt;
 mod load;
 mod mlp;
@@ -53,6 +54,7 @@ pub use check::available_memory;
 pub use config::{Activation, GptConfig, NormKind, NormPlacement};
 pub use family::Family;
 pub use generate::{argmax, generate, GenerateOptions, Sampler, SamplingParams, SplitMix64};
+pub use gguf::{load_gguf, Gguf, GgufVocab};
 pub use gpt::{next_token_loss, token_logprobs, Gpt, GptCache, Logits};
 pub use load::{
     load_bytes, load_dir, load_files, read_config, save_dir, save_dir_as, weight_files,

@@ -77,6 +77,46 @@ impl Mlp {
         })
     }
 
+    /// The MLP from projections loaded elsewhere (a GGUF file's, say), named as `cfg`'s
+    /// family names them; their widths are checked against `cfg`.
+    pub fn from_projections(
+        cfg: &GptConfig,
+        up: Proj,
+        gate: Option<Proj>,
+        down: Proj,
+    ) -> Result<Self> {
+        let (d, inner) = (cfg.n_embd, cfg.inner_dim());
+        let names = TensorNames::of(cfg.family).mlp;
+        if gate.is_some() != cfg.gated_mlp {
+            candle_core::bail!(
+                "the MLP {} a gate projection but the config says gated = {}",
+                if gate.is_some() { "has" } else { "lacks" },
+                cfg.gated_mlp
+            )
+        }
+        for (name, p, want) in [
+            ("up", Some(&up), (d, inner)),
+            ("gate", gate.as_ref(), (d, inner)),
+            ("down", Some(&down), (inner, d)),
+        ] {
+            if let Some(p) = p {
+                let got = p.dims()?;
+                if got != want {
+                    candle_core::bail!(
+                        "MLP {name} projection: (in, out) = {got:?}, the config needs {want:?}"
+                    )
+                }
+            }
+        }
+        Ok(Self {
+            up,
+            gate,
+            down,
+            act: cfg.activation_function,
+            names,
+        })
+    }
+
     /// The MLP with its projections quantized to `dtype` (those whose input width allows).
     pub fn quantize(&self, dtype: candle_core::quantized::GgmlDType) -> Result<Self> {
         Ok(Self {

@@ -1,6 +1,6 @@
 //! LayerNorm and RMSNorm that keep their gradients.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{bail, DType, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use crate::NormKind;
@@ -102,6 +102,29 @@ impl Norm {
             NormKind::LayerNorm => Self::LayerNorm(LayerNorm::new(dim, eps, vb)?),
             NormKind::RmsNorm => Self::RmsNorm(RmsNorm::new(dim, eps, vb)?),
         })
+    }
+
+    /// The norm `kind` from tensors loaded elsewhere: `weight [dim]`, and `bias [dim]` for a
+    /// LayerNorm (an RMSNorm takes none).
+    pub fn from_tensors(
+        kind: NormKind,
+        weight: Tensor,
+        bias: Option<Tensor>,
+        eps: f64,
+    ) -> Result<Self> {
+        let dim = weight.dims1()?;
+        match (kind, bias) {
+            (NormKind::LayerNorm, Some(bias)) if bias.dims() == [dim] => {
+                Ok(Self::LayerNorm(LayerNorm { weight, bias, eps }))
+            }
+            (NormKind::LayerNorm, Some(bias)) => bail!(
+                "LayerNorm bias {:?} does not match its weight [{dim}]",
+                bias.dims()
+            ),
+            (NormKind::LayerNorm, None) => bail!("a LayerNorm needs a bias"),
+            (NormKind::RmsNorm, None) => Ok(Self::RmsNorm(RmsNorm { weight, eps })),
+            (NormKind::RmsNorm, Some(_)) => bail!("an RMSNorm has no bias"),
+        }
     }
 
     /// `[.., dim]` to `[.., dim]`.

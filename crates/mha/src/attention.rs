@@ -3,7 +3,7 @@
 use candle_core::{bail, DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
-use crate::layout::{self, Proj, Projections, WeightLayout};
+use crate::layout::{self, Proj, Projections, QkvProj, WeightLayout};
 use crate::{kernel, Dropout, KvCache, Mask, MhaConfig, Rope, RopeTables};
 
 /// How to run [`sdpa`] beyond its tensors and mask.
@@ -248,14 +248,24 @@ impl MultiHeadAttention {
 
     /// Loads the layer from a checkpoint in the given layout.
     pub fn load(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Result<Self> {
-        cfg.validate()?;
+        let proj = layout::load(cfg, layout, vb)?;
+        Self::assemble(cfg, proj)
+    }
+
+    /// Builds the layer from projections loaded elsewhere (a GGUF file's quantized
+    /// matrices, say), checking their widths and biases against `cfg`.
+    pub fn from_projections(cfg: &MhaConfig, qkv: QkvProj, o: Proj) -> Result<Self> {
+        Self::assemble(cfg, layout::from_projections(cfg, qkv, o)?)
+    }
+
+    fn assemble(cfg: &MhaConfig, proj: Projections) -> Result<Self> {
         let rope = match &cfg.rope {
             Some(r) => Some(Rope::new(r, cfg.head_dim())?),
             None => None,
         };
         Ok(Self {
             cfg: cfg.clone(),
-            proj: layout::load(cfg, layout, vb)?,
+            proj,
             dropout: Dropout::new(cfg.dropout, cfg.seed)?,
             rope,
         })

@@ -5,6 +5,8 @@
 //! tensor and q/k/v are views into it. That keeps one matrix product for self-attention,
 //! and in training the optimiser updates the very storage the views read.
 
+use std::sync::Arc;
+
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -100,6 +102,33 @@ impl Proj {
     /// From a PyTorch `nn.Linear` weight `[out, in]`.
     pub fn from_linear(w: &Tensor, b: Option<Tensor>) -> Result<Self> {
         Ok(Self::new(w.t()?, b))
+    }
+
+    /// From a GGML matrix `[out, in]` (how GGUF files store every weight). Block formats
+    /// (Q8_0, Q4_K, ...) stay quantized; f32, f16 and bf16 become a dense weight in `dtype`.
+    pub fn from_qtensor(w: Arc<QTensor>, b: Option<Tensor>, dtype: DType) -> Result<Self> {
+        let (d_out, d_in) = w.shape().dims2()?;
+        if let Some(b) = &b {
+            if b.dims() != [d_out] {
+                bail!(
+                    "a bias of shape {:?} for a projection with {d_out} outputs",
+                    b.dims()
+                )
+            }
+        }
+        if matches!(w.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
+            let dense = w.dequantize(&w.device())?.to_dtype(dtype)?;
+            return Self::from_linear(&dense, b);
+        }
+        Ok(Self {
+            w: Weight::Quantized {
+                w: QMatMul::QTensor(w),
+                d_in,
+                d_out,
+                cols: None,
+            },
+            b,
+        })
     }
 
     /// The `[in, out]` weight (dequantized to f32 when the projection is quantized).
@@ -298,6 +327,57 @@ impl Projections {
                 o,
                 qkv: None,
             }),
+        }
+    }
+}
+
+/// The query, key and value projections of a layer built from projections already loaded
+/// ([`MultiHeadAttention::from_projections`](crate::MultiHeadAttention::from_projections)).
+#[derive(Debug, Clone)]
+pub enum QkvProj {
+    /// Three projections: `[d_model, d_model]`, `[kdim, kv_width]`, `[vdim, kv_width]`
+    /// (`(in, out)`).
+    Separate([Proj; 3]),
+    /// One projection `[d_model, d_model + 2·kv_width]` whose outputs are all queries, then
+    /// all keys, then all values.
+    Fused(Proj),
+}
+
+/// Checks the projections' widths against `cfg` and assembles them.
+pub(crate) fn from_projections(cfg: &MhaConfig, qkv: QkvProj, o: Proj) -> Result<Projections> {
+    cfg.validate()?;
+    let (d, kv) = (cfg.d_model, cfg.kv_width());
+    let check = |name: &str, p: &Proj, want: (usize, usize), bias: bool| -> Result<()> {
+        let got = p.dims()?;
+        if got != want {
+            bail!("attention {name}: (in, out) = {got:?}, the config needs {want:?}")
+        }
+        if p.bias().is_some() != bias {
+            let has = if bias { "needs" } else { "has no" };
+            bail!("attention {name}: the config {has} a bias, the weights disagree")
+        }
+        Ok(())
+    };
+    check("output projection", &o, (d, d), cfg.o_bias())?;
+    match qkv {
+        QkvProj::Separate([q, k, v]) => {
+            check("query projection", &q, (d, d), cfg.bias)?;
+            check("key projection", &k, (cfg.k_dim(), kv), cfg.bias)?;
+            check("value projection", &v, (cfg.v_dim(), kv), cfg.bias)?;
+            Ok(Projections {
+                q,
+                k,
+                v,
+                o,
+                qkv: None,
+            })
+        }
+        QkvProj::Fused(qkv) => {
+            if cfg.k_dim() != d || cfg.v_dim() != d {
+                bail!("a fused q/k/v projection needs kdim = vdim = d_model = {d}")
+            }
+            check("fused q/k/v projection", &qkv, (d, d + 2 * kv), cfg.bias)?;
+            split_fused(qkv, o, cfg)
         }
     }
 }

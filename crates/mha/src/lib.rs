@@ -60,6 +60,6 @@ pub use attention::{
 pub use cache::KvCache;
 pub use config::MhaConfig;
 pub use dropout::Dropout;
-pub use layout::{neox_to_fused, Proj, WeightLayout};
+pub use layout::{neox_to_fused, Proj, QkvProj, WeightLayout};
 pub use mask::{KeyPadding, Mask};
 pub use rope::{Rope, RopeConfig, RopeScaling, RopeTables};

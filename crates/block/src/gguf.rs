@@ -1,0 +1,644 @@
+//! GGUF files, llama.cpp's format: the metadata gives the family and its configuration,
+//! llama.cpp's tensor names map onto the same blocks as every other format, and
+//! block-quantized matrices (Q4_0 … Q8_0, Q2_K … Q6_K) stay quantized.
+//!
+//! Candle parses the file ([`gguf_file::Content`]); around it, everything a hostile file
+//! could use is checked before a tensor is read: each tensor's element count (without
+//! overflow), whole blocks per row, its byte range inside the file and clear of every other
+//! tensor, and the total against the memory available. Candle's parser panics on a few
+//! malformed headers (an alignment of 0 divides by zero); it runs behind a guard that turns
+//! a panic into an error.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+use candle_core::{bail, DType, Device, Result, Tensor};
+use mha::{MultiHeadAttention, Proj, QkvProj, RopeConfig, RopeScaling};
+
+use crate::load::path_err;
+use crate::{Activation, Block, Family, Gpt, GptConfig, Mlp, Norm, NormKind};
+
+/// The `general.architecture` values read, and the family each runs as.
+const ARCHITECTURES: [(&str, Family); 4] = [
+    ("llama", Family::Llama),
+    ("qwen2", Family::Qwen2),
+    ("gpt2", Family::Gpt2),
+    ("gptneox", Family::GptNeox),
+];
+
+/// An opened GGUF file: its parsed header, checked against the file.
+pub struct Gguf {
+    path: PathBuf,
+    file: Mutex<File>,
+    content: gguf_file::Content,
+}
+
+impl std::fmt::Debug for Gguf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gguf")
+            .field("path", &self.path)
+            .field("tensors", &self.content.tensor_infos.len())
+            .finish()
+    }
+}
+
+/// The tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata, checked for
+/// consistency (one score and one type per token, special ids inside the vocabulary).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GgufVocab {
+    /// `tokenizer.ggml.model`: `gpt2` (byte-level BPE) or `llama` (SentencePiece).
+    pub model: String,
+    /// `tokenizer.ggml.pre`: llama.cpp's name of the pre-tokenizer (`gpt-2`, `llama-bpe`,
+    /// `qwen2`, ...).
+    pub pre: Option<String>,
+    /// Token texts, by id.
+    pub tokens: Vec<String>,
+    /// SentencePiece scores, by id.
+    pub scores: Option<Vec<f32>>,
+    /// llama.cpp's token types, by id: 1 normal, 2 unknown, 3 control, 4 user-defined,
+    /// 5 unused, 6 byte.
+    pub token_types: Option<Vec<i32>>,
+    /// BPE merges, `"left right"`, highest priority first.
+    pub merges: Option<Vec<String>>,
+    /// Beginning of text.
+    pub bos: Option<u32>,
+    /// End of text.
+    pub eos: Option<u32>,
+    /// Unknown token.
+    pub unk: Option<u32>,
+    /// Padding.
+    pub pad: Option<u32>,
+    /// Whether encoding puts BOS first.
+    pub add_bos: Option<bool>,
+    /// Whether encoding puts EOS last.
+    pub add_eos: Option<bool>,
+    /// Whether SentencePiece text gets a leading space.
+    pub add_space_prefix: Option<bool>,
+}
+
+/// Runs Candle's parser, turning a panic inside it into an error (the panic hook is
+/// silenced meanwhile, so that the one line the user sees is the error).
+fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    result.unwrap_or_else(|panic| {
+        let msg = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        bail!("malformed GGUF header (the parser failed: {msg})")
+    })
+}
+
+/// Bytes a tensor of `dims` elements takes in `dtype`, or why it cannot exist.
+fn tensor_bytes(name: &str, dtype: GgmlDType, dims: &[usize]) -> Result<u64> {
+    let count = dims
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+        .filter(|&n| n <= 1 << 48);
+    let Some(count) = count else {
+        bail!("tensor {name}: {dims:?} is too many elements")
+    };
+    let bs = dtype.block_size() as u64;
+    // Rows are whole blocks: the innermost dimension (ggml's ne0) divides into them.
+    if dims.last().is_some_and(|&d| !(d as u64).is_multiple_of(bs)) {
+        bail!("tensor {name}: rows of {dims:?} are not whole {dtype:?} blocks of {bs}")
+    }
+    Ok(count / bs * dtype.type_size() as u64)
+}
+
+impl Gguf {
+    /// Opens and checks a GGUF file; reads no tensor yet.
+    pub fn open(path: &Path) -> Result<Self> {
+        let mut file = File::open(path).map_err(|e| path_err(path, e))?;
+        let len = file.metadata().map_err(|e| path_err(path, e))?.len();
+        let content = guarded(|| gguf_file::Content::read(&mut file))
+            .map_err(|e| path_err(path, format!("not a valid GGUF file: {e}")))?;
+        let gguf = Self {
+            path: path.to_path_buf(),
+            file: Mutex::new(file),
+            content,
+        };
+        gguf.check_tensors(len)
+            .map_err(|e| path_err(path, format!("not a valid GGUF file: {e}")))?;
+        Ok(gguf)
+    }
+
+    /// Every tensor's byte range lies inside the file, clear of the others.
+    fn check_tensors(&self, file_len: u64) -> Result<()> {
+        let start = self.content.tensor_data_offset;
+        if start > file_len {
+            bail!("the tensor data would start at byte {start}, past the end ({file_len})")
+        }
+        let mut ranges = Vec::with_capacity(self.content.tensor_infos.len());
+        for (name, info) in &self.content.tensor_infos {
+            let bytes = tensor_bytes(name, info.ggml_dtype, info.shape.dims())?;
+            let end = info
+                .offset
+                .checked_add(bytes)
+                .filter(|&e| e <= file_len - start);
+            let Some(end) = end else {
+                bail!(
+                    "tensor {name}: {bytes} bytes at offset {} run past the end of the file",
+                    info.offset
+                )
+            };
+            ranges.push((info.offset, end, name));
+        }
+        ranges.sort();
+        for w in ranges.windows(2) {
+            if w[1].0 < w[0].1 {
+                bail!("tensors {} and {} overlap", w[0].2, w[1].2)
+            }
+        }
+        Ok(())
+    }
+
+    /// The file's metadata, as Candle parsed it.
+    pub fn metadata(&self) -> &HashMap<String, Value> {
+        &self.content.metadata
+    }
+
+    /// Each tensor's name, shape (PyTorch order: `[out, in]`) and format.
+    pub fn tensors(&self) -> impl Iterator<Item = (&str, &[usize], GgmlDType)> {
+        self.content
+            .tensor_infos
+            .iter()
+            .map(|(n, i)| (n.as_str(), i.shape.dims(), i.ggml_dtype))
+    }
+
+    fn value(&self, key: &str) -> Option<&Value> {
+        self.content.metadata.get(key)
+    }
+
+    fn uint(&self, key: &str) -> Result<Option<u64>> {
+        let v = match self.value(key) {
+            None => return Ok(None),
+            Some(v) => v,
+        };
+        let n = match v {
+            Value::U8(x) => Some(*x as u64),
+            Value::U16(x) => Some(*x as u64),
+            Value::U32(x) => Some(*x as u64),
+            Value::U64(x) => Some(*x),
+            Value::I8(x) => u64::try_from(*x).ok(),
+            Value::I16(x) => u64::try_from(*x).ok(),
+            Value::I32(x) => u64::try_from(*x).ok(),
+            Value::I64(x) => u64::try_from(*x).ok(),
+            _ => None,
+        };
+        match n {
+            Some(n) => Ok(Some(n)),
+            None => bail!("metadata {key} must be a non-negative integer, got {v:?}"),
+        }
+    }
+
+    /// A size below 2^32.
+    fn size(&self, key: &str) -> Result<Option<usize>> {
+        match self.uint(key)? {
+            Some(n) if n > u32::MAX as u64 => bail!("metadata {key} = {n} is too large"),
+            other => Ok(other.map(|n| n as usize)),
+        }
+    }
+
+    fn need(&self, key: &str) -> Result<usize> {
+        match self.size(key)? {
+            None => bail!("metadata {key} is missing"),
+            Some(0) => bail!("metadata {key} must be positive, got 0"),
+            Some(n) => Ok(n),
+        }
+    }
+
+    fn float(&self, key: &str) -> Result<Option<f64>> {
+        let x = match self.value(key) {
+            None => return Ok(None),
+            Some(Value::F32(x)) => *x as f64,
+            Some(Value::F64(x)) => *x,
+            Some(v) => bail!("metadata {key} must be a number, got {v:?}"),
+        };
+        if !x.is_finite() {
+            bail!("metadata {key} must be finite, got {x}")
+        }
+        Ok(Some(x))
+    }
+
+    fn string(&self, key: &str) -> Result<Option<&str>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => bail!("metadata {key} must be a string, got {:?}", v.value_type()),
+        }
+    }
+
+    fn boolean(&self, key: &str) -> Result<Option<bool>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => bail!("metadata {key} must be true or false, got {v:?}"),
+        }
+    }
+
+    fn array(&self, key: &str) -> Result<Option<&Vec<Value>>> {
+        match self.value(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => Ok(Some(a)),
+            Some(v) => bail!("metadata {key} must be an array, got {:?}", v.value_type()),
+        }
+    }
+
+    /// `general.architecture`, and the family it runs as.
+    pub fn family(&self) -> Result<(&str, Family)> {
+        let Some(arch) = self.string("general.architecture")? else {
+            bail!("metadata general.architecture is missing")
+        };
+        match ARCHITECTURES.iter().find(|(a, _)| *a == arch) {
+            Some((_, family)) => Ok((arch, *family)),
+            None => {
+                let names: Vec<_> = ARCHITECTURES.iter().map(|(a, _)| *a).collect();
+                bail!(
+                    "GGUF architecture {arch:?} is not supported (supported: {})",
+                    names.join(", ")
+                )
+            }
+        }
+    }
+
+    fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.content.tensor_infos.get(name).map(|i| i.shape.dims())
+    }
+
+    /// The model's configuration, from the metadata and the tensors present (biases, an
+    /// untied head).
+    pub fn config(&self) -> Result<GptConfig> {
+        let (arch, family) = self.family()?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let d = self.need(&key("embedding_length"))?;
+        let n_head = self.need(&key("attention.head_count"))?;
+        let n_layer = self.need(&key("block_count"))?;
+        if d % n_head != 0 {
+            bail!("metadata {arch}.attention.head_count={n_head} must divide {arch}.embedding_length={d}")
+        }
+        let head_dim = d / n_head;
+        for k in ["attention.key_length", "attention.value_length"] {
+            if let Some(n) = self.size(&key(k))? {
+                if n != head_dim {
+                    bail!("metadata {arch}.{k}={n} differs from embedding_length / head_count = {head_dim}; such models are not supported")
+                }
+            }
+        }
+        let Some(&[vocab, width]) = self.shape("token_embd.weight") else {
+            bail!("tensor token_embd.weight is missing or not a matrix")
+        };
+        if width != d {
+            bail!("token_embd.weight is [{vocab}, {width}] for embedding_length {d}")
+        }
+        let has = |n: &str| self.content.tensor_infos.contains_key(n);
+        let rope = match family {
+            Family::Gpt2 => None,
+            _ => {
+                let rotary = self.size(&key("rope.dimension_count"))?.unwrap_or(head_dim);
+                if rotary == 0 || rotary > head_dim || rotary % 2 != 0 {
+                    bail!("metadata {arch}.rope.dimension_count={rotary} must be even and in 2..={head_dim}")
+                }
+                let scaling = match self.string(&key("rope.scaling.type"))? {
+                    None | Some("none") => RopeScaling::None,
+                    Some("linear") => match self.float(&key("rope.scaling.factor"))? {
+                        Some(factor) if factor > 0.0 => RopeScaling::Linear { factor },
+                        f => bail!("metadata {arch}.rope.scaling.factor must be > 0, got {f:?}"),
+                    },
+                    Some(t) => bail!("metadata {arch}.rope.scaling.type {t:?} is not supported (none and linear are)"),
+                };
+                Some(RopeConfig {
+                    theta: self.float(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+                    rotary_dim: (rotary != head_dim).then_some(rotary),
+                    scaling,
+                })
+            }
+        };
+        let eps_key = match family {
+            Family::Llama | Family::Qwen2 => "attention.layer_norm_rms_epsilon",
+            _ => "attention.layer_norm_epsilon",
+        };
+        let token = |k: &str| -> Result<Option<u32>> {
+            Ok(self.uint(k)?.and_then(|n| u32::try_from(n).ok()))
+        };
+        let cfg = GptConfig {
+            family,
+            model_type: Some(family.model_type().into()),
+            vocab_size: vocab,
+            n_positions: self.need(&key("context_length"))?,
+            n_embd: d,
+            n_layer,
+            n_head,
+            n_kv_head: Some(
+                self.size(&key("attention.head_count_kv"))?
+                    .unwrap_or(n_head),
+            ),
+            n_inner: Some(self.need(&key("feed_forward_length"))?),
+            layer_norm_epsilon: self.float(&key(eps_key))?.unwrap_or(1e-5),
+            tie_word_embeddings: !has("output.weight"),
+            bos_token_id: token("tokenizer.ggml.bos_token_id")?,
+            eos_token_id: token("tokenizer.ggml.eos_token_id")?,
+            resid_pdrop: 0.0,
+            embd_pdrop: 0.0,
+            attn_pdrop: 0.0,
+            rope,
+            ..GptConfig::gpt2()
+        };
+        let cfg = match family {
+            Family::Llama | Family::Qwen2 => GptConfig {
+                activation_function: Activation::Silu,
+                norm: NormKind::RmsNorm,
+                gated_mlp: true,
+                attn_bias: has("blk.0.attn_q.bias"),
+                attn_out_bias: has("blk.0.attn_output.bias"),
+                mlp_bias: has("blk.0.ffn_up.bias"),
+                ..cfg
+            },
+            // GPT-NeoX checkpoints (Pythia) use the exact GELU; llama.cpp computes its tanh
+            // approximation instead.
+            Family::GptNeox => GptConfig {
+                activation_function: Activation::Gelu,
+                norm: NormKind::LayerNorm,
+                parallel_residual: self.boolean(&key("use_parallel_residual"))?.unwrap_or(true),
+                attn_bias: true,
+                attn_out_bias: true,
+                mlp_bias: true,
+                ..cfg
+            },
+            _ => cfg,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The tokenizer the metadata describes.
+    pub fn vocab(&self) -> Result<GgufVocab> {
+        let Some(model) = self.string("tokenizer.ggml.model")? else {
+            bail!("the file carries no tokenizer (tokenizer.ggml.model is missing)")
+        };
+        let strings = |key: &str| -> Result<Option<Vec<String>>> {
+            self.array(key)?
+                .map(|a| {
+                    a.iter()
+                        .map(|v| match v {
+                            Value::String(s) => Ok(s.clone()),
+                            v => {
+                                bail!("metadata {key} must hold strings, got {:?}", v.value_type())
+                            }
+                        })
+                        .collect()
+                })
+                .transpose()
+        };
+        let Some(tokens) = strings("tokenizer.ggml.tokens")? else {
+            bail!("metadata tokenizer.ggml.tokens is missing")
+        };
+        let n = tokens.len();
+        let per_token = |key: &str, len: usize| -> Result<()> {
+            if len != n {
+                bail!("metadata {key} has {len} entries for {n} tokens")
+            }
+            Ok(())
+        };
+        let scores = match self.array("tokenizer.ggml.scores")? {
+            None => None,
+            Some(a) => {
+                per_token("tokenizer.ggml.scores", a.len())?;
+                Some(
+                    a.iter()
+                        .map(|v| match v {
+                            Value::F32(x) => Ok(*x),
+                            v => bail!(
+                                "tokenizer.ggml.scores must be f32, got {:?}",
+                                v.value_type()
+                            ),
+                        })
+                        .collect::<Result<Vec<_>>>()?,
+                )
+            }
+        };
+        let token_types = match self.array("tokenizer.ggml.token_type")? {
+            None => None,
+            Some(a) => {
+                per_token("tokenizer.ggml.token_type", a.len())?;
+                Some(
+                    a.iter()
+                        .map(|v| match v {
+                            Value::I32(x) => Ok(*x),
+                            Value::U32(x) => Ok(*x as i32),
+                            v => bail!(
+                                "tokenizer.ggml.token_type must be integers, got {:?}",
+                                v.value_type()
+                            ),
+                        })
+                        .collect::<Result<Vec<_>>>()?,
+                )
+            }
+        };
+        let id = |key: &str| -> Result<Option<u32>> {
+            match self.uint(key)? {
+                None => Ok(None),
+                Some(i) if (i as usize) < n => Ok(Some(i as u32)),
+                Some(i) => bail!("metadata {key} = {i} is outside the {n} tokens"),
+            }
+        };
+        Ok(GgufVocab {
+            model: model.to_string(),
+            pre: self.string("tokenizer.ggml.pre")?.map(str::to_string),
+            scores,
+            token_types,
+            merges: strings("tokenizer.ggml.merges")?,
+            bos: id("tokenizer.ggml.bos_token_id")?,
+            eos: id("tokenizer.ggml.eos_token_id")?,
+            unk: id("tokenizer.ggml.unknown_token_id")?,
+            pad: id("tokenizer.ggml.padding_token_id")?,
+            add_bos: self.boolean("tokenizer.ggml.add_bos_token")?,
+            add_eos: self.boolean("tokenizer.ggml.add_eos_token")?,
+            add_space_prefix: self.boolean("tokenizer.ggml.add_space_prefix")?,
+            tokens,
+        })
+    }
+
+    /// `tokenizer.chat_template`, when the file carries one.
+    pub fn chat_template(&self) -> Result<Option<String>> {
+        Ok(self.string("tokenizer.chat_template")?.map(str::to_string))
+    }
+
+    /// Reads one tensor, checking its shape (PyTorch order).
+    fn qtensor(&self, name: &str, shape: &[usize], device: &Device) -> Result<QTensor> {
+        let Some(info) = self.content.tensor_infos.get(name) else {
+            bail!("tensor {name} is missing")
+        };
+        if info.shape.dims() != shape {
+            bail!(
+                "tensor {name} has shape {:?}, the config needs {shape:?}",
+                info.shape.dims()
+            )
+        }
+        let mut file = self
+            .file
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("the GGUF file's lock is poisoned".into()))?;
+        info.read(&mut *file, self.content.tensor_data_offset, device)
+    }
+
+    /// A norm weight, bias or embedding, dequantized to `dtype`.
+    fn dense(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        self.qtensor(name, shape, device)?
+            .dequantize(device)?
+            .to_dtype(dtype)
+    }
+
+    /// The model, with block-quantized matrices kept as they are stored and everything else
+    /// (f32/f16/bf16 matrices, norms, biases, embeddings) in `dtype`.
+    pub fn load(&self, dtype: DType, device: &Device) -> Result<Gpt> {
+        let cfg = self.config()?;
+        self.check_memory(&cfg, dtype)?;
+        let (v, d, inner) = (cfg.vocab_size, cfg.n_embd, cfg.inner_dim());
+        let hd = d / cfg.n_head;
+        let kv = cfg.kv_heads() * hd;
+        let bias = |name: String, len: usize, on: bool| -> Result<Option<Tensor>> {
+            match on {
+                true => Ok(Some(self.dense(&name, &[len], dtype, device)?)),
+                false => Ok(None),
+            }
+        };
+        // llama.cpp's Llama rotates adjacent pairs, so its converter reorders each head's
+        // query and key rows; this model rotates halves, so the rows go back.
+        let unpermute = |heads: usize| cfg.family == Family::Llama && heads > 0;
+        let proj = |stem: String, (d_out, d_in): (usize, usize), has_bias: bool, heads: usize| {
+            let mut w = self.qtensor(&format!("{stem}.weight"), &[d_out, d_in], device)?;
+            let mut b = bias(format!("{stem}.bias"), d_out, has_bias)?;
+            if unpermute(heads) {
+                w = rotary_rows(&w, heads)?;
+                b = b.map(|b| rotary_rows_dense(&b, heads)).transpose()?;
+            }
+            Proj::from_qtensor(Arc::new(w), b, dtype)
+        };
+        let norm = |name: &str| -> Result<Norm> {
+            let w = self.dense(&format!("{name}.weight"), &[d], dtype, device)?;
+            let b = bias(format!("{name}.bias"), d, cfg.norm == NormKind::LayerNorm)?;
+            Norm::from_tensors(cfg.norm, w, b, cfg.layer_norm_epsilon)
+        };
+        let mut blocks = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let blk = |part: &str| format!("blk.{i}.{part}");
+            let attn_cfg = Block::attn_config(&cfg, i);
+            let qkv = if self.shape(&blk("attn_qkv.weight")).is_some() {
+                QkvProj::Fused(proj(blk("attn_qkv"), (d + 2 * kv, d), cfg.attn_bias, 0)?)
+            } else {
+                QkvProj::Separate([
+                    proj(blk("attn_q"), (d, d), cfg.attn_bias, cfg.n_head)?,
+                    proj(blk("attn_k"), (kv, d), cfg.attn_bias, cfg.kv_heads())?,
+                    proj(blk("attn_v"), (kv, d), cfg.attn_bias, 0)?,
+                ])
+            };
+            let o = proj(blk("attn_output"), (d, d), cfg.attn_out_bias, 0)?;
+            let attn = MultiHeadAttention::from_projections(&attn_cfg, qkv, o)
+                .map_err(|e| candle_core::Error::Msg(format!("block {i}: {e}")))?;
+            let gate = match cfg.gated_mlp {
+                true => Some(proj(blk("ffn_gate"), (inner, d), cfg.mlp_bias, 0)?),
+                false => None,
+            };
+            let up = proj(blk("ffn_up"), (inner, d), cfg.mlp_bias, 0)?;
+            let down = proj(blk("ffn_down"), (d, inner), cfg.mlp_bias, 0)?;
+            let mlp = Mlp::from_projections(&cfg, up, gate, down)?;
+            let (ln_1, ln_2) = (norm(&blk("attn_norm"))?, norm(&blk("ffn_norm"))?);
+            blocks.push(Block::from_parts(&cfg, i, ln_1, attn, ln_2, mlp)?);
+        }
+        let embd = self.qtensor("token_embd.weight", &[v, d], device)?;
+        let wte = embd.dequantize(device)?.to_dtype(dtype)?;
+        let lm_head = match cfg.tie_word_embeddings {
+            // The head reads the embedding as stored (quantized or not).
+            true => Proj::from_qtensor(Arc::new(embd), None, dtype)?,
+            false => proj("output".into(), (v, d), false, 0)?,
+        };
+        let wpe = match cfg.rope {
+            Some(_) => None,
+            None => {
+                Some(self.dense("position_embd.weight", &[cfg.n_positions, d], dtype, device)?)
+            }
+        };
+        let ln_f = Some(norm("output_norm")?);
+        Gpt::from_parts(&cfg, wte, wpe, blocks, ln_f, lm_head)
+    }
+
+    /// Refuses a model that cannot fit: the stored tensors, plus the dense copies made of
+    /// the token embedding (and of every matrix stored in f16/bf16 but run in f32).
+    fn check_memory(&self, cfg: &GptConfig, dtype: DType) -> Result<()> {
+        let mut need = 0u64;
+        for (name, dims, ggml) in self.tensors() {
+            let stored = tensor_bytes(name, ggml, dims)?;
+            let elems: u64 = dims.iter().map(|&x| x as u64).product();
+            let dense = elems * dtype.size_in_bytes() as u64;
+            need += match ggml {
+                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => dense,
+                _ if name == "token_embd.weight" => stored + dense,
+                _ => stored,
+            };
+        }
+        if let Some(avail) = crate::available_memory() {
+            if need > avail {
+                bail!(
+                    "the model needs {} MiB as {dtype:?} ({} layers), more than the {} MiB of memory available",
+                    need >> 20,
+                    cfg.n_layer,
+                    avail >> 20
+                )
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where row `r` of a head's un-permuted rows lives in llama.cpp's order: the converter
+/// wrote row `(j, i)` of each `[2, hd/2]` head at `2·i + j`.
+fn rotary_source(r: usize, hd: usize) -> usize {
+    let (j, i) = (r / (hd / 2), r % (hd / 2));
+    2 * i + j
+}
+
+/// Reorders the rows of an `[heads·hd, in]` matrix (any format: rows are whole blocks)
+/// from llama.cpp's rotary layout back to Hugging Face's.
+fn rotary_rows(w: &QTensor, heads: usize) -> Result<QTensor> {
+    let (rows, cols) = w.shape().dims2()?;
+    let hd = rows / heads;
+    if rows % heads != 0 || !hd.is_multiple_of(2) {
+        bail!("{rows} rows cannot be split into {heads} rotary heads")
+    }
+    let row_bytes = cols / w.dtype().block_size() * w.dtype().type_size();
+    let data = w.data()?;
+    let mut out = Vec::with_capacity(data.len());
+    for h in 0..heads {
+        for r in 0..hd {
+            let src = h * hd + rotary_source(r, hd);
+            out.extend_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
+        }
+    }
+    let storage = QStorage::from_data(std::borrow::Cow::Owned(out), &w.device(), w.dtype())?;
+    QTensor::new(storage, (rows, cols))
+}
+
+/// The same reordering for a bias `[heads·hd]`.
+fn rotary_rows_dense(b: &Tensor, heads: usize) -> Result<Tensor> {
+    let rows = b.dims1()?;
+    let hd = rows / heads;
+    let idx: Vec<u32> = (0..rows)
+        .map(|r| ((r / hd) * hd + rotary_source(r % hd, hd)) as u32)
+        .collect();
+    b.index_select(&Tensor::new(idx, b.device())?, 0)
+}
+
+/// Loads a GGUF file's model (see [`Gguf::load`]).
+pub fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
+    let gguf = Gguf::open(path)?;
+    gguf.load(dtype, device).map_err(|e| path_err(path, e))
+}
