@@ -198,8 +198,12 @@ def llama_cpp_run(path, ids):
     return torch.from_numpy(logits), torch.tensor(greedy), torch.tensor(margins)
 
 
-def build(name, family, tokenizer, seed, work, kinds, **kw):
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
+
+
+def build(name, family, tokenizer, seed, work, kinds, chat_template=None, **kw):
     cfg = AutoConfig.for_model(family, vocab_size=len(tokenizer), **kw)
+    tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     perturb(model, seed)
@@ -221,6 +225,12 @@ def build(name, family, tokenizer, seed, work, kinds, **kw):
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0]
     expected = {"input_ids": torch.tensor(ids), "logits": logits.contiguous()}
+    if chat_template is not None:
+        # What `gpt generate --chat` must feed the model for CHAT.
+        chat_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+        if isinstance(chat_ids, dict) or hasattr(chat_ids, "keys"):
+            chat_ids = chat_ids["input_ids"]
+        expected["chat_ids"] = torch.tensor(chat_ids)
     shutil.copy(os.path.join(src, "tokenizer.json"), os.path.join(OUT, f"{name}.tokenizer.json"))
     files = {}
     for kind in kinds:
@@ -271,7 +281,8 @@ def gguf_models():
         shutil.copy(spm_model, os.path.join(src, "tokenizer.model"))
 
     with_spm("llama")
-    build("llama", "llama", spm_tok, 2, work, ["f32", "q8_0", "q4_0"], num_key_value_heads=2,
+    build("llama", "llama", spm_tok, 2, work, ["f32", "q8_0", "q4_0"], chat_template=ZEPHYR,
+          num_key_value_heads=2,
           tie_word_embeddings=False, rope_theta=500.0, bos_token_id=1, eos_token_id=2, **small)
     build("qwen2", "qwen2", bpe, 3, work, ["f32", "q8_0", "q4_0"], num_key_value_heads=2,
           tie_word_embeddings=True, rope_theta=1000.0, bos_token_id=0, eos_token_id=0,

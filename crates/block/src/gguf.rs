@@ -219,7 +219,8 @@ impl Gguf {
     fn float(&self, key: &str) -> Result<Option<f64>> {
         let x = match self.value(key) {
             None => return Ok(None),
-            Some(Value::F32(x)) => *x as f64,
+            // The shortest decimal that reads back as the same f32 (1e-6, not 9.99e-7).
+            Some(Value::F32(x)) => x.to_string().parse().unwrap_or(*x as f64),
             Some(Value::F64(x)) => *x,
             Some(v) => bail!("metadata {key} must be a number, got {v:?}"),
         };

@@ -8,7 +8,8 @@ use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use tokenizers::Tokenizer;
 
-use crate::tokenizer;
+use crate::chat_template::ChatTemplate;
+use crate::{gguf_tokenizer, tokenizer};
 
 /// The small model built into the binary (see `models/default/README.md`).
 mod embedded {
@@ -85,7 +86,8 @@ pub enum Format {
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// A Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2, GPT-NeoX or GPT-Neo), a
-    /// nanoGPT ckpt.pt, or a model id on the Hugging Face hub (e.g. openai-community/gpt2).
+    /// GGUF file (llama, qwen2, gpt2, gptneox), a nanoGPT ckpt.pt, or a model id on the
+    /// Hugging Face hub (e.g. openai-community/gpt2).
     /// Default: the small model built into gpt.
     #[arg(long, global = true)]
     pub model: Option<String>,
@@ -164,6 +166,8 @@ pub fn device(arg: DeviceArg) -> Result<Device> {
 pub struct Loaded {
     pub model: Gpt,
     pub tokenizer: Option<Tokenizer>,
+    /// The model's chat template (or the plain format).
+    pub chat: ChatTemplate,
     /// What was loaded, for messages.
     pub source: String,
 }
@@ -216,6 +220,7 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
 fn load_unchecked(args: &ModelArgs, load_as: block::LoadAs) -> Result<Loaded> {
     let dev = device(args.device)?;
     let dtype = load_as.dtype;
+    let plain = || ChatTemplate::new(None, None, None);
     let Some(spec) = &args.model else {
         let model = block::load_bytes(embedded::CONFIG, embedded::WEIGHTS, load_as, &dev)
             .context("the built-in model")?;
@@ -224,43 +229,39 @@ fn load_unchecked(args: &ModelArgs, load_as: block::LoadAs) -> Result<Loaded> {
         return Ok(Loaded {
             model,
             tokenizer: Some(tokenizer),
+            chat: plain(),
             source: "built-in model".into(),
         });
+    };
+    let loaded = |model, tokenizer, chat| Loaded {
+        model,
+        tokenizer,
+        chat,
+        source: spec.clone(),
     };
     let path = PathBuf::from(spec);
     if path.is_dir() {
         let model = block::load_dir(&path, load_as, &dev)?;
         let tokenizer = tokenizer_file(&path.join("tokenizer.json"))?;
-        return Ok(Loaded {
-            model,
-            tokenizer,
-            source: spec.clone(),
-        });
+        return Ok(loaded(model, tokenizer, ChatTemplate::from_dir(&path)?));
     }
     if path.is_file() {
-        if path.extension().is_some_and(|e| e == "pt") {
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if ext == "gguf" {
+            return load_gguf(&path, load_as, &dev).map(|(m, t, c)| loaded(m, t, c));
+        }
+        if ext == "pt" {
             let model = block::load_nanogpt(&path, dtype, &dev)?;
             let tokenizer = tokenizer_file(&path.with_file_name("tokenizer.json"))?;
-            return Ok(Loaded {
-                model,
-                tokenizer,
-                source: spec.clone(),
-            });
+            return Ok(loaded(model, tokenizer, plain()));
         }
-        if let Some(dir) = path
-            .parent()
-            .filter(|_| path.extension().is_some_and(|e| e == "safetensors"))
-        {
+        if let Some(dir) = path.parent().filter(|_| ext == "safetensors") {
             let cfg = block::read_config(dir)?;
             let model = block::load_files(&cfg, std::slice::from_ref(&path), load_as, &dev)?;
             let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
-            return Ok(Loaded {
-                model,
-                tokenizer,
-                source: spec.clone(),
-            });
+            return Ok(loaded(model, tokenizer, ChatTemplate::from_dir(dir)?));
         }
-        bail!("{spec}: expected a model directory, a .safetensors file or a nanoGPT .pt checkpoint")
+        bail!("{spec}: expected a model directory, a .gguf file, a .safetensors file or a nanoGPT .pt checkpoint")
     }
     // Not a local path: a hub id such as `gpt2` or `openai-community/gpt2`.
     if spec.starts_with('.')
@@ -273,11 +274,36 @@ fn load_unchecked(args: &ModelArgs, load_as: block::LoadAs) -> Result<Loaded> {
     let dir = hub_download(spec)?;
     let model = block::load_dir(&dir, load_as, &dev)?;
     let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
-    Ok(Loaded {
-        model,
-        tokenizer,
-        source: spec.clone(),
-    })
+    Ok(loaded(model, tokenizer, ChatTemplate::from_dir(&dir)?))
+}
+
+/// A GGUF file's model, the tokenizer its metadata describes, and its chat template.
+/// Quantized matrices stay as stored; `--quantize` applies to those stored in full precision.
+fn load_gguf(
+    path: &Path,
+    load_as: block::LoadAs,
+    dev: &Device,
+) -> Result<(Gpt, Option<Tokenizer>, ChatTemplate)> {
+    let gguf = block::Gguf::open(path)?;
+    let model = gguf
+        .load(load_as.dtype, dev)
+        .with_context(|| path.display().to_string())?;
+    let name =
+        |id: Option<u32>, tokens: &[String]| id.and_then(|i| tokens.get(i as usize).cloned());
+    let (tokenizer, bos, eos) = match gguf.vocab() {
+        Ok(v) => {
+            let tok = gguf_tokenizer::from_vocab(&v)
+                .with_context(|| format!("{}: its tokenizer", path.display()))?;
+            (Some(tok), name(v.bos, &v.tokens), name(v.eos, &v.tokens))
+        }
+        // A file without tokenizer metadata still runs on token ids.
+        Err(_) if !gguf.metadata().contains_key("tokenizer.ggml.model") => (None, None, None),
+        Err(e) => return Err(e).with_context(|| path.display().to_string()),
+    };
+    let template = gguf
+        .chat_template()
+        .with_context(|| path.display().to_string())?;
+    Ok((model, tokenizer, ChatTemplate::new(template, bos, eos)))
 }
 
 /// Fetches a model's files from the Hugging Face hub into its cache; returns the directory.
@@ -323,8 +349,11 @@ fn hub_download(id: &str) -> Result<PathBuf> {
             repo.get(&shard).map_err(|e| offline(&e))?;
         }
     }
-    // Optional: a model without a tokenizer still runs on token ids.
+    // Optional: a model without a tokenizer still runs on token ids, one without a chat
+    // template chats in the plain format.
     let _ = repo.get("tokenizer.json");
+    let _ = repo.get("tokenizer_config.json");
+    let _ = repo.get("chat_template.jinja");
     Ok(dir)
 }
 

@@ -8,6 +8,7 @@ use block::{GenerateOptions, SamplingParams};
 use clap::Args;
 use tokenizers::Tokenizer;
 
+use crate::chat_template::Message;
 use crate::common::{self, Format, Loaded, ModelArgs, Truncate};
 
 /// Options of `gpt generate`.
@@ -49,11 +50,18 @@ pub struct GenerateArgs {
     /// Drop tokens from this end of a prompt that does not fit in the context.
     #[arg(long, value_enum)]
     pub truncate: Option<Truncate>,
+    /// Send each prompt as a user message through the model's chat template (or the plain
+    /// `User: … / Assistant:` format when it has none) and print the reply.
+    #[arg(long, conflicts_with = "prompt_ids")]
+    pub chat: bool,
+    /// A system message before the user's (with --chat).
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
 }
 
 /// Text of `new` so far that is safe to show: no half-decoded character at its end, and
 /// nothing that could still turn into a stop text. Returns `(text, stopped)`.
-fn visible(
+pub(crate) fn visible(
     tok: Option<&Tokenizer>,
     new: &[u32],
     stops: &[String],
@@ -85,7 +93,10 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
         bail!("--stop text must not be empty")
     }
     let Loaded {
-        model, tokenizer, ..
+        model,
+        tokenizer,
+        chat,
+        ..
     } = common::load(margs)?;
     let tok = tokenizer.as_ref();
     let cfg = model.config().clone();
@@ -97,14 +108,34 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
         )
     }
     let room = cfg.n_positions - asked;
-    let prompts: Vec<Vec<u32>> = match (&a.prompt_ids, &a.prompt_file) {
-        (Some(ids), _) => vec![common::parse_ids(ids)?],
-        (None, Some(f)) => vec![common::encode(tok, &common::read_text(f)?)?],
-        (None, None) => a
-            .prompt
+    let texts: Vec<String> = match &a.prompt_file {
+        Some(f) => vec![common::read_text(f)?],
+        None => a.prompt.clone(),
+    };
+    let prompts: Vec<Vec<u32>> = match &a.prompt_ids {
+        Some(ids) => vec![common::parse_ids(ids)?],
+        None if a.chat => texts
+            .iter()
+            .map(|t| {
+                let mut messages: Vec<Message> =
+                    a.system.iter().map(|s| Message::new("system", s)).collect();
+                messages.push(Message::new("user", t));
+                chat.prompt_ids(tok, &messages)
+            })
+            .collect::<Result<_>>()?,
+        None => texts
             .iter()
             .map(|p| common::encode(tok, p))
             .collect::<Result<_>>()?,
+    };
+    // A reply ends at the template's end-of-turn tokens (and, in the plain format, at the
+    // next turn's label).
+    let (stop_tokens, stops) = match a.chat {
+        true => (
+            chat.stop_ids(tok, cfg.eos_token_id),
+            [a.stop.clone(), chat.stop_texts()].concat(),
+        ),
+        false => (cfg.eos_token_id.into_iter().collect(), a.stop.clone()),
     };
     let mut fitted = Vec::with_capacity(prompts.len());
     for p in prompts {
@@ -134,11 +165,12 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
     let opts = GenerateOptions {
         max_new_tokens,
         sampling,
-        stop_tokens: cfg.eos_token_id.into_iter().collect(),
+        stop_tokens,
     };
     let stream = a.format == Format::Text && fitted.len() == 1;
     let mut stdout = std::io::stdout().lock();
-    if stream {
+    // A chat prints the reply only.
+    if stream && !a.chat {
         write!(stdout, "{}", common::decode(tok, &fitted[0])?)?;
         stdout.flush()?;
     }
@@ -146,12 +178,19 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
     let mut shown = vec![0usize; fitted.len()];
     let mut stopped = vec![false; fitted.len()];
     let mut error = None;
+    // A chat's reply leaves out the token that ended the turn.
+    let reply = |new: &[u32]| -> Vec<u32> {
+        match new.split_last() {
+            Some((t, rest)) if a.chat && opts.stop_tokens.contains(t) => rest.to_vec(),
+            _ => new.to_vec(),
+        }
+    };
     let started = Instant::now();
     let mut first_token_at = None;
     let out = block::generate(&model, &fitted, &opts, |row, t| {
         first_token_at.get_or_insert_with(Instant::now);
         news[row].push(t);
-        match visible(tok, &news[row], &a.stop, false) {
+        match visible(tok, &reply(&news[row]), &stops, false) {
             Ok((text, stop)) => {
                 if stream && text.len() > shown[row] {
                     let _ = write!(stdout, "{}", &text[shown[row]..]);
@@ -172,7 +211,7 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
     }
     let decode_end = Instant::now();
     for (row, new) in out.iter().enumerate() {
-        let (text, stop) = visible(tok, new, &a.stop, true)?;
+        let (text, stop) = visible(tok, &reply(new), &stops, true)?;
         let reason = if stop || stopped[row] {
             "stop_text"
         } else if new.last().is_some_and(|t| opts.stop_tokens.contains(t)) {
@@ -188,7 +227,11 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
                 writeln!(stdout)?;
             }
             Format::Text => {
-                writeln!(stdout, "{}{}", common::decode(tok, &fitted[row])?, text)?;
+                let prompt = match a.chat {
+                    true => String::new(),
+                    false => common::decode(tok, &fitted[row])?,
+                };
+                writeln!(stdout, "{prompt}{text}")?;
                 if row + 1 < out.len() {
                     writeln!(stdout, "---")?;
                 }

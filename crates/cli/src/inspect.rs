@@ -67,6 +67,7 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
     let Loaded {
         model,
         tokenizer,
+        chat,
         source,
     } = common::load(margs)?;
     let mut tensors: Vec<_> = model.named_tensors()?.into_iter().collect();
@@ -97,6 +98,8 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
                 "config": cfg,
                 "parts": parts_of(cfg),
                 "tokenizer": tokenizer.as_ref().map(|t| t.get_vocab_size(true)),
+                "chat_template": chat.is_own(),
+                "quantized": model.is_quantized(),
                 "tensors": tensors.iter().map(|(n, t)| serde_json::json!({
                     "name": n, "dtype": format!("{:?}", t.dtype()).to_lowercase(), "shape": t.dims(),
                 })).collect::<Vec<_>>(),
@@ -143,6 +146,13 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
             match &tokenizer {
                 Some(t) => println!("tokenizer: {} tokens", t.get_vocab_size(true)),
                 None => println!("tokenizer: none (token ids only)"),
+            }
+            match chat.is_own() {
+                true => println!("chat: the model's own template"),
+                false => println!("chat: the plain format (the model has no template)"),
+            }
+            if model.is_quantized() {
+                println!("matrix products: block-quantized (tensors below are shown dequantized)");
             }
             println!("\ntensors:");
             for (n, t) in &tensors {

@@ -2,8 +2,11 @@
 
 mod attention;
 mod bench;
+mod chat;
+mod chat_template;
 mod common;
 mod generate;
+mod gguf_tokenizer;
 mod inspect;
 mod plot;
 mod score;
@@ -38,8 +41,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Continue prompts (streamed), greedy or sampled.
+    /// Continue prompts (streamed), greedy or sampled; --chat for one chat turn.
     Generate(generate::GenerateArgs),
+    /// Talk with a model through its chat template (interactive, streamed).
+    Chat(chat::ChatArgs),
     /// Negative log-likelihood and perplexity of a text.
     Score(score::ScoreArgs),
     /// Configuration, tensors and parameter counts of a model.
@@ -58,6 +63,7 @@ fn run(cli: Cli) -> Result<()> {
     let m = &cli.model;
     match &cli.command {
         Command::Generate(a) => generate::run(a, m),
+        Command::Chat(a) => chat::run(a, m),
         Command::Score(a) => score::run(a, m),
         Command::Inspect(a) => inspect::run(a, m),
         Command::Attention(a) => attention::run(a, m),

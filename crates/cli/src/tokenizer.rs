@@ -29,7 +29,14 @@ pub fn parse(bytes: &[u8]) -> Result<Tokenizer> {
 /// nothing). transformers 5 ignores `tokenizer_config.json`'s `add_bos_token` (checked with
 /// 5.23), so it is not read here either.
 pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
-    let enc = guard(|| tok.encode(text, true))?.map_err(|e| anyhow!("tokenizing: {e}"))?;
+    encode_with(tok, text, true)
+}
+
+/// Encodes `text`, with the post-processor's special tokens or without them (a rendered
+/// chat template writes its own, as `apply_chat_template` encodes it).
+pub fn encode_with(tok: &Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+    let enc =
+        guard(|| tok.encode(text, add_special_tokens))?.map_err(|e| anyhow!("tokenizing: {e}"))?;
     Ok(enc.get_ids().to_vec())
 }
 

@@ -1,0 +1,205 @@
+//! `gpt chat`: a conversation on the terminal. Replies stream as they are generated; the
+//! history is rendered with the model's chat template each turn, dropping the oldest turns
+//! when it outgrows the context. Commands: `/reset`, `/system TEXT`, `/exit`; Ctrl-C stops
+//! the reply being written (not the program), end of input (Ctrl-D) exits.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{bail, Result};
+use block::{GenerateOptions, SamplingParams};
+use clap::Args;
+
+use crate::chat_template::Message;
+use crate::common::{self, Loaded, ModelArgs};
+use crate::generate::visible;
+
+/// Options of `gpt chat`.
+#[derive(Debug, Clone, Args)]
+pub struct ChatArgs {
+    /// System message at the start of the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most new tokens per reply.
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: usize,
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.7)]
+    pub temperature: f64,
+    /// Sample only among the k most likely tokens.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Sample only among the most likely tokens that make up probability p, in (0, 1].
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// Penalty on tokens already present (1 is off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Seed of the sampling (reply `n` uses seed + n).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+}
+
+/// Set by Ctrl-C; the reply being generated checks it after every token.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+#[cfg(unix)]
+extern "C" fn on_interrupt(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+/// Ctrl-C stops the reply instead of the program.
+fn catch_interrupts() {
+    #[cfg(unix)]
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(
+            libc::SIGINT,
+            on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        );
+    }
+}
+
+/// Runs `gpt chat`.
+pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
+    let Loaded {
+        model,
+        tokenizer,
+        chat,
+        source,
+    } = common::load(margs)?;
+    let tok = tokenizer.as_ref();
+    if tok.is_none() {
+        bail!("{source} has no tokenizer; gpt chat needs one")
+    }
+    let sampling = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        repeat_penalty: a.repeat_penalty,
+        seed: a.seed,
+    };
+    sampling.validate()?;
+    let n_ctx = model.config().n_positions;
+    let stop_tokens = chat.stop_ids(tok, model.config().eos_token_id);
+    let stops = chat.stop_texts();
+    let interactive = std::io::stdin().is_terminal();
+    if interactive {
+        let kind = if chat.is_own() {
+            "its chat template"
+        } else {
+            "the plain format"
+        };
+        eprintln!(
+            "{source} ({kind}); /reset, /system TEXT, /exit; Ctrl-C stops a reply, Ctrl-D exits"
+        );
+        catch_interrupts();
+    }
+    let mut system = a.system.clone();
+    let mut history: Vec<Message> = Vec::new();
+    let mut turn = 0u64;
+    let mut stdout = std::io::stdout().lock();
+    let mut lines = std::io::stdin().lock().lines();
+    loop {
+        if interactive {
+            write!(stdout, "> ")?;
+            stdout.flush()?;
+        }
+        let Some(line) = lines.next() else { break };
+        let line = line?;
+        let line = line.trim_end_matches(['\r', '\n']);
+        if line.trim().is_empty() {
+            continue;
+        }
+        match line
+            .split_once(' ')
+            .map_or((line, ""), |(c, rest)| (c, rest))
+        {
+            ("/exit" | "/quit", _) => break,
+            ("/reset", _) => {
+                history.clear();
+                writeln!(stdout, "(conversation cleared)")?;
+                continue;
+            }
+            ("/system", text) => {
+                system = Some(text.trim().to_string()).filter(|s| !s.is_empty());
+                history.clear();
+                writeln!(stdout, "(system message set; conversation cleared)")?;
+                continue;
+            }
+            (c, _) if c.starts_with('/') => {
+                writeln!(stdout, "(commands: /reset, /system TEXT, /exit)")?;
+                continue;
+            }
+            _ => {}
+        }
+        history.push(Message::new("user", line));
+        // The oldest turns go first when the conversation outgrows the context.
+        let prompt = loop {
+            let messages: Vec<Message> = system
+                .iter()
+                .map(|s| Message::new("system", s))
+                .chain(history.iter().cloned())
+                .collect();
+            let ids = chat.prompt_ids(tok, &messages)?;
+            if ids.len() + a.max_new_tokens <= n_ctx || history.len() <= 1 {
+                break ids;
+            }
+            history.drain(..history.len().min(2));
+        };
+        if prompt.len() >= n_ctx {
+            writeln!(
+                stdout,
+                "(that message takes {} tokens, more than the context of {n_ctx}; not sent)",
+                prompt.len()
+            )?;
+            history.pop();
+            continue;
+        }
+        let opts = GenerateOptions {
+            max_new_tokens: a.max_new_tokens.min(n_ctx - prompt.len()),
+            sampling: SamplingParams {
+                seed: a.seed.wrapping_add(turn),
+                ..sampling.clone()
+            },
+            stop_tokens: stop_tokens.clone(),
+        };
+        turn += 1;
+        INTERRUPTED.store(false, Ordering::Relaxed);
+        let mut new = Vec::new();
+        let mut shown = 0;
+        let mut reply = String::new();
+        let mut error = None;
+        block::generate(&model, &[prompt], &opts, |_, t| {
+            if !stop_tokens.contains(&t) {
+                new.push(t);
+            }
+            match visible(tok, &new, &stops, false) {
+                Ok((text, stop)) => {
+                    if text.len() > shown {
+                        let _ = write!(stdout, "{}", &text[shown..]);
+                        let _ = stdout.flush();
+                        shown = text.len();
+                    }
+                    reply = text;
+                    !stop && !INTERRUPTED.load(Ordering::Relaxed)
+                }
+                Err(e) => {
+                    error = Some(e);
+                    false
+                }
+            }
+        })?;
+        if let Some(e) = error {
+            return Err(e);
+        }
+        let (text, _) = visible(tok, &new, &stops, true)?;
+        if !INTERRUPTED.load(Ordering::Relaxed) && text.len() > shown {
+            write!(stdout, "{}", &text[shown..])?;
+            reply = text;
+        }
+        writeln!(stdout)?;
+        history.push(Message::new("assistant", reply.trim()));
+    }
+    Ok(())
+}

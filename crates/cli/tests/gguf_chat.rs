@@ -1,0 +1,180 @@
+//! `gpt` on GGUF files made by llama.cpp's converter and quantizer, and chatting
+//! (`scripts/gguf_fixtures.py`): text encoded by the tokenizer built from the file's
+//! metadata gives transformers' ids, greedy decoding gives llama.cpp's tokens, `--chat`
+//! feeds the model what transformers' `apply_chat_template` gives for the template the file
+//! carries, and `gpt chat` holds a conversation from piped input.
+
+use std::path::PathBuf;
+use std::process::Output;
+
+use assert_cmd::Command;
+use candle_core::{DType, Device, Tensor};
+
+fn gguf(file: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../block/tests/fixtures/gguf")
+        .join(file)
+        .display()
+        .to_string()
+}
+
+fn expected(name: &str) -> std::collections::HashMap<String, Tensor> {
+    candle_core::safetensors::load(gguf(&format!("{name}.expected.safetensors")), &Device::Cpu)
+        .unwrap()
+}
+
+fn ids(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::U32).unwrap().to_vec1().unwrap()
+}
+
+fn gpt(args: &[&str], stdin: &str) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpt"))
+        .args(args)
+        .env("RAYON_NUM_THREADS", "2")
+        .write_stdin(stdin)
+        .timeout(std::time::Duration::from_secs(120))
+        .output()
+        .unwrap()
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = gpt(args, "");
+    assert!(
+        out.status.success(),
+        "gpt {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn json(line: &str) -> serde_json::Value {
+    serde_json::from_str(line.trim()).unwrap()
+}
+
+const SAMPLE: &str =
+    "ROMEO: But soft, what light through yonder window breaks? It is the east, and 42.";
+
+#[test]
+fn text_through_a_gguf_file_gives_transformers_ids_and_llama_cpp_tokens() {
+    for (name, kind) in [("llama", "q8_0"), ("qwen2", "q8_0"), ("gpt2", "q8_0")] {
+        let exp = expected(name);
+        let file = gguf(&format!("{name}.{kind}.gguf"));
+        let out = ok(&[
+            "--model",
+            &file,
+            "generate",
+            "--prompt",
+            SAMPLE,
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "1",
+            "--format",
+            "json",
+        ]);
+        let got: Vec<u32> = serde_json::from_value(json(&out)["prompt_ids"].clone()).unwrap();
+        assert_eq!(got, ids(&exp["input_ids"]), "{name}: prompt ids");
+
+        let prompt: Vec<String> = ids(&exp["input_ids"])[..8]
+            .iter()
+            .map(u32::to_string)
+            .collect();
+        let greedy = ids(&exp[&format!("llama_{kind}_greedy")]);
+        let out = ok(&[
+            "--model",
+            &file,
+            "generate",
+            "--prompt-ids",
+            &prompt.join(","),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            &greedy.len().to_string(),
+            "--format",
+            "json",
+        ]);
+        let new: Vec<u32> = serde_json::from_value(json(&out)["new_ids"].clone()).unwrap();
+        assert_eq!(
+            new, greedy,
+            "{name}.{kind}: greedy tokens against llama.cpp"
+        );
+    }
+}
+
+#[test]
+fn chat_renders_the_files_template_as_transformers_does() {
+    let exp = expected("llama");
+    let out = ok(&[
+        "--model",
+        &gguf("llama.q4_0.gguf"),
+        "generate",
+        "--chat",
+        "--system",
+        "Be brief.",
+        "--prompt",
+        "Hello there!",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "6",
+        "--format",
+        "json",
+    ]);
+    let got: Vec<u32> = serde_json::from_value(json(&out)["prompt_ids"].clone()).unwrap();
+    assert_eq!(got, ids(&exp["chat_ids"]));
+    let text = ok(&["--model", &gguf("llama.q4_0.gguf"), "inspect"]);
+    assert!(text.contains("chat: the model's own template"), "{text}");
+}
+
+#[test]
+fn every_subcommand_reads_gguf_files() {
+    let file = gguf("neox.q8_0.gguf");
+    let out = ok(&[
+        "--model", &file, "score", "--text", SAMPLE, "--format", "json",
+    ]);
+    assert!(json(&out)["nll"].as_f64().unwrap().is_finite(), "{out}");
+    let out = ok(&["--model", &file, "inspect", "--format", "json"]);
+    assert_eq!(json(&out)["quantized"], true);
+    ok(&["--model", &file, "trace", "--prompt", "ROMEO"]);
+    ok(&["--model", &file, "attention", "--prompt", "ROMEO: soft"]);
+    ok(&[
+        "--model",
+        &file,
+        "bench",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "4",
+        "--runs",
+        "1",
+    ]);
+}
+
+#[test]
+fn chat_holds_a_conversation_from_piped_input() {
+    let input = "Hello!\n/system Answer in one word.\nWho are you?\n/reset\n/what\nBye\n";
+    for file in [gguf("llama.q8_0.gguf"), String::new()] {
+        let mut args = vec!["chat", "--max-new-tokens", "8", "--temperature", "0"];
+        if !file.is_empty() {
+            args.splice(0..0, ["--model", file.as_str()]);
+        }
+        let out = gpt(&args, input);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains("(system message set; conversation cleared)"),
+            "{stdout}"
+        );
+        assert!(stdout.contains("(conversation cleared)"), "{stdout}");
+        assert!(
+            stdout.contains("(commands: /reset, /system TEXT, /exit)"),
+            "{stdout}"
+        );
+        // Three replies, one line each (a reply may contain newlines of its own).
+        assert!(stdout.lines().count() >= 6, "{stdout}");
+    }
+}
