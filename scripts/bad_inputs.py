@@ -257,6 +257,130 @@ case("llama: key/value heads that do not divide", generate(model_dir("llama-kv-h
 case("gpt_neox: query_key_value of the wrong shape", generate(model_dir("neox-qkv-shape", config=NEOX, weights=safetensors(neox_state(qkv_rows=2 * D)))), "query_key_value.weight")
 case("unknown model_type", generate(model_dir("unknown-model-type", config={**LLAMA, "model_type": "mamba"}, weights=llama)), "model_type \"mamba\"")
 
+
+# GGUF (llama.cpp's format): a micro Llama written here field by field, then broken.
+GGUF_TYPES = {"u32": 4, "i32": 5, "f32": 6, "bool": 7, "string": 8, "array": 9, "u64": 10}
+
+
+def gguf_string(text):
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def gguf_value(kind, value):
+    if kind == "u32":
+        return struct.pack("<I", value)
+    if kind == "i32":
+        return struct.pack("<i", value)
+    if kind == "u64":
+        return struct.pack("<Q", value)
+    if kind == "f32":
+        return struct.pack("<f", value)
+    if kind == "bool":
+        return struct.pack("<B", value)
+    if kind == "string":
+        return gguf_string(value)
+    elem, items = value
+    return (struct.pack("<IQ", GGUF_TYPES[elem], len(items))
+            + b"".join(gguf_value(elem, x) for x in items))
+
+
+def gguf(metadata, tensors, n_tensors=None, edit_info=None, alignment=32):
+    """metadata: [(key, kind, value)]; tensors: [(name, dims as ggml ne, ggml type, bytes)]."""
+    out = b"GGUF" + struct.pack("<I", 3)
+    out += struct.pack("<QQ", len(tensors) if n_tensors is None else n_tensors, len(metadata))
+    for key, kind, value in metadata:
+        out += gguf_string(key) + struct.pack("<I", GGUF_TYPES[kind]) + gguf_value(kind, value)
+    data, infos = b"", []
+    for name, ne, ggml_type, raw in tensors:
+        data += b"\0" * (-len(data) % 32)
+        infos.append([name, ne, ggml_type, len(data)])
+        data += raw
+    if edit_info:
+        edit_info(infos)
+    for name, ne, ggml_type, offset in infos:
+        out += gguf_string(name) + struct.pack("<I", len(ne)) + b"".join(struct.pack("<Q", n) for n in ne)
+        out += struct.pack("<IQ", ggml_type, offset)
+    out += b"\0" * (-len(out) % max(alignment, 1))
+    return out + data
+
+
+def f32(*ne):
+    n = math.prod(ne)
+    return (list(ne), 0, struct.pack(f"<{n}f", *[rng.uniform(-1, 1) for _ in range(n)]))
+
+
+def micro_llama(layers=L, extra_meta=(), arch="llama"):
+    meta = [("general.architecture", "string", arch), (f"{arch}.block_count", "u32", layers),
+            (f"{arch}.context_length", "u32", P), (f"{arch}.embedding_length", "u32", D),
+            (f"{arch}.feed_forward_length", "u32", I), (f"{arch}.attention.head_count", "u32", H),
+            (f"{arch}.attention.head_count_kv", "u32", 1),
+            (f"{arch}.attention.layer_norm_rms_epsilon", "f32", 1e-6),
+            ("tokenizer.ggml.model", "string", "gpt2"),
+            ("tokenizer.ggml.tokens", "array", ("string", [chr(97 + i) for i in range(V)])),
+            ("tokenizer.ggml.merges", "array", ("string", ["a b"]))]
+    meta += list(extra_meta)
+    hd = D // H
+    t = [("token_embd.weight", *f32(D, V)), ("output_norm.weight", *f32(D))]
+    for i in range(L):
+        b = f"blk.{i}."
+        t += [(b + "attn_norm.weight", *f32(D)), (b + "ffn_norm.weight", *f32(D)),
+              (b + "attn_q.weight", *f32(D, D)), (b + "attn_k.weight", *f32(D, hd)),
+              (b + "attn_v.weight", *f32(D, hd)), (b + "attn_output.weight", *f32(D, D)),
+              (b + "ffn_gate.weight", *f32(D, I)), (b + "ffn_up.weight", *f32(D, I)),
+              (b + "ffn_down.weight", *f32(I, D))]
+    return meta, t
+
+
+def gguf_file(name, data):
+    with open(os.path.join(ROOT, name), "wb") as f:
+        f.write(data)
+    return name
+
+
+meta, tensors = micro_llama()
+good_gguf = gguf(meta, tensors)
+case("gguf: truncated", generate(gguf_file("gguf-truncated.gguf", good_gguf[: len(good_gguf) * 2 // 3])), "not a valid GGUF file")
+case("gguf: a tensor count of 2^40", generate(gguf_file("gguf-tensor-count.gguf", gguf(meta, tensors, n_tensors=1 << 40))), "not a valid GGUF file")
+case("gguf: a string of 2^28 bytes in a small file", generate(gguf_file("gguf-string-past-end.gguf", gguf(meta + [("general.name", "string", "x")], tensors).replace(gguf_string("general.name") + struct.pack("<I", 8) + gguf_string("x"), gguf_string("general.name") + struct.pack("<I", 8) + struct.pack("<Q", 1 << 28) + b"x"))), "not a valid GGUF file")
+
+
+def offset_past_end(infos):
+    infos[0][3] = 1 << 40
+case("gguf: a tensor offset past the end", generate(gguf_file("gguf-offset-past-end.gguf", gguf(meta, tensors, edit_info=offset_past_end))), "run past the end")
+
+
+def overlap(infos):
+    infos[1][3] = infos[0][3]
+case("gguf: overlapping tensors", generate(gguf_file("gguf-overlap.gguf", gguf(meta, tensors, edit_info=overlap))), "overlap")
+
+
+def unknown_type(infos):
+    infos[2][2] = 39
+case("gguf: an unknown tensor type", generate(gguf_file("gguf-unknown-type.gguf", gguf(meta, tensors, edit_info=unknown_type))), "unknown dtype")
+
+
+def billion_dims(infos):
+    infos[0][1] = [1 << 20] * 4
+case("gguf: a tensor of 2^80 elements", generate(gguf_file("gguf-huge-dims.gguf", gguf(meta, tensors, edit_info=billion_dims))), "too many elements")
+
+
+def many_dims(infos):
+    infos[0][1] = [1] * 1_000_000
+case("gguf: a million dimensions", generate(gguf_file("gguf-million-dims.gguf", gguf(meta, tensors, edit_info=many_dims))), "dimensions")
+
+
+def not_whole_blocks(infos):
+    infos[2][2] = 8  # Q8_0 rows of 4 values
+case("gguf: rows that are not whole blocks", generate(gguf_file("gguf-partial-blocks.gguf", gguf(meta, tensors, edit_info=not_whole_blocks))), "not whole Q8_0 blocks")
+huge_vocab = [m if m[0] != "tokenizer.ggml.tokens" else ("tokenizer.ggml.tokens", "array", ("string", ["a"])) for m in meta]
+case("gguf: a vocabulary of 2^29 strings in a small file", generate(gguf_file("gguf-huge-vocab.gguf", gguf(huge_vocab, tensors).replace(struct.pack("<IQ", 8, 1) + gguf_string("a"), struct.pack("<IQ", 8, 1 << 29) + gguf_string("a")))), "not a valid GGUF file")
+case("gguf: alignment 0", generate(gguf_file("gguf-alignment-0.gguf", gguf(meta + [("general.alignment", "u32", 0)], tensors))), "not a valid GGUF file")
+case("gguf: a billion blocks", generate(gguf_file("gguf-billion-blocks.gguf", gguf(*micro_llama(layers=1_000_000_000)))), "blk.1.")
+case("gguf: unsupported architecture", generate(gguf_file("gguf-mamba.gguf", gguf(*micro_llama(arch="mamba")))), "architecture \"mamba\" is not supported")
+case("gguf: heads that do not divide the width", generate(gguf_file("gguf-heads.gguf", gguf([m if m[0] != "llama.attention.head_count" else (m[0], "u32", 3) for m in meta], tensors))), "head_count=3")
+case("gguf: a token id outside the vocabulary", generate(gguf_file("gguf-bad-bos.gguf", gguf(meta + [("tokenizer.ggml.bos_token_id", "u32", 1 << 30)], tensors))), "outside the 8 tokens")
+
 os.remove(os.path.join(ROOT, base))
 with open(os.path.join(ROOT, "cases.json"), "w") as f:
     json.dump(cases, f, indent=1)

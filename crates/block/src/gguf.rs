@@ -529,7 +529,8 @@ impl Gguf {
             let b = bias(format!("{name}.bias"), d, cfg.norm == NormKind::LayerNorm)?;
             Norm::from_tensors(cfg.norm, w, b, cfg.layer_norm_epsilon)
         };
-        let mut blocks = Vec::with_capacity(cfg.n_layer);
+        // Grown block by block: a file claiming a billion blocks stops at the first missing.
+        let mut blocks = Vec::new();
         for i in 0..cfg.n_layer {
             let blk = |part: &str| format!("blk.{i}.{part}");
             let attn_cfg = Block::attn_config(&cfg, i);
