@@ -143,6 +143,11 @@ impl Mlp {
         (out, self.names.conv1d)
     }
 
+    /// The up, gate (when gated) and down projections.
+    pub fn parts(&self) -> (&Proj, Option<&Proj>, &Proj) {
+        (&self.up, self.gate.as_ref(), &self.down)
+    }
+
     /// The activation.
     pub fn activation(&self) -> Activation {
         self.act

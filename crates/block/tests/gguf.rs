@@ -236,3 +236,63 @@ fn cached_decoding_equals_the_full_pass() {
         assert_close(&cached, &full, 1e-4, 1e-4, file);
     }
 }
+
+/// `save_gguf` writes what `Gguf::load` reads back: the same logits (f32), and for q8_0 the
+/// logits of the model quantized in memory to the same blocks. llama.cpp running these
+/// files is checked by scripts/gguf_export_check.py (it needs llama.cpp).
+#[test]
+fn written_files_load_back_as_the_same_model() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["gpt2", "llama", "qwen2", "neox"] {
+        let model = load(&format!("{name}.f32.gguf"));
+        let ids = &expected(name)["input_ids"];
+        let want = logits(&model, ids);
+        let out = dir.path().join(format!("{name}.gguf"));
+        block::save_gguf(&model, &out, GgmlDType::F32, None, None).unwrap();
+        let again = block::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
+        assert_close(&logits(&again, ids), &want, 1e-6, 0.0, name);
+        assert_eq!(again.config(), model.config(), "{name}");
+
+        block::save_gguf(&model, &out, GgmlDType::Q8_0, None, None).unwrap();
+        let q = block::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
+        // The same model quantized in memory; the file's token embedding is q8_0 too (as
+        // llama.cpp writes it), so the lookups read its dequantized rows.
+        let quantized = model.quantize(GgmlDType::Q8_0).unwrap();
+        let wte = candle_core::quantized::QTensor::quantize(model.wte(), GgmlDType::Q8_0)
+            .unwrap()
+            .dequantize(&Device::Cpu)
+            .unwrap();
+        let in_memory = Gpt::from_parts(
+            model.config(),
+            wte,
+            model.wpe().cloned(),
+            quantized.blocks().to_vec(),
+            quantized.ln_f().cloned(),
+            quantized.lm_head().clone(),
+        )
+        .unwrap();
+        assert_close(&logits(&q, ids), &logits(&in_memory, ids), 1e-5, 0.0, name);
+    }
+}
+
+#[test]
+fn families_llama_cpp_cannot_run_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let families = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families");
+    for (name, needle) in [
+        ("neo_local", "no gpt_neo architecture"),
+        ("mistral_window", "sliding-window"),
+    ] {
+        let model = block::load_dir(&families.join(name), DType::F32, &Device::Cpu).unwrap();
+        let err = block::save_gguf(
+            &model,
+            &dir.path().join("x.gguf"),
+            GgmlDType::F32,
+            None,
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(needle), "{name}: {err}");
+    }
+}

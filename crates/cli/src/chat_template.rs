@@ -112,6 +112,11 @@ impl ChatTemplate {
         Ok(Self::new(template, token("bos_token"), token("eos_token")))
     }
 
+    /// The model's own template, when it has one.
+    pub fn own_template(&self) -> Option<&str> {
+        self.own.then_some(self.source.as_str())
+    }
+
     /// Whether the model has a template of its own (else the plain format is used).
     pub fn is_own(&self) -> bool {
         self.own

@@ -215,6 +215,98 @@ fn sentencepiece(v: &GgufVocab) -> Result<Value> {
     }))
 }
 
+/// The `tokenizer.ggml.*` metadata of a tokenizer, for writing a GGUF file: byte-level
+/// BPE (GPT-2's pre-tokenizer) as `gpt2`, and SentencePiece-style BPE (Metaspace with byte
+/// fallback) as `llama` with scores that rank merges as [`sentencepiece_merges`] does.
+/// `vocab_size` is the model's: tokens past the tokenizer's are written as unused padding.
+pub fn to_vocab(
+    tok: &Tokenizer,
+    vocab_size: usize,
+    bos: Option<u32>,
+    eos: Option<u32>,
+) -> Result<GgufVocab> {
+    let json = serde_json::to_value(tok)?;
+    let model = &json["model"];
+    if model["type"] != "BPE" {
+        bail!(
+            "only BPE tokenizers can be written to GGUF, this one is {}",
+            model["type"]
+        )
+    }
+    let pre = &json["pre_tokenizer"];
+    let kind = match (pre["type"].as_str(), model["byte_fallback"].as_bool()) {
+        (Some("ByteLevel"), _) if pre["use_regex"] != false => "gpt2",
+        (Some("Metaspace"), Some(true)) => "llama",
+        _ => bail!(
+            "only GPT-2-style byte-level BPE and SentencePiece-style BPE tokenizers can be written to GGUF (pre-tokenizer {pre})"
+        ),
+    };
+    let size = tok.get_vocab_size(true);
+    if size > vocab_size {
+        bail!("the tokenizer has {size} tokens, the model {vocab_size}")
+    }
+    let mut tokens: Vec<String> = (0..vocab_size).map(|i| format!("[PAD{i}]")).collect();
+    let mut types = vec![5i32; vocab_size];
+    for (text, id) in tok.get_vocab(true) {
+        let id = id as usize;
+        if id >= vocab_size {
+            bail!("token {text:?} has id {id}, past the model's {vocab_size}")
+        }
+        let byte =
+            kind == "llama" && text.len() == 6 && text.starts_with("<0x") && text.ends_with('>');
+        types[id] = if byte { 6 } else { 1 };
+        tokens[id] = text;
+    }
+    for added in tok.get_added_tokens_decoder().values() {
+        if let Some(id) = tok.token_to_id(&added.content) {
+            types[id as usize] = if added.special { CONTROL } else { USER_DEFINED };
+        }
+    }
+    // Whether encoding puts BOS first: ask the tokenizer itself.
+    let with = tokenizer::encode_with(tok, "a", true)?;
+    let without = tokenizer::encode_with(tok, "a", false)?;
+    let add_bos = bos.is_some() && with.len() > without.len() && with.first() == bos.as_ref();
+    let merges = match model["merges"].as_array() {
+        Some(m) if kind == "gpt2" => Some(
+            m.iter()
+                .map(|m| match (m.as_str(), m.as_array()) {
+                    (Some(s), _) => Ok(s.to_string()),
+                    (_, Some(pair)) if pair.len() == 2 => Ok(format!(
+                        "{} {}",
+                        pair[0].as_str().unwrap_or_default(),
+                        pair[1].as_str().unwrap_or_default()
+                    )),
+                    _ => bail!("merge {m} is not a pair of tokens"),
+                })
+                .collect::<Result<Vec<_>>>()?,
+        ),
+        _ => None,
+    };
+    let (scores, add_space_prefix, pre_name) = match kind {
+        "llama" => (
+            Some((0..vocab_size).map(|i| -(i as f32)).collect()),
+            Some(pre["prepend_scheme"] != "never"),
+            None,
+        ),
+        _ => (None, None, Some("gpt-2".to_string())),
+    };
+    Ok(GgufVocab {
+        model: kind.into(),
+        pre: pre_name,
+        tokens,
+        scores,
+        token_types: Some(types),
+        merges,
+        bos,
+        eos,
+        unk: model["unk_token"].as_str().and_then(|u| tok.token_to_id(u)),
+        pad: None,
+        add_bos: Some(add_bos),
+        add_eos: Some(false),
+        add_space_prefix,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     //! The tokenizer built from each fixture GGUF's metadata against the tokenizer.json of
@@ -251,6 +343,31 @@ mod tests {
                     reference.decode(ids, false).unwrap(),
                     "{name}: decoding {text:?}"
                 );
+            }
+        }
+    }
+
+    /// What `gpt convert` writes reads back as the same tokenizer: the built-in model's
+    /// byte-level BPE, and the SentencePiece-style one of the Llama fixture.
+    #[test]
+    fn written_vocabularies_read_back_as_the_same_tokenizer() {
+        let corpus: Vec<String> = serde_json::from_str(
+            &std::fs::read_to_string(fixtures().join("tokenizer_corpus.json")).unwrap(),
+        )
+        .unwrap();
+        let builtin =
+            crate::tokenizer::parse(include_bytes!("../../../models/default/tokenizer.json"))
+                .unwrap();
+        let gguf = block::Gguf::open(&fixtures().join("llama.q8_0.gguf")).unwrap();
+        let llama = from_vocab(&gguf.vocab().unwrap()).unwrap();
+        for (name, tok, bos) in [("built-in", builtin, Some(0)), ("llama", llama, Some(1))] {
+            let size = tok.get_vocab_size(true);
+            let vocab = to_vocab(&tok, size, bos, bos.map(|b| b + 1)).unwrap();
+            let again = from_vocab(&vocab).unwrap();
+            for text in &corpus {
+                let a = again.encode(text.as_str(), true).unwrap();
+                let b = tok.encode(text.as_str(), true).unwrap();
+                assert_eq!(a.get_ids(), b.get_ids(), "{name}: {text:?}");
             }
         }
     }

@@ -5,6 +5,7 @@ mod bench;
 mod chat;
 mod chat_template;
 mod common;
+mod convert;
 mod generate;
 mod gguf_tokenizer;
 mod inspect;
@@ -57,6 +58,8 @@ enum Command {
     Trace(trace::TraceArgs),
     /// Train a GPT on text files.
     Train(train::TrainArgs),
+    /// Write the model as a GGUF file for llama.cpp (f32, f16, q8_0, q4_0).
+    Convert(convert::ConvertArgs),
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -70,6 +73,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(a) => bench::run(a, m),
         Command::Trace(a) => trace::run(a, m),
         Command::Train(a) => train::run(a, m),
+        Command::Convert(a) => convert::run(a, m),
     }
 }
 
