@@ -21,10 +21,12 @@ Models (random weights, every parameter redrawn so that a dropped or swapped par
   for llama.cpp's rotary layout, which the loader must undo;
 - qwen2: byte-level BPE, q/k/v biases, tied head;
 - neox: byte-level BPE, rotary on a quarter of each head, parallel residual;
-- llama_wide: width 256 so that every matrix takes the k-quants (rows of 256), q4_K_M only.
+- llama_wide: width 256 so that every matrix takes the k-quants (rows of 256).
 Per model, in crates/block/tests/fixtures/gguf/: NAME.f32.gguf and NAME.q8_0.gguf
 (convert_hf_to_gguf.py --outtype), NAME.q4_0.gguf / NAME.q4_k_m.gguf (llama.cpp's
-quantizer), NAME.tokenizer.json, and NAME.expected.safetensors:
+quantizer: q4_1, q5_0 and q5_1 on the Llama; q2_k and q3_k_m on llama_wide: with q4_k_m they hold
+Q2_K, Q3_K, Q4_K, Q5_K and Q6_K tensors),
+NAME.tokenizer.json, and NAME.expected.safetensors:
 - input_ids [T] (i64): the sample text as transformers' tokenizer encodes it
 - logits [T, vocab]: transformers' model(input_ids).logits (f32)
 - llama_<kind>_logits [T, vocab]: llama.cpp's logits on the same ids from each GGUF file
@@ -242,8 +244,7 @@ def build(name, family, tokenizer, seed, work, kinds, chat_template=None, **kw):
             f32 = os.path.join(work, f"{name}.f32.gguf")
             if not os.path.exists(f32):
                 convert(src, f32, "f32")
-            ftype = {"q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
-                     "q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}[kind]
+            ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}")
             quantize(f32, dst, ftype)
         files[kind] = dst
     for kind, path in files.items():
@@ -281,7 +282,8 @@ def gguf_models():
         shutil.copy(spm_model, os.path.join(src, "tokenizer.model"))
 
     with_spm("llama")
-    build("llama", "llama", spm_tok, 2, work, ["f32", "q8_0", "q4_0"], chat_template=ZEPHYR,
+    build("llama", "llama", spm_tok, 2, work, ["f32", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+          chat_template=ZEPHYR,
           num_key_value_heads=2,
           tie_word_embeddings=False, rope_theta=500.0, bos_token_id=1, eos_token_id=2, **small)
     build("qwen2", "qwen2", bpe, 3, work, ["f32", "q8_0", "q4_0"], num_key_value_heads=2,
@@ -290,7 +292,8 @@ def gguf_models():
     build("neox", "gpt_neox", bpe, 4, work, ["f32", "q8_0"], rotary_pct=0.25,
           use_parallel_residual=True, bos_token_id=0, eos_token_id=0, **small)
     with_spm("llama_wide")
-    build("llama_wide", "llama", spm_tok, 5, work, ["q4_k_m"], hidden_size=256,
+    build("llama_wide", "llama", spm_tok, 5, work, ["q2_k", "q3_k_m", "q4_k_m"],
+          hidden_size=256,
           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
           intermediate_size=512, max_position_embeddings=128, tie_word_embeddings=False,
           bos_token_id=1, eos_token_id=2)
