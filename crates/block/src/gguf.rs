@@ -35,6 +35,9 @@ pub struct Gguf {
     path: PathBuf,
     file: Mutex<File>,
     content: gguf_file::Content,
+    /// The tensors read so far: a file with tensors the model never reads holds parts this
+    /// loader does not know (Llama 3.1's `rope_freqs`, say), and is refused.
+    read: Mutex<std::collections::HashSet<String>>,
 }
 
 impl std::fmt::Debug for Gguf {
@@ -125,6 +128,7 @@ impl Gguf {
             path: path.to_path_buf(),
             file: Mutex::new(file),
             content,
+            read: Mutex::default(),
         };
         gguf.check_tensors(len)
             .map_err(|e| path_err(path, format!("not a valid GGUF file: {e}")))?;
@@ -484,10 +488,12 @@ impl Gguf {
                 info.shape.dims()
             )
         }
-        let mut file = self
-            .file
+        let poisoned = || candle_core::Error::Msg("the GGUF file's lock is poisoned".into());
+        self.read
             .lock()
-            .map_err(|_| candle_core::Error::Msg("the GGUF file's lock is poisoned".into()))?;
+            .map_err(|_| poisoned())?
+            .insert(name.to_string());
+        let mut file = self.file.lock().map_err(|_| poisoned())?;
         info.read(&mut *file, self.content.tensor_data_offset, device)
     }
 
@@ -570,7 +576,27 @@ impl Gguf {
             }
         };
         let ln_f = Some(norm("output_norm")?);
-        Gpt::from_parts(&cfg, wte, wpe, blocks, ln_f, lm_head)
+        let model = Gpt::from_parts(&cfg, wte, wpe, blocks, ln_f, lm_head)?;
+        let read = self
+            .read
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("the GGUF file's lock is poisoned".into()))?;
+        let mut unused: Vec<&str> = self
+            .content
+            .tensor_infos
+            .keys()
+            .map(String::as_str)
+            .filter(|n| !read.contains(*n))
+            .collect();
+        unused.sort_unstable();
+        if let Some(first) = unused.first() {
+            bail!(
+                "tensor {first} ({} unread in all) is not part of a {arch} model as this loader knows it; running without it would give wrong results",
+                unused.len(),
+                arch = self.family()?.0
+            )
+        }
+        Ok(model)
     }
 
     /// Refuses a model that cannot fit: the stored tensors, plus the dense copies made of

@@ -1,0 +1,118 @@
+"""`gpt bench` against llama.cpp's `llama-bench` on the same GGUF files, same threads, in
+alternation: decoding 128 tokens after a 16-token context, and a 512-token prefill.
+
+    cargo build --release --bin gpt
+    /tmp/ref/bin/python bench/gguf_compare.py [--arch gpt2|llama] [--kinds q8_0 q4_k_m] [--rounds 3]
+
+llama.cpp: the tree vendored by the `llama-cpp-python` source package (see
+scripts/gguf_fixtures.py), with `llama-bench` and `llama-quantize` built by CMake from PyPI:
+
+    cmake -S $(realpath .../vendor/llama.cpp) -B /tmp/lcp/build -G Ninja \\
+        -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+    cmake --build /tmp/lcp/build --target llama-bench llama-quantize -j 2
+
+The GGUF files come from llama.cpp's own converter (f32) and quantizer, made once from the
+random-weight checkpoints bench/compare.py uses (GPT-2 124M, or SmolLM-135M's Llama
+geometry), so both programs read the very same bytes. llama-bench keeps its defaults (f16
+KV cache, flash attention); `gpt bench` keeps its own (f32 KV cache). Peak RSS of each run
+comes from `gpt bench` itself and from `/usr/bin/time -f %M` for llama-bench. Medians over
+the rounds and the ratio gpt / llama.cpp (tokens/s, higher is better for gpt) are printed.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+p = argparse.ArgumentParser()
+p.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
+p.add_argument("--kinds", nargs="+", default=["q8_0", "q4_k_m"])
+p.add_argument("--threads", type=int, default=2)
+p.add_argument("--rounds", type=int, default=3)
+p.add_argument("--llama-build", default="/tmp/lcp/build/bin")
+args = p.parse_args()
+
+hf = {"gpt2": "/tmp/gpt2-124m-random", "llama": "/tmp/smollm-135m-random"}[args.arch]
+if not os.path.exists(os.path.join(hf, "config.json")):
+    sys.exit(f"{hf} is missing: run bench/compare.py --arch {args.arch} once, which makes it")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import gguf_fixtures  # noqa: E402  (llama.cpp's converter, in this process)
+
+
+def with_tokenizer():
+    """The converter needs a tokenizer; the benchmark feeds token ids, so the small ones of
+    scripts/gguf_fixtures.py do (the converter pads the vocabulary to the model's)."""
+    if os.path.exists(os.path.join(hf, "tokenizer.json")):
+        return
+    text = "\n".join(gguf_fixtures.corpus()) * 3
+    if args.arch == "gpt2":
+        gguf_fixtures.bpe_tokenizer(text, 320).save_pretrained(hf)
+    else:
+        import shutil
+        import tempfile
+        tok, model = gguf_fixtures.spm_tokenizer(text, 640, tempfile.mkdtemp())
+        tok.save_pretrained(hf)
+        shutil.copy(model, os.path.join(hf, "tokenizer.model"))
+
+
+def gguf(kind):
+    path = f"{hf}.{kind}.gguf"
+    if os.path.exists(path):
+        return path
+    if kind in ("f32", "f16", "q8_0"):
+        cfg = json.load(open(os.path.join(hf, "config.json")))
+        if "n_ctx" not in cfg and "n_positions" in cfg:
+            cfg["n_ctx"] = cfg["n_positions"]  # the converter still reads GPT-2's n_ctx
+            json.dump(cfg, open(os.path.join(hf, "config.json"), "w"), indent=2)
+        with_tokenizer()
+        gguf_fixtures.convert(hf, path, kind)
+    else:
+        subprocess.run([os.path.join(args.llama_build, "llama-quantize"), gguf("f32"), path,
+                        kind.upper()], check=True, capture_output=True)
+    return path
+
+
+def ours(path, n, new):
+    cmd = [os.path.join(ROOT, "target", "release", "gpt"), "bench", "--model", path,
+           "--prompt-len", str(n), "--new-tokens", str(new), "--runs", "1",
+           "--threads", str(args.threads), "--format", "json"]
+    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    rate = out["decode_tokens_per_s"] if new else out["prefill_tokens_per_s"]
+    return rate, out["peak_rss_bytes"] / 2**20
+
+
+def theirs(path, n, new):
+    bench = [os.path.join(args.llama_build, "llama-bench"), "-m", path, "-t", str(args.threads),
+             "-r", "1", "-o", "json"]
+    bench += ["-p", "0", "-n", str(new), "-d", str(n)] if new else ["-p", str(n), "-n", "0"]
+    run = subprocess.run(["/usr/bin/time", "-f", "%M", *bench], check=True, capture_output=True,
+                         text=True)
+    rss = int(run.stderr.strip().splitlines()[-1]) / 1024
+    return json.loads(run.stdout)[0]["avg_ts"], rss
+
+
+workloads = [(f"{kind}: {name}", gguf(kind), n, new)
+             for kind in args.kinds
+             for name, n, new in [("decode 128 after 16", 16, 128), ("prefill 512", 512, 0)]]
+results = {w[0]: {"gpt": [], "llama.cpp": [], "gpt rss": [], "llama.cpp rss": []}
+           for w in workloads}
+for r in range(args.rounds):
+    for name, path, n, new in workloads:
+        o, t = ours(path, n, new), theirs(path, n, new)
+        res = results[name]
+        res["gpt"].append(o[0])
+        res["gpt rss"].append(o[1])
+        res["llama.cpp"].append(t[0])
+        res["llama.cpp rss"].append(t[1])
+        print(f"round {r + 1} {name}: gpt {o[0]:.1f} tok/s, llama.cpp {t[0]:.1f} tok/s, "
+              f"ratio {o[0] / t[0]:.2f}; RSS {o[1]:.0f} / {t[1]:.0f} MiB", flush=True)
+
+print(f"\n{args.arch}, {args.threads} threads, median of {args.rounds} rounds")
+print("| workload | gpt tok/s | llama.cpp tok/s | gpt / llama.cpp | peak RSS gpt / llama.cpp |")
+print("|---|---|---|---|---|")
+for name, res in results.items():
+    g, l = statistics.median(res["gpt"]), statistics.median(res["llama.cpp"])
+    print(f"| {name} | {g:.1f} | {l:.1f} | {g / l:.2f} | "
+          f"{statistics.median(res['gpt rss']):.0f} / {statistics.median(res['llama.cpp rss']):.0f} MiB |")
