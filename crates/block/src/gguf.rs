@@ -20,7 +20,7 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 use mha::{MultiHeadAttention, Proj, QkvProj, RopeConfig, RopeScaling};
 
 use crate::load::path_err;
-use crate::{Activation, Block, Family, Gpt, GptConfig, Mlp, Norm, NormKind};
+use crate::{Activation, Block, Embedding, Family, Gpt, GptConfig, Mlp, Norm, NormKind};
 
 /// The `general.architecture` values read, and the family each runs as.
 const ARCHITECTURES: [(&str, Family); 4] = [
@@ -562,11 +562,21 @@ impl Gguf {
             let (ln_1, ln_2) = (norm(&blk("attn_norm"))?, norm(&blk("ffn_norm"))?);
             blocks.push(Block::from_parts(&cfg, i, ln_1, attn, ln_2, mlp)?);
         }
-        let embd = self.qtensor("token_embd.weight", &[v, d], device)?;
-        let wte = embd.dequantize(device)?.to_dtype(dtype)?;
+        let embd = Arc::new(self.qtensor("token_embd.weight", &[v, d], device)?);
+        // A quantized table stays one quantized copy: rows are dequantized on lookup, and a
+        // tied head multiplies by the same blocks.
+        let wte = match embd.dtype() {
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                Embedding::Dense(embd.dequantize(device)?.to_dtype(dtype)?)
+            }
+            _ => Embedding::Quantized {
+                table: embd.clone(),
+                dtype,
+                device: device.clone(),
+            },
+        };
         let lm_head = match cfg.tie_word_embeddings {
-            // The head reads the embedding as stored (quantized or not).
-            true => Proj::from_qtensor(Arc::new(embd), None, dtype)?,
+            true => Proj::from_qtensor(embd, None, dtype)?,
             false => proj("output".into(), (v, d), false, 0)?,
         };
         let wpe = match cfg.rope {
@@ -599,8 +609,8 @@ impl Gguf {
         Ok(model)
     }
 
-    /// Refuses a model that cannot fit: the stored tensors, plus the dense copies made of
-    /// the token embedding (and of every matrix stored in f16/bf16 but run in f32).
+    /// Refuses a model that cannot fit: the stored tensors, block-quantized ones as stored,
+    /// the others in `dtype`.
     fn check_memory(&self, cfg: &GptConfig, dtype: DType) -> Result<()> {
         let mut need = 0u64;
         for (name, dims, ggml) in self.tensors() {
@@ -609,7 +619,6 @@ impl Gguf {
             let dense = elems * dtype.size_in_bytes() as u64;
             need += match ggml {
                 GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => dense,
-                _ if name == "token_embd.weight" => stored + dense,
                 _ => stored,
             };
         }
@@ -795,7 +804,7 @@ pub fn save_gguf(
     if !cfg.tie_word_embeddings {
         proj("output".into(), model.lm_head(), 0)?;
     }
-    matrices.push(("token_embd.weight".into(), matrix(model.wte())?));
+    matrices.push(("token_embd.weight".into(), matrix(&model.wte()?)?));
     if let Some(wpe) = model.wpe() {
         dense("position_embd.weight".into(), wpe)?;
     }

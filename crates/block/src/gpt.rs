@@ -2,9 +2,10 @@
 //! family only decides the parts and their names.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use candle_core::quantized::GgmlDType;
-use candle_core::{bail, DType, ModuleT, Result, Tensor, D};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{bail, DType, Device, ModuleT, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use mha::{neox_to_fused, Dropout, KvCache, Mask, Proj, RopeTables};
 
@@ -19,6 +20,54 @@ pub enum Logits {
     /// Only the last position, `[b, 1, vocab]`: all that decoding needs, and the LM head
     /// is the largest matrix of a small model.
     Last,
+}
+
+/// The token embedding `[vocab, d]`: a dense table, or a block-quantized one (a GGUF
+/// file's, shared with a tied head) whose rows are dequantized as they are looked up, so
+/// the model holds one quantized copy instead of a dense one beside it.
+#[derive(Debug, Clone)]
+pub enum Embedding {
+    /// A dense table in the model's dtype.
+    Dense(Tensor),
+    /// A block-quantized table; looked-up rows come out in `dtype`.
+    Quantized {
+        /// `[vocab, d]`, rows of whole blocks.
+        table: Arc<QTensor>,
+        /// The dtype of the activations.
+        dtype: DType,
+        /// Where the table lives.
+        device: Device,
+    },
+}
+
+impl Embedding {
+    /// `(vocab, d)`.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match self {
+            Self::Dense(t) => t.dims2(),
+            Self::Quantized { table, .. } => table.shape().dims2(),
+        }
+    }
+
+    /// The whole table, dequantized if need be.
+    pub fn to_dense(&self) -> Result<Tensor> {
+        match self {
+            Self::Dense(t) => Ok(t.clone()),
+            Self::Quantized {
+                table,
+                dtype,
+                device,
+            } => table.dequantize(device)?.to_dtype(*dtype),
+        }
+    }
+
+    /// Rows `ids [b, t]` as `[b, t, d]` (the dense table's lookup keeps its gradient).
+    fn rows(&self, ids: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(t) => t.embedding_rows(ids),
+            Self::Quantized { table, dtype, .. } => table.embedding(ids)?.to_dtype(*dtype),
+        }
+    }
 }
 
 /// One [`KvCache`] per block, owned by the caller.
@@ -59,7 +108,7 @@ impl GptCache {
 #[derive(Debug, Clone)]
 pub struct Gpt {
     cfg: GptConfig,
-    wte: Tensor,
+    wte: Embedding,
     /// Learned positions; `None` when attention rotates q and k instead.
     wpe: Option<Tensor>,
     drop: Dropout,
@@ -130,7 +179,7 @@ impl Gpt {
         if let Some(dtype) = quantize {
             lm_head = lm_head.quantize_or_keep(dtype)?;
         }
-        let mut model = Self::from_parts(cfg, wte, wpe, h, ln_f, lm_head)?;
+        let mut model = Self::from_parts(cfg, Embedding::Dense(wte), wpe, h, ln_f, lm_head)?;
         model.lm_head_weight = lm_head_weight;
         Ok(model)
     }
@@ -141,7 +190,7 @@ impl Gpt {
     /// `[d] -> [vocab]` (for a tied model, a projection of `wte` or its quantized copy).
     pub fn from_parts(
         cfg: &GptConfig,
-        wte: Tensor,
+        wte: Embedding,
         wpe: Option<Tensor>,
         h: Vec<Block>,
         ln_f: Option<Norm>,
@@ -149,10 +198,10 @@ impl Gpt {
     ) -> Result<Self> {
         cfg.validate()?;
         let (v, d) = (cfg.vocab_size, cfg.n_embd);
-        if wte.dims() != [v, d] {
+        if wte.dims()? != (v, d) {
             bail!(
                 "token embedding {:?}, the config needs [{v}, {d}]",
-                wte.dims()
+                wte.dims()?
             )
         }
         match (&wpe, cfg.rope) {
@@ -229,8 +278,14 @@ impl Gpt {
     }
 
     /// Token embedding `[vocab, d]`.
-    pub fn wte(&self) -> &Tensor {
+    pub fn embedding(&self) -> &Embedding {
         &self.wte
+    }
+
+    /// Token embedding `[vocab, d]` as a dense tensor (dequantized when it is stored
+    /// quantized).
+    pub fn wte(&self) -> Result<Tensor> {
+        self.wte.to_dense()
     }
 
     /// Learned position embedding `[n_positions, d]`; `None` for rotary models.
@@ -259,12 +314,18 @@ impl Gpt {
 
     /// Dtype of the weights.
     pub fn dtype(&self) -> DType {
-        self.wte.dtype()
+        match &self.wte {
+            Embedding::Dense(t) => t.dtype(),
+            Embedding::Quantized { dtype, .. } => *dtype,
+        }
     }
 
     /// Device of the weights.
-    pub fn device(&self) -> &candle_core::Device {
-        self.wte.device()
+    pub fn device(&self) -> &Device {
+        match &self.wte {
+            Embedding::Dense(t) => t.device(),
+            Embedding::Quantized { device, .. } => device,
+        }
     }
 
     /// Inference logits for `ids [b, t]`.
@@ -332,7 +393,7 @@ impl Gpt {
 
     /// Position ids `[b, t]` of the last `t` of `past + t` positions.
     fn positions(&self, b: usize, t: usize, past: usize, keep: Option<&Tensor>) -> Result<Tensor> {
-        let dev = self.wte.device();
+        let dev = self.device();
         let Some(keep) = keep else {
             let pos = Tensor::arange(past as u32, (past + t) as u32, dev)?;
             return pos.unsqueeze(0)?.broadcast_as((b, t))?.contiguous();
@@ -388,7 +449,7 @@ impl Gpt {
         }
         let pos = self.positions(b, t, past, keep)?;
         // (b, t, d)
-        let mut xs = self.wte.embedding_rows(&ids)?;
+        let mut xs = self.wte.rows(&ids)?;
         if let Some(wpe) = &self.wpe {
             xs = (xs + wpe.embedding_rows(&pos)?)?;
         }
@@ -456,7 +517,7 @@ impl Gpt {
         let mut put = |name: String, t: &Tensor| {
             out.insert(name, t.clone());
         };
-        put(format!("{}.weight", names.embed), &self.wte);
+        put(format!("{}.weight", names.embed), &self.wte.to_dense()?);
         if let Some(wpe) = &self.wpe {
             put(format!("{}.weight", names.positions), wpe);
         }

@@ -55,7 +55,7 @@ pub use config::{Activation, GptConfig, NormKind, NormPlacement};
 pub use family::Family;
 pub use generate::{argmax, generate, GenerateOptions, Sampler, SamplingParams, SplitMix64};
 pub use gguf::{load_gguf, save_gguf, Gguf, GgufVocab};
-pub use gpt::{next_token_loss, token_logprobs, Gpt, GptCache, Logits};
+pub use gpt::{next_token_loss, token_logprobs, Embedding, Gpt, GptCache, Logits};
 pub use load::{
     load_bytes, load_dir, load_files, read_config, save_dir, save_dir_as, weight_files,
     write_atomic, LoadAs,

@@ -63,18 +63,25 @@ fn f32_files_give_transformers_logits() {
     }
 }
 
-/// Our logits on a file against llama.cpp's on the same file. Both use the file's blocks
-/// as they are and quantize the activations to 8 bits for the products (Candle's kernels
-/// are ports of ggml's), so Llama and Qwen2 often agree to the bit (q8_0, q4_0, q2_K,
-/// q4_K_M: 0 to 2e-6); elsewhere an activation rounded the other way at a half-step shows
-/// (q4_1, q5_0, q5_1, q3_K_M, Qwen2's q4_0: 1.0–1.9% of the largest logit). GPT-2 and GPT-NeoX differ by llama.cpp's GELU, which reads an
-/// f16 table (8.8e-4 and 1.3e-3 on the f32 files, where we match transformers to 2e-6);
-/// after 8-bit activations that grows to 1.2% of the largest logit. Tolerances, as a share
-/// of the largest |logit|: 0.1% for f32, 1.5% for q8_0, 2.5% for the 2- to 5-bit formats
-/// (q4_0, q4_1, q5_0, q5_1, and q2_K, q3_K_M, q4_K_M, whose files also hold Q5_K and Q6_K
-/// tensors). For
-/// scale, llama.cpp's own q8_0 logits are 1.7–3.6% of the largest logit away from the f32
-/// model's, its q4_0 and q4_K_M ones 29–48%.
+/// Our logits on a file against llama.cpp's on the same file.
+///
+/// Decoding-sized inputs (the first 20 ids; 20 rows per product) go through Candle's
+/// quantized kernels, which, like ggml's (they are ports), round the activations to 8 bits:
+/// Llama and Qwen2 then often agree with llama.cpp to the bit (q8_0, q4_0, q2_K, q4_K_M);
+/// elsewhere an activation rounded the other way at a half-step shows (q4_1, q5_0, q5_1,
+/// q3_K_M: 1.0–1.9% of the largest logit). GPT-2 and GPT-NeoX also differ by llama.cpp's
+/// GELU, which reads an f16 table (8.8e-4 and 1.3e-3 on the f32 files, where we match
+/// transformers to 2e-6): 1.2–1.3% after 8-bit activations. Tolerances, as a share of the
+/// largest |logit|: 0.1% for f32, 1.5% for q8_0, 2.5% for the 2- to 5-bit formats (q4_0,
+/// q4_1, q5_0, q5_1, and q2_K, q3_K_M, q4_K_M, whose files also hold Q5_K and Q6_K
+/// tensors). For scale, llama.cpp's own q8_0 logits are 1.7–3.6% of the largest logit away
+/// from the f32 model's, its 2- to 5-bit ones 13–77%.
+///
+/// A prefill of 32 rows or more multiplies the matrices Candle does not repack in f32
+/// (dequantized; `mha::Proj`), so its activations are not rounded to 8 bits: there we
+/// must stay within llama.cpp's own distance from the f32 model (its quantization noise)
+/// and within 4% of the largest logit, about what 8-bit rounding alone costs (llama.cpp's
+/// q8_0 files above) (measured on 66 ids: GPT-2 q8_0 1.3%, Qwen2 q8_0 2.4%, q4_0 3.2%).
 #[test]
 fn quantized_files_track_llama_cpp() {
     let cases: [(&str, &str, f32); 15] = [
@@ -97,7 +104,9 @@ fn quantized_files_track_llama_cpp() {
     for (name, kind, share) in cases {
         let exp = expected(name);
         let reference = &exp[&format!("llama_{kind}_logits")];
-        let got = logits(&load(&format!("{name}.{kind}.gguf")), &exp["input_ids"]);
+        let model = load(&format!("{name}.{kind}.gguf"));
+        let ids = &exp["input_ids"];
+        let t = ids.dim(0).unwrap();
         let scale = reference
             .abs()
             .unwrap()
@@ -105,18 +114,29 @@ fn quantized_files_track_llama_cpp() {
             .unwrap()
             .to_scalar::<f32>()
             .unwrap();
-        let diff = max_abs_diff(&got, reference);
+        let short = 20.min(t);
+        let got = logits(&model, &ids.narrow(0, 0, short).unwrap());
+        let diff = max_abs_diff(&got, &reference.narrow(0, 0, short).unwrap());
         println!(
-            "{name}.{kind}.gguf: max |logit - llama.cpp| = {diff:.3e} ({:.2}% of the largest logit {scale:.2})",
+            "{name}.{kind}.gguf, {short} ids: max |logit - llama.cpp| = {diff:.3e} ({:.2}% of the largest logit {scale:.2})",
             100.0 * diff / scale
-        );
-        println!(
-            "    (llama.cpp vs transformers' f32 model: {:.3e})",
-            max_abs_diff(reference, &exp["logits"])
         );
         assert!(
             diff <= share * scale,
             "{name}.{kind}: {diff} > {share} x {scale}"
+        );
+
+        let got = logits(&model, ids);
+        let diff = max_abs_diff(&got, reference);
+        let noise = max_abs_diff(reference, &exp["logits"]);
+        println!(
+            "    {t} ids: {diff:.3e} ({:.2}%); llama.cpp vs transformers' f32 model: {noise:.3e}, ours: {:.3e}",
+            100.0 * diff / scale,
+            max_abs_diff(&got, &exp["logits"])
+        );
+        assert!(
+            diff <= (share * scale).max(noise.min(0.04 * scale)),
+            "{name}.{kind}, {t} ids: {diff} (noise {noise}, scale {scale})"
         );
     }
 }
@@ -266,13 +286,13 @@ fn written_files_load_back_as_the_same_model() {
         // The same model quantized in memory; the file's token embedding is q8_0 too (as
         // llama.cpp writes it), so the lookups read its dequantized rows.
         let quantized = model.quantize(GgmlDType::Q8_0).unwrap();
-        let wte = candle_core::quantized::QTensor::quantize(model.wte(), GgmlDType::Q8_0)
+        let wte = candle_core::quantized::QTensor::quantize(&model.wte().unwrap(), GgmlDType::Q8_0)
             .unwrap()
             .dequantize(&Device::Cpu)
             .unwrap();
         let in_memory = Gpt::from_parts(
             model.config(),
-            wte,
+            block::Embedding::Dense(wte),
             model.wpe().cloned(),
             quantized.blocks().to_vec(),
             quantized.ln_f().cloned(),

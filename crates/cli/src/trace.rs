@@ -70,7 +70,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         shape(&input)
     );
     let mut xs = model
-        .wte()
+        .wte()?
         .index_select(&input.flatten_all()?, 0)?
         .unsqueeze(0)?;
     println!(

@@ -263,8 +263,22 @@ impl Proj {
                 }
                 xs2.matmul(w_t)?
             }
-            Weight::Quantized { w, cols, .. } => {
-                let ys = w.forward(&xs2.to_dtype(DType::F32)?.contiguous()?)?;
+            Weight::Quantized {
+                w,
+                cols,
+                d_in,
+                d_out,
+            } => {
+                let xs32 = xs2.to_dtype(DType::F32)?.contiguous()?;
+                let ys = match w {
+                    QMatMul::QTensor(q)
+                        if rows >= DENSE_ROWS && !candle_repacks(q, *d_in, *d_out) =>
+                    {
+                        // [rows, in] x [in, out]
+                        xs32.matmul(&q.dequantize(&q.device())?.t()?)?
+                    }
+                    _ => w.forward(&xs32)?,
+                };
                 let ys = match cols {
                     // A view of a fused projection computes all of it (only cross-attention
                     // on a fused layout takes this path).
@@ -280,6 +294,24 @@ impl Proj {
         };
         ys.reshape(out_dims(dims, d_out))
     }
+}
+
+/// From this many rows on (a prefill), a quantized matrix that Candle would multiply with
+/// its generic kernel is dequantized and multiplied by the f32 GEMM instead: on SmolLM's
+/// widths (576, 1536) that prefills 4x faster, while dequantizing a matrix costs about as
+/// much as one row's product (measured in docs/PERFORMANCE.md, "GGUF files against
+/// llama.cpp"). Decoding (a row or a few) keeps the quantized kernels, which read 4x fewer
+/// bytes.
+const DENSE_ROWS: usize = 32;
+
+/// Whether Candle 0.11 multiplies `w` (`[out, in]`) with its repacked x86 kernels
+/// (`quantized::repack_x86::select`: Q4_K, Q6_K and Q8_0, `in` a multiple of 256, `out` of
+/// 16), which beat the f32 GEMM. Only speed depends on this guess, never the result.
+fn candle_repacks(w: &QTensor, d_in: usize, d_out: usize) -> bool {
+    matches!(w.dtype(), GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q8_0)
+        && d_in.is_multiple_of(256)
+        && d_out.is_multiple_of(16)
+        && w.device().is_cpu()
 }
 
 /// `dims` with the last one replaced by `d_out`.

@@ -9,7 +9,7 @@ use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
 use mha::{
     masked_softmax, sdpa, sdpa_reference, Dropout, KvCache, Mask, MhaConfig, MultiHeadAttention,
-    SdpaParams, WeightLayout,
+    Proj, SdpaParams, WeightLayout,
 };
 use proptest::prelude::*;
 
@@ -771,6 +771,44 @@ fn gelu_tanh_in_every_dtype_matches_the_formula() -> Result<()> {
         let inner = ((&x + (x.powf(3.0)? * 0.044715)?)? * c)?.tanh()?;
         let want = ((&x * 0.5)? * (inner + 1.0)?)?;
         assert_close(&got, &want, atol, rtol, &format!("gelu_tanh {dtype:?}"));
+    }
+    Ok(())
+}
+
+/// A quantized projection computes the same product whatever the number of rows: a
+/// prefill of many rows through the dequantized f32 GEMM (for formats and widths Candle
+/// does not repack) equals `x · dequantize(W)ᵀ` to f32 rounding, and a decoding row through
+/// Candle's quantized kernel (8-bit activations) stays within their rounding of it.
+#[test]
+fn quantized_projections_agree_across_row_counts() -> Result<()> {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use std::sync::Arc;
+    for (dtype, d_in, d_out) in [
+        (GgmlDType::Q8_0, 96, 80),
+        (GgmlDType::Q4_0, 64, 48),
+        (GgmlDType::Q4K, 256, 24),
+        (GgmlDType::Q8_0, 256, 32),
+    ] {
+        let w = randn(&[d_out, d_in]);
+        let q = Arc::new(QTensor::quantize(&w, dtype)?);
+        let dense = q.dequantize(&Device::Cpu)?;
+        let bias = randn(&[d_out]);
+        let proj = Proj::from_qtensor(q, Some(bias.clone()), DType::F32)?;
+        let xs = randn(&[2, 24, d_in]);
+        // [2, 24, in] x [in, out] + b
+        let want = xs.broadcast_matmul(&dense.t()?)?.broadcast_add(&bias)?;
+        let got = proj.forward(&xs)?;
+        let what = format!("{dtype:?} {d_in}x{d_out}");
+        if !(matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4K) && d_in % 256 == 0) {
+            assert_close(&got, &want, 1e-4, 1e-4, &format!("{what}: 48 rows"));
+        }
+        let row = proj.forward(&xs.narrow(1, 5, 1)?)?;
+        let err = max_abs_diff(&row, &want.narrow(1, 5, 1)?);
+        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(
+            err <= 0.02 * scale,
+            "{what}: one row off by {err} (scale {scale})"
+        );
     }
     Ok(())
 }
