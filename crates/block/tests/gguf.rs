@@ -3,7 +3,9 @@
 //! (SentencePiece vocabulary, grouped-query attention, q/k rows permuted for llama.cpp's
 //! rotary layout), Qwen2 (q/k/v biases, tied head) and GPT-NeoX (partial rotary, parallel
 //! residual).
-//! - f32 files give transformers' logits within 1e-4 (measured ≤ 4e-6);
+//! - f32 files give transformers' logits within 1e-5 (measured ≤ 4.1e-6): closer than the
+//!   issue's bound against our own safetensors loading of the same model, with the
+//!   reference outside this project;
 //! - quantized files (q8_0, q4_0, q4_K_M) give llama.cpp's logits on the same file within
 //!   a tolerance stated per format, and the greedy tokens llama.cpp picks on the f32 and
 //!   q8_0 files (up to a near-tie of its top two logits);
@@ -59,7 +61,7 @@ fn f32_files_give_transformers_logits() {
             "{name}.f32.gguf: max |logit - transformers| = {:e}",
             max_abs_diff(&got, &exp["logits"])
         );
-        assert_close(&got, &exp["logits"], 1e-4, 1e-4, name);
+        assert_close(&got, &exp["logits"], 1e-5, 0.0, name);
     }
 }
 
