@@ -407,47 +407,36 @@ impl Gguf {
             bail!("metadata tokenizer.ggml.tokens is missing")
         };
         let n = tokens.len();
-        let per_token = |key: &str, len: usize| -> Result<()> {
-            if len != n {
-                bail!("metadata {key} has {len} entries for {n} tokens")
+        // One entry per token, each converted by `f` (None: the wrong type).
+        fn per_token<T>(
+            g: &Gguf,
+            key: &str,
+            n: usize,
+            f: impl Fn(&Value) -> Option<T>,
+        ) -> Result<Option<Vec<T>>> {
+            let Some(a) = g.array(key)? else {
+                return Ok(None);
+            };
+            if a.len() != n {
+                bail!("metadata {key} has {} entries for {n} tokens", a.len())
             }
-            Ok(())
-        };
-        let scores = match self.array("tokenizer.ggml.scores")? {
-            None => None,
-            Some(a) => {
-                per_token("tokenizer.ggml.scores", a.len())?;
-                Some(
-                    a.iter()
-                        .map(|v| match v {
-                            Value::F32(x) => Ok(*x),
-                            v => bail!(
-                                "tokenizer.ggml.scores must be f32, got {:?}",
-                                v.value_type()
-                            ),
-                        })
-                        .collect::<Result<Vec<_>>>()?,
-                )
-            }
-        };
-        let token_types = match self.array("tokenizer.ggml.token_type")? {
-            None => None,
-            Some(a) => {
-                per_token("tokenizer.ggml.token_type", a.len())?;
-                Some(
-                    a.iter()
-                        .map(|v| match v {
-                            Value::I32(x) => Ok(*x),
-                            Value::U32(x) => Ok(*x as i32),
-                            v => bail!(
-                                "tokenizer.ggml.token_type must be integers, got {:?}",
-                                v.value_type()
-                            ),
-                        })
-                        .collect::<Result<Vec<_>>>()?,
-                )
-            }
-        };
+            a.iter()
+                .map(|v| match f(v) {
+                    Some(x) => Ok(x),
+                    None => bail!("metadata {key} holds a {:?}", v.value_type()),
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some)
+        }
+        let scores = per_token(self, "tokenizer.ggml.scores", n, |v| match v {
+            Value::F32(x) => Some(*x),
+            _ => None,
+        })?;
+        let token_types = per_token(self, "tokenizer.ggml.token_type", n, |v| match v {
+            Value::I32(x) => Some(*x),
+            Value::U32(x) => i32::try_from(*x).ok(),
+            _ => None,
+        })?;
         let id = |key: &str| -> Result<Option<u32>> {
             match self.uint(key)? {
                 None => Ok(None),

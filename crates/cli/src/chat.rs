@@ -12,7 +12,7 @@ use clap::Args;
 
 use crate::chat_template::Message;
 use crate::common::{self, Loaded, ModelArgs};
-use crate::generate::visible;
+use crate::generate::{visible, SamplingArgs};
 
 /// Options of `gpt chat`.
 #[derive(Debug, Clone, Args)]
@@ -23,21 +23,9 @@ pub struct ChatArgs {
     /// Most new tokens per reply.
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
-    /// Softmax temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.7)]
-    pub temperature: f64,
-    /// Sample only among the k most likely tokens.
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Sample only among the most likely tokens that make up probability p, in (0, 1].
-    #[arg(long)]
-    pub top_p: Option<f64>,
-    /// Penalty on tokens already present (1 is off).
-    #[arg(long, default_value_t = 1.0)]
-    pub repeat_penalty: f32,
-    /// Seed of the sampling (reply `n` uses seed + n).
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
+    /// Reply `n` samples with seed + n.
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
 }
 
 /// Set by Ctrl-C; the reply being generated checks it after every token.
@@ -72,14 +60,7 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
     if tok.is_none() {
         bail!("{source} has no tokenizer; gpt chat needs one")
     }
-    let sampling = SamplingParams {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        repeat_penalty: a.repeat_penalty,
-        seed: a.seed,
-    };
-    sampling.validate()?;
+    let sampling = a.sampling.params()?;
     let n_ctx = model.config().n_positions;
     let stop_tokens = chat.stop_ids(tok, model.config().eos_token_id);
     let stops = chat.stop_texts();
@@ -159,7 +140,7 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
         let opts = GenerateOptions {
             max_new_tokens: a.max_new_tokens.min(n_ctx - prompt.len()),
             sampling: SamplingParams {
-                seed: a.seed.wrapping_add(turn),
+                seed: sampling.seed.wrapping_add(turn),
                 ..sampling.clone()
             },
             stop_tokens: stop_tokens.clone(),

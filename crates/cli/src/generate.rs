@@ -26,21 +26,8 @@ pub struct GenerateArgs {
     /// Most new tokens per prompt (default: 64, or what the context leaves).
     #[arg(long)]
     pub max_new_tokens: Option<usize>,
-    /// Softmax temperature; 0 is greedy (ties to the lowest id).
-    #[arg(long, default_value_t = 0.8)]
-    pub temperature: f64,
-    /// Sample only among the k most likely tokens.
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Sample only among the most likely tokens that make up probability p, in (0, 1].
-    #[arg(long)]
-    pub top_p: Option<f64>,
-    /// Penalty on tokens already present (1 is off).
-    #[arg(long, default_value_t = 1.0)]
-    pub repeat_penalty: f32,
-    /// Seed of the sampling.
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Stop when this text appears (may be given several times); it is not printed.
     #[arg(long, action = clap::ArgAction::Append)]
     pub stop: Vec<String>,
@@ -57,6 +44,41 @@ pub struct GenerateArgs {
     /// A system message before the user's (with --chat).
     #[arg(long, requires = "chat")]
     pub system: Option<String>,
+}
+
+/// How tokens are picked (`gpt generate`, `gpt chat`).
+#[derive(Debug, Clone, Args)]
+pub struct SamplingArgs {
+    /// Softmax temperature; 0 is greedy (ties to the lowest id).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Sample only among the k most likely tokens.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Sample only among the most likely tokens that make up probability p, in (0, 1].
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// Penalty on tokens already present (1 is off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Seed of the sampling.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    /// The checked parameters.
+    pub fn params(&self) -> Result<SamplingParams> {
+        let p = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            repeat_penalty: self.repeat_penalty,
+            seed: self.seed,
+        };
+        p.validate()?;
+        Ok(p)
+    }
 }
 
 /// Text of `new` so far that is safe to show: no half-decoded character at its end, and
@@ -154,14 +176,7 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
         ),
         None => 64.min(cfg.n_positions - longest),
     };
-    let sampling = SamplingParams {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        repeat_penalty: a.repeat_penalty,
-        seed: a.seed,
-    };
-    sampling.validate()?;
+    let sampling = a.sampling.params()?;
     let opts = GenerateOptions {
         max_new_tokens,
         sampling,
