@@ -564,9 +564,11 @@ impl Gguf {
                 device: device.clone(),
             },
         };
-        let lm_head = match cfg.tie_word_embeddings {
-            true => Proj::from_qtensor(embd, None, dtype)?,
-            false => proj("output".into(), (v, d), false, 0)?,
+        let lm_head = match (&wte, cfg.tie_word_embeddings) {
+            // A dense table is the head's weight too (one copy, as for safetensors).
+            (Embedding::Dense(t), true) => Proj::from_linear(t, None)?,
+            (Embedding::Quantized { .. }, true) => Proj::from_qtensor(embd, None, dtype)?,
+            (_, false) => proj("output".into(), (v, d), false, 0)?,
         };
         let wpe = match cfg.rope {
             Some(_) => None,

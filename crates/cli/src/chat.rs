@@ -122,11 +122,22 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
                 .map(|s| Message::new("system", s))
                 .chain(history.iter().cloned())
                 .collect();
-            let ids = chat.prompt_ids(tok, &messages)?;
-            if ids.len() + a.max_new_tokens <= n_ctx || history.len() <= 1 {
-                break ids;
+            let ids = chat.prompt_ids(tok, &messages);
+            match ids {
+                Ok(ids) if ids.len() + a.max_new_tokens > n_ctx && history.len() > 1 => {
+                    history.drain(..history.len().min(2));
+                }
+                other => break other,
             }
-            history.drain(..history.len().min(2));
+        };
+        // A template may refuse a conversation (raise_exception): say so and go on.
+        let prompt = match prompt {
+            Ok(ids) => ids,
+            Err(e) => {
+                writeln!(stdout, "(not sent: {e:#})")?;
+                history.pop();
+                continue;
+            }
         };
         if prompt.len() >= n_ctx {
             writeln!(

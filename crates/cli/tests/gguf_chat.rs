@@ -229,3 +229,44 @@ fn converted_built_in_model_generates_the_same_text() {
     );
     assert!(!out.status.success());
 }
+
+/// A directory's `tokenizer_config.json` template is used, and a conversation it refuses
+/// (`raise_exception`) is reported without ending the chat.
+#[test]
+fn chat_reports_a_conversation_the_template_refuses() {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../block/tests/fixtures/families/llama_tokenizer");
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let template = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}";
+    let config =
+        serde_json::json!({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template});
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let model = dir.path().to_str().unwrap();
+    let out = gpt(
+        &[
+            "--model",
+            model,
+            "chat",
+            "--max-new-tokens",
+            "4",
+            "--temperature",
+            "0",
+        ],
+        "/system Be brief.\nHello\n/reset\nHello\n",
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("(not sent: ") && stdout.contains("System role not supported"),
+        "{stdout}"
+    );
+    // After /reset the system message is still set, so the template refuses again.
+    assert_eq!(stdout.matches("(not sent: ").count(), 2, "{stdout}");
+}
