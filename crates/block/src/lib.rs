@@ -11,6 +11,9 @@
 //! - [`load_dir`]: Hugging Face directories of any family (`config.json` in either
 //!   generation of field names + safetensors, sharded or not, with or without the root
 //!   prefix); [`save_dir`]: GPT-2 directories;
+//! - [`Gguf`] / [`load_gguf`]: llama.cpp's GGUF files (llama, qwen2, gpt2, gptneox), block-
+//!   quantized matrices kept as stored, the tokenizer's metadata checked ([`GgufVocab`]);
+//!   [`save_gguf`]: any model as a GGUF file llama.cpp runs;
 //! - [`load_nanogpt`]: nanoGPT `ckpt.pt` checkpoints;
 //! - [`generate()`]: greedy and sampled generation (temperature, top-k, top-p, repeat
 //!   penalty), reproducible under a seed.
