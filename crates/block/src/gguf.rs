@@ -178,6 +178,26 @@ impl Gguf {
             .map(|(n, i)| (n.as_str(), i.shape.dims(), i.ggml_dtype))
     }
 
+    /// The precision the file's float matrices are stored in: f16 or bf16 when every
+    /// matrix that is not block-quantized is (learned positions aside, which writers keep in
+    /// f32), else f32.
+    pub fn float_dtype(&self) -> DType {
+        let floats: Vec<GgmlDType> = self
+            .tensors()
+            .filter(|(name, dims, t)| {
+                dims.len() == 2
+                    && *name != "position_embd.weight"
+                    && matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+            })
+            .map(|(_, _, t)| t)
+            .collect();
+        match floats.first() {
+            Some(&GgmlDType::F16) if floats.iter().all(|&t| t == GgmlDType::F16) => DType::F16,
+            Some(&GgmlDType::BF16) if floats.iter().all(|&t| t == GgmlDType::BF16) => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+
     fn value(&self, key: &str) -> Option<&Value> {
         self.content.metadata.get(key)
     }

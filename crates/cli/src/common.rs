@@ -94,9 +94,10 @@ pub struct ModelArgs {
     /// Device to run on.
     #[arg(long, value_enum, default_value = "auto", global = true)]
     pub device: DeviceArg,
-    /// Weight precision.
-    #[arg(long, value_enum, default_value = "f32", global = true)]
-    pub dtype: DtypeArg,
+    /// Weight precision (default: f32; a GGUF file whose matrices are stored in f16 or bf16
+    /// loads in that precision).
+    #[arg(long, value_enum, global = true)]
+    pub dtype: Option<DtypeArg>,
     /// Check every weight for NaN and Inf after loading.
     #[arg(long, global = true)]
     pub check_weights: bool,
@@ -201,7 +202,7 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     // Quantizing while loading keeps the f32 blocks from all being in memory at once;
     // checking the weights needs them unquantized, so that loads first and quantizes after.
     let load_as = block::LoadAs {
-        dtype: args.dtype.into(),
+        dtype: args.dtype.map_or(DType::F32, Into::into),
         quantize: args
             .quantize
             .filter(|_| !args.check_weights)
@@ -248,7 +249,8 @@ fn load_unchecked(args: &ModelArgs, load_as: block::LoadAs) -> Result<Loaded> {
     if path.is_file() {
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
         if ext == "gguf" {
-            return load_gguf(&path, load_as, &dev).map(|(m, t, c)| loaded(m, t, c));
+            let dtype = args.dtype.map(Into::into);
+            return load_gguf(&path, dtype, &dev).map(|(m, t, c)| loaded(m, t, c));
         }
         if ext == "pt" {
             let model = block::load_nanogpt(&path, dtype, &dev)?;
@@ -279,14 +281,16 @@ fn load_unchecked(args: &ModelArgs, load_as: block::LoadAs) -> Result<Loaded> {
 
 /// A GGUF file's model, the tokenizer its metadata describes, and its chat template.
 /// Quantized matrices stay as stored; `--quantize` applies to those stored in full precision.
+/// Without `--dtype`, the rest loads in the precision the file's float matrices have.
 fn load_gguf(
     path: &Path,
-    load_as: block::LoadAs,
+    dtype: Option<DType>,
     dev: &Device,
 ) -> Result<(Gpt, Option<Tokenizer>, ChatTemplate)> {
     let gguf = block::Gguf::open(path)?;
+    let dtype = dtype.unwrap_or_else(|| gguf.float_dtype());
     let model = gguf
-        .load(load_as.dtype, dev)
+        .load(dtype, dev)
         .with_context(|| path.display().to_string())?;
     let name =
         |id: Option<u32>, tokens: &[String]| id.and_then(|i| tokens.get(i as usize).cloned());

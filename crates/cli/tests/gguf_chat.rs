@@ -270,3 +270,29 @@ fn chat_reports_a_conversation_the_template_refuses() {
     // After /reset the system message is still set, so the template refuses again.
     assert_eq!(stdout.matches("(not sent: ").count(), 2, "{stdout}");
 }
+
+/// A GGUF file whose matrices are f16 loads in f16 unless `--dtype` says otherwise.
+#[test]
+fn half_precision_files_load_as_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("builtin.f16.gguf");
+    let out = out.to_str().unwrap();
+    assert!(gpt(&["convert", "--out", out, "--type", "f16"], "")
+        .status
+        .success());
+    let dtypes = |extra: &[&str]| {
+        let mut args = vec!["--model", out, "inspect", "--format", "json"];
+        args.extend_from_slice(extra);
+        let tensors = json(&ok(&args))["tensors"].clone();
+        let mut d: Vec<String> = tensors
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["dtype"].as_str().unwrap().to_string())
+            .collect();
+        d.dedup();
+        d
+    };
+    assert_eq!(dtypes(&[]), ["f16"]);
+    assert_eq!(dtypes(&["--dtype", "f32"]), ["f32"]);
+}
