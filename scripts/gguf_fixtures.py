@@ -21,6 +21,8 @@ Models (random weights, every parameter redrawn so that a dropped or swapped par
   for llama.cpp's rotary layout, which the loader must undo;
 - qwen2: byte-level BPE, q/k/v biases, tied head;
 - neox: byte-level BPE, rotary on a quarter of each head, parallel residual;
+- llama3: Llama 3.1's "llama3" RoPE scaling (the converter stores it as `rope_freqs`); its
+  checkpoint is kept too (llama3_hf/) for the config.json path;
 - llama_wide: width 256 so that every matrix takes the k-quants (rows of 256).
 Per model, in crates/block/tests/fixtures/gguf/: NAME.f32.gguf and NAME.q8_0.gguf
 (convert_hf_to_gguf.py --outtype), NAME.q4_0.gguf / NAME.q4_k_m.gguf (llama.cpp's
@@ -203,7 +205,7 @@ def llama_cpp_run(path, ids):
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
 
 
-def build(name, family, tokenizer, seed, work, kinds, chat_template=None, **kw):
+def build(name, family, tokenizer, seed, work, kinds, chat_template=None, keep_hf=False, **kw):
     cfg = AutoConfig.for_model(family, vocab_size=len(tokenizer), **kw)
     tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
@@ -234,6 +236,11 @@ def build(name, family, tokenizer, seed, work, kinds, chat_template=None, **kw):
             chat_ids = chat_ids["input_ids"]
         expected["chat_ids"] = torch.tensor(chat_ids)
     shutil.copy(os.path.join(src, "tokenizer.json"), os.path.join(OUT, f"{name}.tokenizer.json"))
+    if keep_hf:
+        # The checkpoint itself, for the config.json path.
+        os.makedirs(os.path.join(OUT, f"{name}_hf"), exist_ok=True)
+        for f in ["config.json", "model.safetensors"]:
+            shutil.copy(os.path.join(src, f), os.path.join(OUT, f"{name}_hf", f))
     files = {}
     for kind in kinds:
         dst = os.path.join(OUT, f"{name}.{kind}.gguf")
@@ -291,6 +298,14 @@ def gguf_models():
           use_sliding_window=False, **small)
     build("neox", "gpt_neox", bpe, 4, work, ["f32", "q8_0"], rotary_pct=0.25,
           use_parallel_residual=True, bos_token_id=0, eos_token_id=0, **small)
+    with_spm("llama3")
+    # Llama 3.1's "llama3" RoPE scaling, with a short original context so that the bands
+    # split the frequencies of a 16-wide head (the converter writes it as rope_freqs).
+    build("llama3", "llama", spm_tok, 6, work, ["f32"], keep_hf=True, num_key_value_heads=2,
+          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+          rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0,
+                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 16}, **small)
     with_spm("llama_wide")
     build("llama_wide", "llama", spm_tok, 5, work, ["q2_k", "q3_k_m", "q4_k_m"],
           hidden_size=256,

@@ -340,8 +340,30 @@ impl Fields<'_> {
                         Some(factor) if factor > 0.0 => RopeScaling::Linear { factor },
                         other => bail!("config: {field} linear needs factor > 0, got {other:?}"),
                     },
+                    "llama3" => {
+                        let need = |k: &str| match s.f64(k)? {
+                            Some(x) => Ok(x),
+                            None => bail!("config: {field} llama3 needs {k}"),
+                        };
+                        let scaling = RopeScaling::Llama3 {
+                            factor: need("factor")?,
+                            low_freq_factor: need("low_freq_factor")?,
+                            high_freq_factor: need("high_freq_factor")?,
+                            original_max_position_embeddings: need(
+                                "original_max_position_embeddings",
+                            )?,
+                        };
+                        // Its own checks, named as the config names them.
+                        RopeConfig {
+                            scaling,
+                            ..Default::default()
+                        }
+                        .validate(2)
+                        .map_err(|e| candle_core::Error::Msg(format!("config: {field}: {e}")))?;
+                        scaling
+                    }
                     other => bail!(
-                        "config: {field} type {other:?} is not supported (default and linear are)"
+                        "config: {field} type {other:?} is not supported (default, linear and llama3 are)"
                     ),
                 }
             }

@@ -333,6 +333,15 @@ impl Gguf {
                     bail!("metadata {arch}.rope.dimension_count={rotary} must be even and in 2..={head_dim}")
                 }
                 let scaling = match self.string(&key("rope.scaling.type"))? {
+                    // Llama 3.1+ keeps its scaling as per-frequency divisors.
+                    None if has("rope_freqs.weight") => {
+                        let theta = self.float(&key("rope.freq_base"))?.unwrap_or(10_000.0);
+                        let factors = self
+                            .qtensor("rope_freqs.weight", &[rotary / 2], &Device::Cpu)?
+                            .dequantize(&Device::Cpu)?
+                            .to_vec1::<f32>()?;
+                        llama3_from_factors(&factors, theta, rotary)?
+                    }
                     None | Some("none") => RopeScaling::None,
                     Some("linear") => match self.float(&key("rope.scaling.factor"))? {
                         Some(factor) if factor > 0.0 => RopeScaling::Linear { factor },
@@ -647,6 +656,84 @@ impl Gguf {
     }
 }
 
+/// The inverse frequencies of `dim` rotated features, in f32 as transformers computes them.
+fn inv_freqs(theta: f64, dim: usize) -> Vec<f32> {
+    (0..dim / 2)
+        .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / dim as f32))
+        .collect()
+}
+
+/// Llama 3's scaling from the per-frequency divisors llama.cpp stores (`rope_freqs`):
+/// `factor` is the lowest frequency's divisor, and the blend between the bands is linear in
+/// `1/wavelength`, so two of its points fix it (with `high - low = 1`; one point or none
+/// leave a range, and any value in it gives the same divisors). The result is checked
+/// against every stored divisor; anything else is refused.
+fn llama3_from_factors(factors: &[f32], theta: f64, dim: usize) -> Result<RopeScaling> {
+    let freqs = inv_freqs(theta, dim);
+    let bad = || {
+        candle_core::Error::Msg(
+            "tensor rope_freqs.weight does not follow Llama 3's frequency scaling; other scalings are not supported".into(),
+        )
+    };
+    let (Some(&factor), true) = (factors.last(), factors.len() == freqs.len()) else {
+        return Err(bad());
+    };
+    if !(factor.is_finite() && factor >= 1.0) {
+        return Err(bad());
+    }
+    let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 * b.abs().max(1.0);
+    if factors.iter().all(|&f| close(f, 1.0)) {
+        return Ok(RopeScaling::None);
+    }
+    // (1 / wavelength, blend) of each frequency between the bands.
+    let x = |i: usize| freqs[i] as f64 / (2.0 * std::f64::consts::PI);
+    let blend = |f: f32| (1.0 / f as f64 - 1.0 / factor as f64) / (1.0 - 1.0 / factor as f64);
+    let medium: Vec<usize> = (0..factors.len())
+        .filter(|&i| !close(factors[i], 1.0) && !close(factors[i], factor))
+        .collect();
+    // blend = a / wavelength + b
+    let (a, b) = match medium.as_slice() {
+        [first, .., last] => {
+            let (s0, s1) = (blend(factors[*first]), blend(factors[*last]));
+            let a = (s1 - s0) / (x(*last) - x(*first));
+            (a, s0 - a * x(*first))
+        }
+        [m] if *m > 0 && *m + 1 < factors.len() => {
+            let s = blend(factors[*m]);
+            let a = ((1.0 - s) / (x(m - 1) - x(*m))).max(s / (x(*m) - x(m + 1)));
+            (a, s - a * x(*m))
+        }
+        [] => match (1..factors.len()).find(|&k| !close(factors[k], 1.0)) {
+            Some(k) => {
+                let a = 1.0 / (x(k - 1) - x(k));
+                (a, -a * x(k))
+            }
+            None => return Err(bad()),
+        },
+        _ => return Err(bad()),
+    };
+    let scaling = RopeScaling::Llama3 {
+        factor: factor as f64,
+        low_freq_factor: -b,
+        high_freq_factor: 1.0 - b,
+        original_max_position_embeddings: a,
+    };
+    let ok = RopeConfig {
+        scaling,
+        ..Default::default()
+    }
+    .validate(2)
+    .is_ok()
+        && freqs
+            .iter()
+            .zip(factors)
+            .all(|(&f, &div)| close(scaling.apply(f) * div / f, 1.0));
+    match ok {
+        true => Ok(scaling),
+        false => Err(bad()),
+    }
+}
+
 /// Where row `r` of a head's un-permuted rows lives in llama.cpp's order: the converter
 /// wrote row `(j, i)` of each `[2, hd/2]` head at `2·i + j`.
 fn rotary_source(r: usize, hd: usize) -> usize {
@@ -818,6 +905,21 @@ pub fn save_gguf(
     matrices.push(("token_embd.weight".into(), matrix(&model.wte()?)?));
     if let Some(wpe) = model.wpe() {
         dense("position_embd.weight".into(), wpe)?;
+    }
+    if let Some(
+        rope @ RopeConfig {
+            scaling: RopeScaling::Llama3 { .. },
+            ..
+        },
+    ) = cfg.rope
+    {
+        // llama.cpp reads Llama 3's scaling as one divisor per frequency.
+        let dim = rope.rotary_dim.unwrap_or(cfg.n_embd / cfg.n_head);
+        let divisors: Vec<f32> = inv_freqs(rope.theta, dim)
+            .into_iter()
+            .map(|f| f / rope.scaling.apply(f))
+            .collect();
+        dense("rope_freqs.weight".into(), &Tensor::new(divisors, &dev)?)?;
     }
     for (name, t) in &biases {
         dense(name.clone(), t)?;

@@ -54,7 +54,7 @@ fn logits(model: &Gpt, ids: &Tensor) -> Tensor {
 
 #[test]
 fn f32_files_give_transformers_logits() {
-    for name in ["gpt2", "llama", "qwen2", "neox"] {
+    for name in ["gpt2", "llama", "qwen2", "neox", "llama3"] {
         let exp = expected(name);
         let got = logits(&load(&format!("{name}.f32.gguf")), &exp["input_ids"]);
         println!(
@@ -273,15 +273,22 @@ fn cached_decoding_equals_the_full_pass() {
 #[test]
 fn written_files_load_back_as_the_same_model() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["gpt2", "llama", "qwen2", "neox"] {
+    for name in ["gpt2", "llama", "qwen2", "neox", "llama3"] {
         let model = load(&format!("{name}.f32.gguf"));
         let ids = &expected(name)["input_ids"];
         let want = logits(&model, ids);
         let out = dir.path().join(format!("{name}.gguf"));
         block::save_gguf(&model, &out, GgmlDType::F32, None, None).unwrap();
         let again = block::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
-        assert_close(&logits(&again, ids), &want, 1e-6, 0.0, name);
-        assert_eq!(again.config(), model.config(), "{name}");
+        // GGUF keeps Llama 3's scaling as divisors, read back into bands that give them to
+        // f32 rounding: the frequencies, and so the logits, move by a few ulps.
+        let atol = if name == "llama3" { 1e-5 } else { 1e-6 };
+        assert_close(&logits(&again, ids), &want, atol, 0.0, name);
+        let mut read = again.config().clone();
+        if name == "llama3" {
+            read.rope = model.config().rope;
+        }
+        assert_eq!(&read, model.config(), "{name}");
 
         block::save_gguf(&model, &out, GgmlDType::Q8_0, None, None).unwrap();
         let q = block::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
@@ -325,4 +332,47 @@ fn families_llama_cpp_cannot_run_are_refused() {
         .to_string();
         assert!(err.contains(needle), "{name}: {err}");
     }
+}
+
+/// Llama 3.1's "llama3" RoPE scaling, from `config.json` (`rope_parameters`) and from a GGUF
+/// file (llama.cpp's per-frequency `rope_freqs` divisors, read back into the same bands):
+/// transformers' logits within 1e-5, and the scaling matters (without it the logits move).
+#[test]
+fn llama3_rope_scaling_matches_transformers() {
+    let exp = expected("llama3");
+    let ids = &exp["input_ids"];
+    let dir = path("llama3_hf");
+    let from_json = block::load_dir(&dir, DType::F32, &Device::Cpu).unwrap();
+    let got = logits(&from_json, ids);
+    println!(
+        "llama3 from config.json: {:e}",
+        max_abs_diff(&got, &exp["logits"])
+    );
+    assert_close(&got, &exp["logits"], 1e-5, 0.0, "llama3 from config.json");
+
+    let from_gguf = Gguf::open(&path("llama3.f32.gguf"))
+        .unwrap()
+        .config()
+        .unwrap();
+    let (a, b) = (from_json.config().rope.unwrap(), from_gguf.rope.unwrap());
+    assert!(matches!(b.scaling, mha::RopeScaling::Llama3 { factor, .. } if factor == 4.0));
+    for i in 0..8 {
+        let f = 1.0 / 500f32.powf(2.0 * i as f32 / 16.0);
+        let (x, y) = (a.scaling.apply(f), b.scaling.apply(f));
+        assert!((x - y).abs() <= 1e-6 * x, "frequency {i}: {x} vs {y}");
+    }
+
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["rope_parameters"]["rope_type"] = "default".into();
+    std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
+    std::fs::copy(
+        dir.join("model.safetensors"),
+        tmp.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let unscaled = block::load_dir(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    let moved = max_abs_diff(&logits(&unscaled, ids), &exp["logits"]);
+    assert!(moved > 1e-2, "the scaling changes nothing: {moved}");
 }

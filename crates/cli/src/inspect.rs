@@ -40,6 +40,7 @@ fn parts_of(cfg: &block::GptConfig) -> serde_json::Value {
             let scaling = match r.scaling {
                 mha::RopeScaling::None => String::new(),
                 mha::RopeScaling::Linear { factor } => format!(", linear scaling {factor}"),
+                mha::RopeScaling::Llama3 { factor, .. } => format!(", llama3 scaling {factor}"),
             };
             format!(
                 "rotary (theta {}, {dims} of {} dims{scaling})",

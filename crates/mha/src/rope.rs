@@ -4,7 +4,8 @@
 //!
 //! Feature `i < rotary_dim / 2` of a head is paired with feature `i + rotary_dim / 2` and the
 //! pair is turned by the angle `position · inv_freq[i]`, where
-//! `inv_freq[i] = theta^(-2i / rotary_dim)` (divided by the factor under linear scaling).
+//! `inv_freq[i] = theta^(-2i / rotary_dim)`, then scaled ([`RopeScaling`]: linear, or Llama
+//! 3.1's bands).
 
 use candle_core::{bail, DType, Device, Result, Tensor, D};
 use serde::{Deserialize, Serialize};
@@ -20,6 +21,54 @@ pub enum RopeScaling {
         /// The divisor, > 0.
         factor: f64,
     },
+    /// Llama 3.1's `"llama3"`: frequencies whose wavelength exceeds
+    /// `original_max_position_embeddings / low_freq_factor` are divided by `factor`, those
+    /// below `original_max_position_embeddings / high_freq_factor` kept, and those between
+    /// blended smoothly.
+    Llama3 {
+        /// The divisor of the low frequencies, > 0.
+        factor: f64,
+        /// Sets the longest wavelength left unblended.
+        low_freq_factor: f64,
+        /// Sets the shortest wavelength left untouched; > `low_freq_factor`.
+        high_freq_factor: f64,
+        /// The context the model was first trained with.
+        original_max_position_embeddings: f64,
+    },
+}
+
+impl RopeScaling {
+    /// An inverse frequency `inv_freq` (f32) after scaling, computed as transformers does:
+    /// unchanged, divided by the linear factor, or in Llama 3's bands.
+    pub fn apply(&self, inv_freq: f32) -> f32 {
+        match *self {
+            Self::None => inv_freq,
+            Self::Linear { factor } => inv_freq / factor as f32,
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            } => {
+                // transformers' _compute_llama3_parameters, step by step in f32.
+                let (factor, low, high, old) = (
+                    factor as f32,
+                    low_freq_factor as f32,
+                    high_freq_factor as f32,
+                    old as f32,
+                );
+                let wavelen = 2.0 * std::f32::consts::PI / inv_freq;
+                if wavelen < old / high {
+                    inv_freq
+                } else if wavelen > old / low {
+                    inv_freq / factor
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+                }
+            }
+        }
+    }
 }
 
 /// Configuration of rotary embeddings for one attention layer.
@@ -55,6 +104,18 @@ impl RopeConfig {
         if dim == 0 || !dim.is_multiple_of(2) || dim > head_dim {
             bail!("rope: rotary_dim={dim} must be even, positive and at most head_dim={head_dim}")
         }
+        if let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_position_embeddings: old,
+        } = self.scaling
+        {
+            let finite = [factor, low, high, old].iter().all(|x| x.is_finite());
+            if !(finite && factor > 0.0 && low > 0.0 && high > low && old > 0.0) {
+                bail!("rope: llama3 scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0, got {factor}, {low}, {high}, {old}")
+            }
+        }
         if let RopeScaling::Linear { factor } = self.scaling {
             if !(factor > 0.0 && factor.is_finite()) {
                 bail!("rope: the linear scaling factor must be > 0, got {factor}")
@@ -87,13 +148,12 @@ impl Rope {
     pub fn new(cfg: &RopeConfig, head_dim: usize) -> Result<Self> {
         cfg.validate(head_dim)?;
         let dim = cfg.rotary_dim.unwrap_or(head_dim);
-        let divisor = match cfg.scaling {
-            RopeScaling::None => 1.0,
-            RopeScaling::Linear { factor } => factor as f32,
-        };
         // transformers: 1 / base ** (arange(0, dim, 2).float() / dim), in f32.
         let inv_freq = (0..dim / 2)
-            .map(|i| 1.0 / (cfg.theta as f32).powf((2 * i) as f32 / dim as f32) / divisor)
+            .map(|i| {
+                let f = 1.0 / (cfg.theta as f32).powf((2 * i) as f32 / dim as f32);
+                cfg.scaling.apply(f)
+            })
             .collect();
         Ok(Self {
             inv_freq,
