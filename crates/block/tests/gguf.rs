@@ -365,6 +365,24 @@ fn llama3_rope_scaling_matches_transformers() {
     let tmp = tempfile::tempdir().unwrap();
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    std::fs::copy(
+        dir.join("model.safetensors"),
+        tmp.path().join("model.safetensors"),
+    )
+    .unwrap();
+    // The hub's older form: top-level rope_theta and rope_scaling.
+    let mut legacy = cfg.clone();
+    let params = legacy
+        .as_object_mut()
+        .unwrap()
+        .remove("rope_parameters")
+        .unwrap();
+    legacy["rope_theta"] = params["rope_theta"].clone();
+    legacy["rope_scaling"] = params;
+    std::fs::write(tmp.path().join("config.json"), legacy.to_string()).unwrap();
+    let old_form = block::load_dir(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(old_form.config().rope, from_json.config().rope);
+
     cfg["rope_parameters"]["rope_type"] = "default".into();
     std::fs::write(tmp.path().join("config.json"), cfg.to_string()).unwrap();
     std::fs::copy(
