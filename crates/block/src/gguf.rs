@@ -517,9 +517,7 @@ impl Gguf {
 
     /// A norm weight, bias or embedding, dequantized to `dtype`.
     fn dense(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-        self.qtensor(name, shape, device)?
-            .dequantize(device)?
-            .to_dtype(dtype)
+        float_tensor(&self.qtensor(name, shape, device)?, dtype, device)
     }
 
     /// The model, with block-quantized matrices kept as they are stored and everything else
@@ -546,7 +544,10 @@ impl Gguf {
                 w = rotary_rows(&w, heads)?;
                 b = b.map(|b| rotary_rows_dense(&b, heads)).transpose()?;
             }
-            Proj::from_qtensor(Arc::new(w), b, dtype)
+            match stored_float(w.dtype()) {
+                Some(_) => Proj::from_linear(&float_tensor(&w, dtype, device)?, b),
+                None => Proj::from_qtensor(Arc::new(w), b, dtype),
+            }
         };
         let norm = |name: &str| -> Result<Norm> {
             let w = self.dense(&format!("{name}.weight"), &[d], dtype, device)?;
@@ -585,7 +586,7 @@ impl Gguf {
         // tied head multiplies by the same blocks.
         let wte = match embd.dtype() {
             GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
-                Embedding::Dense(embd.dequantize(device)?.to_dtype(dtype)?)
+                Embedding::Dense(float_tensor(&embd, dtype, device)?)
             }
             _ => Embedding::Quantized {
                 table: embd.clone(),
@@ -654,6 +655,26 @@ impl Gguf {
         }
         Ok(())
     }
+}
+
+/// The dtype a float GGUF tensor is stored in; `None` for block formats.
+fn stored_float(t: GgmlDType) -> Option<DType> {
+    match t {
+        GgmlDType::F32 => Some(DType::F32),
+        GgmlDType::F16 => Some(DType::F16),
+        GgmlDType::BF16 => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+/// A float tensor in `dtype`: its bytes as they are when the formats agree (dequantizing
+/// goes through f32, a transient 4 bytes an element: an f16 GPT-2's embedding alone made
+/// that 150 MiB), else dequantized and converted.
+fn float_tensor(q: &QTensor, dtype: DType, device: &Device) -> Result<Tensor> {
+    if stored_float(q.dtype()) == Some(dtype) && device.is_cpu() {
+        return Tensor::from_raw_buffer(&q.data()?, dtype, q.shape().dims(), device);
+    }
+    q.dequantize(device)?.to_dtype(dtype)
 }
 
 /// The inverse frequencies of `dim` rotated features, in f32 as transformers computes them.
