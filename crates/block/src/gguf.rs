@@ -542,7 +542,8 @@ impl Gguf {
             let mut b = bias(format!("{stem}.bias"), d_out, has_bias)?;
             if unpermute(heads) {
                 w = rotary_rows(&w, heads)?;
-                b = b.map(|b| rotary_rows_dense(&b, heads)).transpose()?;
+                let order = rotary_order(d_out, heads, false)?;
+                b = b.map(|b| select_rows(&b, &order)).transpose()?;
             }
             match stored_float(w.dtype()) {
                 Some(_) => Proj::from_linear(&float_tensor(&w, dtype, device)?, b),
@@ -755,42 +756,46 @@ fn llama3_from_factors(factors: &[f32], theta: f64, dim: usize) -> Result<RopeSc
     }
 }
 
-/// Where row `r` of a head's un-permuted rows lives in llama.cpp's order: the converter
-/// wrote row `(j, i)` of each `[2, hd/2]` head at `2·i + j`.
-fn rotary_source(r: usize, hd: usize) -> usize {
-    let (j, i) = (r / (hd / 2), r % (hd / 2));
-    2 * i + j
+/// The order of the rows of `[heads·hd, ..]` q/k weights between Hugging Face's rotary
+/// layout (halves) and llama.cpp's (adjacent pairs): output row `r` is input row
+/// `order[r]`. llama.cpp's converter writes row `(j, i)` of each `[2, hd/2]` head at
+/// `2·i + j`; `to_llama` goes that way, else back.
+fn rotary_order(rows: usize, heads: usize, to_llama: bool) -> Result<Vec<usize>> {
+    let hd = rows / heads.max(1);
+    if heads == 0 || !rows.is_multiple_of(heads) || !hd.is_multiple_of(2) {
+        bail!("{rows} rows cannot be split into {heads} rotary heads")
+    }
+    Ok((0..rows)
+        .map(|r| {
+            let (h, p) = (r / hd, r % hd);
+            h * hd
+                + match to_llama {
+                    true => (p % 2) * (hd / 2) + p / 2,
+                    false => 2 * (p % (hd / 2)) + p / (hd / 2),
+                }
+        })
+        .collect())
+}
+
+/// Rows of a dense tensor in `order`.
+fn select_rows(t: &Tensor, order: &[usize]) -> Result<Tensor> {
+    let idx: Vec<u32> = order.iter().map(|&r| r as u32).collect();
+    t.index_select(&Tensor::new(idx, t.device())?, 0)
 }
 
 /// Reorders the rows of an `[heads·hd, in]` matrix (any format: rows are whole blocks)
 /// from llama.cpp's rotary layout back to Hugging Face's.
 fn rotary_rows(w: &QTensor, heads: usize) -> Result<QTensor> {
     let (rows, cols) = w.shape().dims2()?;
-    let hd = rows / heads;
-    if rows % heads != 0 || !hd.is_multiple_of(2) {
-        bail!("{rows} rows cannot be split into {heads} rotary heads")
-    }
+    let order = rotary_order(rows, heads, false)?;
     let row_bytes = cols / w.dtype().block_size() * w.dtype().type_size();
     let data = w.data()?;
     let mut out = Vec::with_capacity(data.len());
-    for h in 0..heads {
-        for r in 0..hd {
-            let src = h * hd + rotary_source(r, hd);
-            out.extend_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
-        }
+    for src in order {
+        out.extend_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
     }
     let storage = QStorage::from_data(std::borrow::Cow::Owned(out), &w.device(), w.dtype())?;
     QTensor::new(storage, (rows, cols))
-}
-
-/// The same reordering for a bias `[heads·hd]`.
-fn rotary_rows_dense(b: &Tensor, heads: usize) -> Result<Tensor> {
-    let rows = b.dims1()?;
-    let hd = rows / heads;
-    let idx: Vec<u32> = (0..rows)
-        .map(|r| ((r / hd) * hd + rotary_source(r % hd, hd)) as u32)
-        .collect();
-    b.index_select(&Tensor::new(idx, b.device())?, 0)
 }
 
 /// Loads a GGUF file's model (see [`Gguf::load`]).
@@ -880,8 +885,9 @@ pub fn save_gguf(
         let mut w = p.weight_t()?.t()?.contiguous()?;
         let mut b = p.bias().cloned();
         if heads > 0 && cfg.family != Family::Qwen2 && arch == "llama" {
-            w = to_llama_rotary(&w, heads)?;
-            b = b.map(|b| to_llama_rotary(&b, heads)).transpose()?;
+            let order = rotary_order(w.dim(0)?, heads, true)?;
+            w = select_rows(&w, &order)?;
+            b = b.map(|b| select_rows(&b, &order)).transpose()?;
         }
         matrices.push((format!("{name}.weight"), matrix(&w)?));
         Ok(b.map(|b| (format!("{name}.bias"), b)))
@@ -1060,22 +1066,4 @@ fn vocab_metadata(v: &GgufVocab) -> Result<Vec<(String, Value)>> {
         }
     }
     Ok(meta)
-}
-
-/// Hugging Face's rotary row order to llama.cpp's (the inverse of [`rotary_rows`]), along
-/// dimension 0 of `[heads·hd, ..]`.
-fn to_llama_rotary(w: &Tensor, heads: usize) -> Result<Tensor> {
-    let rows = w.dim(0)?;
-    let hd = rows / heads;
-    if rows % heads != 0 || !hd.is_multiple_of(2) {
-        bail!("{rows} rows cannot be split into {heads} rotary heads")
-    }
-    // Row 2·i + j of llama.cpp's head is row j·hd/2 + i of Hugging Face's.
-    let idx: Vec<u32> = (0..rows)
-        .map(|r| {
-            let (h, p) = (r / hd, r % hd);
-            (h * hd + (p % 2) * (hd / 2) + p / 2) as u32
-        })
-        .collect();
-    w.index_select(&Tensor::new(idx, w.device())?, 0)
 }
