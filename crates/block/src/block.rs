@@ -141,6 +141,19 @@ impl Block {
         }
     }
 
+    /// Rows that are separate sequences, each with its own cache of any length (continuous
+    /// batching; see [`MultiHeadAttention::forward_rows`]): `[rows, t, d]` to
+    /// `[rows, t, d]`, each row equal to that sequence run alone. Inference only.
+    pub fn forward_rows(
+        &self,
+        xs: &Tensor,
+        rope: Option<&RopeTables>,
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor> {
+        let attend = |h: &Tensor| Ok((self.attn.forward_rows(h, rope, caches)?, None));
+        Ok(self.stack(xs, attend, false)?.0)
+    }
+
     fn run(
         &self,
         xs: &Tensor,
@@ -161,6 +174,16 @@ impl Block {
             let (ys, w) = self.attn.forward_with(h, h, h, args)?;
             Ok((ys, w.map(|w| w.per_head)))
         };
+        self.stack(xs, attend, train)
+    }
+
+    /// Norms, attention (`attend`, called once), MLP and residuals in the family's order.
+    fn stack(
+        &self,
+        xs: &Tensor,
+        attend: impl FnOnce(&Tensor) -> Result<(Tensor, Option<Tensor>)>,
+        train: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let drop = |t: Tensor| self.resid_drop.forward(&t, train);
         match (self.placement, self.parallel) {
             (NormPlacement::Pre, false) => {

@@ -475,6 +475,20 @@ impl Gpt {
             };
             stages.push((format!("block {i}"), xs.clone()));
         }
+        Ok((self.head(xs, logits, &stages, train)?, weights))
+    }
+
+    /// Final norm and LM head on `xs [b, t, d]`; names the first stage whose output is not
+    /// finite when the logits are not.
+    fn head(
+        &self,
+        xs: Tensor,
+        logits: Logits,
+        stages: &[(String, Tensor)],
+        train: bool,
+    ) -> Result<Tensor> {
+        let t = xs.dim(1)?;
+        let mut xs = xs;
         if logits == Logits::Last {
             xs = xs.narrow(1, t - 1, 1)?;
         }
@@ -494,7 +508,56 @@ impl Gpt {
                 });
             bail!("non-finite values (NaN or Inf) first appear in the output of {culprit}; check the weights (gpt --check-weights)")
         }
-        Ok((logits, weights))
+        Ok(logits)
+    }
+
+    /// Inference logits for a batch whose rows are separate sequences, each with its own
+    /// cache of any length: continuous batching, where sequences join and leave a running
+    /// batch between steps. Every matrix product runs once for the whole batch; each row
+    /// attends to its own cache. Row `i` equals `infer(ids[i], None, caches[i], logits)`.
+    ///
+    /// # Shapes
+    /// - `ids`: `[rows, t]`, row `i` at positions `caches[i].len()..+t` (decoding: `t = 1`)
+    /// - returns `[rows, t, vocab]`, or `[rows, 1, vocab]` with [`Logits::Last`]
+    pub fn infer_rows(
+        &self,
+        ids: &Tensor,
+        caches: &mut [&mut GptCache],
+        logits: Logits,
+    ) -> Result<Tensor> {
+        let longest = caches.iter().map(|c| c.len()).max().unwrap_or(0);
+        let ids = self.check_ids(ids, longest)?;
+        let (rows, t) = ids.dims2()?;
+        if caches.len() != rows {
+            bail!("{rows} rows of ids need as many caches, got {}", caches.len())
+        }
+        if let Some(c) = caches.iter().find(|c| c.layers.len() != self.h.len()) {
+            bail!(
+                "cache has {} layers, the model {}",
+                c.layers.len(),
+                self.h.len()
+            )
+        }
+        let pos: Vec<u32> = caches
+            .iter()
+            .flat_map(|c| (c.len()..c.len() + t).map(|p| p as u32))
+            .collect();
+        let pos = Tensor::from_vec(pos, (rows, t), self.device())?;
+        // (rows, t, d)
+        let mut xs = self.wte.rows(&ids)?;
+        if let Some(wpe) = &self.wpe {
+            xs = (xs + wpe.embedding_rows(&pos)?)?;
+        }
+        let rope = self.rope_tables(&pos)?;
+        let mut stages = Vec::with_capacity(self.h.len() + 1);
+        stages.push(("the embeddings".to_string(), xs.clone()));
+        for (i, block) in self.h.iter().enumerate() {
+            let mut layer: Vec<&mut KvCache> =
+                caches.iter_mut().map(|c| &mut c.layers[i]).collect();
+            xs = block.forward_rows(&xs, rope.as_ref(), &mut layer)?;
+            stages.push((format!("block {i}"), xs.clone()));
+        }
+        self.head(xs, logits, &stages, false)
     }
 
     /// Checks every weight for NaN and Inf; the error names the first bad tensor.

@@ -133,6 +133,110 @@ fn left_padded_rows_equal_rows_alone() {
     }
 }
 
+/// Continuous batching: sequences of different lengths, each with its own cache, decoded
+/// together in one batch (rows joining as they arrive) give each row the logits of that
+/// sequence decoded alone; f32 within 1e-5, q8_0 (whose products quantize each row of
+/// activations on its own) within 1e-4. GPT-2's learned positions and every rotary family.
+#[test]
+fn rows_with_their_own_caches_equal_rows_alone() {
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny");
+    let dirs = MODELS.iter().map(|n| (n.to_string(), fixture(n)));
+    for (name, dir) in dirs.chain([("gpt2".to_string(), tiny)]) {
+        let f32_model = load(&dir, DType::F32);
+        let q8 = f32_model.quantize(GgmlDType::Q8_0).unwrap();
+        for (model, tol, what) in [(&f32_model, 1e-5, "f32"), (&q8, 1e-4, "q8_0")] {
+            let vocab = model.config().vocab_size as u32;
+            // Three sequences with prompts of 5, 2 and 7 tokens.
+            let seqs: Vec<Vec<u32>> = [5usize, 2, 7]
+                .iter()
+                .enumerate()
+                .map(|(s, &n)| {
+                    (0..n as u32 + 6)
+                        .map(|i| (i * 7 + s as u32 * 13 + 1) % vocab)
+                        .collect()
+                })
+                .collect();
+            let prompt = [5usize, 2, 7];
+            let row = |ids: &[u32]| {
+                Tensor::new(ids, &Device::Cpu)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap()
+            };
+            // Each alone: prefill, then one token at a time.
+            let alone: Vec<Vec<Tensor>> = seqs
+                .iter()
+                .zip(prompt)
+                .map(|(s, p)| {
+                    let mut cache = GptCache::new(model.config(), 4);
+                    model
+                        .infer(&row(&s[..p]), None, Some(&mut cache), Logits::Last)
+                        .unwrap();
+                    (p..s.len())
+                        .map(|i| {
+                            model
+                                .infer(&row(&s[i..=i]), None, Some(&mut cache), Logits::Last)
+                                .unwrap()
+                        })
+                        .collect()
+                })
+                .collect();
+            // Together: sequence 2 joins one step after the others.
+            let mut caches: Vec<GptCache> =
+                (0..3).map(|_| GptCache::new(model.config(), 4)).collect();
+            let mut next = [0usize; 3];
+            for step in 0..7 {
+                let mut active = Vec::new();
+                for s in 0..3 {
+                    if s == 2 && step == 0 {
+                        continue;
+                    }
+                    if caches[s].is_empty() {
+                        model
+                            .infer(
+                                &row(&seqs[s][..prompt[s]]),
+                                None,
+                                Some(&mut caches[s]),
+                                Logits::Last,
+                            )
+                            .unwrap();
+                    }
+                    if prompt[s] + next[s] < seqs[s].len() {
+                        active.push(s);
+                    }
+                }
+                let ids: Vec<u32> = active
+                    .iter()
+                    .map(|&s| seqs[s][prompt[s] + next[s]])
+                    .collect();
+                let ids = Tensor::from_vec(ids, (active.len(), 1), &Device::Cpu).unwrap();
+                let mut rows: Vec<&mut GptCache> = caches
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(s, _)| active.contains(s))
+                    .map(|(_, c)| c)
+                    .collect();
+                let got = model.infer_rows(&ids, &mut rows, Logits::Last).unwrap();
+                for (r, &s) in active.iter().enumerate() {
+                    assert_close(
+                        &got.i(r..r + 1).unwrap(),
+                        &alone[s][next[s]],
+                        tol,
+                        tol,
+                        &format!("{name} {what}: sequence {s}, step {step}"),
+                    );
+                    next[s] += 1;
+                }
+            }
+            assert_eq!(
+                next,
+                [6, 6, 6],
+                "{name}: every step of every sequence was compared"
+            );
+        }
+    }
+}
+
 /// The hub's older field names (top-level `rope_theta`/`rope_scaling`, NeoX's `rotary_pct`
 /// and `rotary_emb_base`, Qwen2 without `layer_types`) read as the same model.
 #[test]

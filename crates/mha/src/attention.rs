@@ -392,77 +392,18 @@ impl MultiHeadAttention {
             bail!("attention weights are not returned from cached steps")
         }
         let cfg = &self.cfg;
-        let (h, h_kv, hd) = (cfg.n_heads, cfg.kv_heads(), cfg.head_dim());
         let (b, tq) = check_input(query, "query", None, cfg.d_model)?;
         let (_, tk) = check_input(key, "key", Some(b), cfg.k_dim())?;
         let (_, tv) = check_input(value, "value", Some(b), cfg.v_dim())?;
         if tk != tv {
             bail!("attention: key length {tk} and value length {tv} differ")
         }
-        let self_attention = query.id() == key.id() && key.id() == value.id();
-        let (q, k, v) = match (&self.proj.qkv, self_attention) {
-            // One product for all three when the checkpoint stores them fused.
-            (Some(qkv), true) => {
-                let qkv = qkv.forward(query)?;
-                let kv = cfg.kv_width();
-                (
-                    qkv.narrow(2, 0, cfg.d_model)?,
-                    qkv.narrow(2, cfg.d_model, kv)?,
-                    qkv.narrow(2, cfg.d_model + kv, kv)?,
-                )
-            }
-            _ => (
-                self.proj.q.forward(query)?,
-                self.proj.k.forward(key)?,
-                self.proj.v.forward(value)?,
-            ),
+        let offset = match &cache {
+            Some(c) => c.len(),
+            None => mask.causal.unwrap_or(0),
         };
-        // (b, t, h·hd) -> (b, h, t, hd)
-        let q = q.reshape((b, tq, h, hd))?.transpose(1, 2)?;
-        let k = k.reshape((b, tk, h_kv, hd))?.transpose(1, 2)?;
-        let v = v.reshape((b, tk, h_kv, hd))?.transpose(1, 2)?;
-        // Half-precision inference on the CPU attends in f32, where the fused kernel runs,
-        // and keeps its cache in f32: widening the new rows once is cheaper than widening
-        // every cached row at every step as the reference path's f32 scores would.
-        let dtype = q.dtype();
-        let dropout_on = self.dropout.is_active(train);
-        let widen = q.device().is_cpu()
-            && matches!(dtype, DType::F16 | DType::BF16)
-            && !need_weights
-            && !dropout_on
-            && !(q.track_op() || k.track_op() || v.track_op());
-        let (q, k, v) = if widen {
-            (
-                q.to_dtype(DType::F32)?,
-                k.to_dtype(DType::F32)?,
-                v.to_dtype(DType::F32)?,
-            )
-        } else {
-            (q, k, v)
-        };
-        // Rotate the queries and the new keys at their positions; the cache keeps rotated
-        // keys, so earlier positions are never rotated again.
-        let (q, k) = match &self.rope {
-            None => (q, k),
-            Some(r) => {
-                if tk != tq {
-                    bail!("attention: rotary embeddings need as many keys as queries (self-attention), got {tq} queries and {tk} keys")
-                }
-                let own;
-                let tables = match rope {
-                    Some(t) => t,
-                    None => {
-                        let offset = match &cache {
-                            Some(c) => c.len(),
-                            None => mask.causal.unwrap_or(0),
-                        };
-                        own = r.tables_from(b, tq, offset, q.device())?;
-                        &own
-                    }
-                };
-                (r.apply(&q, tables)?, r.apply(&k, tables)?)
-            }
-        };
+        let exact = need_weights || self.dropout.is_active(train);
+        let Projected { q, k, v, dtype } = self.project(query, key, value, rope, offset, exact)?;
         let (k, v) = match cache {
             Some(cache) => cache.append(&k, &v)?,
             None => (k, v),
@@ -489,6 +430,145 @@ impl MultiHeadAttention {
         let weights = weights.map(|per_head| AttnWeights { per_head });
         Ok((self.proj.o.forward(&ys)?, weights))
     }
+
+    /// Self-attention of a batch whose rows are separate sequences, each with its own cache
+    /// of any length: continuous batching, where sequences join and leave a running batch.
+    /// The projections run once for the whole batch (one pass over the weights); each row
+    /// then appends its keys and values to its own cache and attends to it. Inference only.
+    ///
+    /// # Shapes
+    /// - `xs`: `[rows, t, d_model]`; row `i` holds positions `caches[i].len()..+t`
+    /// - `rope`: the rotary tables of those positions, `[rows, t, rotary_dim / 2]`; `None`
+    ///   computes them from the cache lengths
+    /// - returns `[rows, t, d_model]`, row `i` equal to that row run alone with its cache
+    pub fn forward_rows(
+        &self,
+        xs: &Tensor,
+        rope: Option<&RopeTables>,
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (rows, t) = check_input(xs, "input", None, cfg.d_model)?;
+        if caches.len() != rows {
+            bail!(
+                "attention: {rows} rows need as many caches, got {}",
+                caches.len()
+            )
+        }
+        let own;
+        let rope = match (&self.rope, rope) {
+            (Some(r), None) => {
+                let pos: Vec<u32> = caches
+                    .iter()
+                    .flat_map(|c| (c.len()..c.len() + t).map(|p| p as u32))
+                    .collect();
+                own = r.tables(&Tensor::from_vec(pos, (rows, t), xs.device())?)?;
+                Some(&own)
+            }
+            (_, given) => given,
+        };
+        let Projected { q, k, v, dtype } = self.project(xs, xs, xs, rope, 0, false)?;
+        let params = SdpaParams::inference(cfg.softmax_scale());
+        let mut ys = Vec::with_capacity(rows);
+        for (i, cache) in caches.iter_mut().enumerate() {
+            let mut mask = Mask::causal(cache.len());
+            mask.window = cfg.window;
+            let (k, v) = cache.append(&k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?)?;
+            ys.push(sdpa(&q.narrow(0, i, 1)?, &k, &v, &mask, &params)?.0);
+        }
+        // (rows, h, t, hd) -> (rows, t, h·hd)
+        let ys = Tensor::cat(&ys, 0)?
+            .to_dtype(dtype)?
+            .transpose(1, 2)?
+            .reshape((rows, t, cfg.d_model))?;
+        self.proj.o.forward(&ys)
+    }
+
+    /// Projects the inputs to heads `[b, heads, t, head_dim]` and rotates queries and keys
+    /// at their positions (`rope`, or `offset..offset + t`). Half-precision inference on
+    /// the CPU is widened to f32 unless `exact` (weights or dropout asked for).
+    fn project(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        rope: Option<&RopeTables>,
+        offset: usize,
+        exact: bool,
+    ) -> Result<Projected> {
+        let cfg = &self.cfg;
+        let (h, h_kv, hd) = (cfg.n_heads, cfg.kv_heads(), cfg.head_dim());
+        let (b, tq, _) = query.dims3()?;
+        let tk = key.dim(1)?;
+        let self_attention = query.id() == key.id() && key.id() == value.id();
+        let (q, k, v) = match (&self.proj.qkv, self_attention) {
+            // One product for all three when the checkpoint stores them fused.
+            (Some(qkv), true) => {
+                let qkv = qkv.forward(query)?;
+                let kv = cfg.kv_width();
+                (
+                    qkv.narrow(2, 0, cfg.d_model)?,
+                    qkv.narrow(2, cfg.d_model, kv)?,
+                    qkv.narrow(2, cfg.d_model + kv, kv)?,
+                )
+            }
+            _ => (
+                self.proj.q.forward(query)?,
+                self.proj.k.forward(key)?,
+                self.proj.v.forward(value)?,
+            ),
+        };
+        // (b, t, h·hd) -> (b, h, t, hd)
+        let q = q.reshape((b, tq, h, hd))?.transpose(1, 2)?;
+        let k = k.reshape((b, tk, h_kv, hd))?.transpose(1, 2)?;
+        let v = v.reshape((b, tk, h_kv, hd))?.transpose(1, 2)?;
+        // Half-precision inference on the CPU attends in f32, where the fused kernel runs,
+        // and keeps its cache in f32: widening the new rows once is cheaper than widening
+        // every cached row at every step as the reference path's f32 scores would.
+        let dtype = q.dtype();
+        let widen = q.device().is_cpu()
+            && matches!(dtype, DType::F16 | DType::BF16)
+            && !exact
+            && !(q.track_op() || k.track_op() || v.track_op());
+        let (q, k, v) = if widen {
+            (
+                q.to_dtype(DType::F32)?,
+                k.to_dtype(DType::F32)?,
+                v.to_dtype(DType::F32)?,
+            )
+        } else {
+            (q, k, v)
+        };
+        // Rotate the queries and the new keys at their positions; the cache keeps rotated
+        // keys, so earlier positions are never rotated again.
+        let (q, k) = match &self.rope {
+            None => (q, k),
+            Some(r) => {
+                if tk != tq {
+                    bail!("attention: rotary embeddings need as many keys as queries (self-attention), got {tq} queries and {tk} keys")
+                }
+                let own;
+                let tables = match rope {
+                    Some(t) => t,
+                    None => {
+                        own = r.tables_from(b, tq, offset, q.device())?;
+                        &own
+                    }
+                };
+                (r.apply(&q, tables)?, r.apply(&k, tables)?)
+            }
+        };
+        Ok(Projected { q, k, v, dtype })
+    }
+}
+
+/// Queries, keys and values `[b, heads, t, head_dim]` after projection and rotation, and
+/// the layer's dtype (they may have been widened to f32).
+struct Projected {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dtype: DType,
 }
 
 /// Checks a `[batch, seq, width]` input and returns `(batch, seq)`.
