@@ -529,7 +529,10 @@ impl Gpt {
         let ids = self.check_ids(ids, longest)?;
         let (rows, t) = ids.dims2()?;
         if caches.len() != rows {
-            bail!("{rows} rows of ids need as many caches, got {}", caches.len())
+            bail!(
+                "{rows} rows of ids need as many caches, got {}",
+                caches.len()
+            )
         }
         if let Some(c) = caches.iter().find(|c| c.layers.len() != self.h.len()) {
             bail!(

@@ -11,6 +11,7 @@ mod gguf_tokenizer;
 mod inspect;
 mod plot;
 mod score;
+mod serve;
 mod tokenizer;
 mod trace;
 mod train;
@@ -58,6 +59,8 @@ enum Command {
     Trace(trace::TraceArgs),
     /// Train a GPT on text files.
     Train(train::TrainArgs),
+    /// Serve the OpenAI HTTP API (completions, chat) with continuous batching.
+    Serve(serve::ServeArgs),
     /// Write the model as a GGUF file for llama.cpp (f32, f16, q8_0, q4_0).
     Convert(convert::ConvertArgs),
 }
@@ -74,6 +77,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Trace(a) => trace::run(a, m),
         Command::Train(a) => train::run(a, m),
         Command::Convert(a) => convert::run(a, m),
+        Command::Serve(a) => serve::run(a, m),
     }
 }
 

@@ -1,0 +1,266 @@
+//! `gpt serve`: the OpenAI HTTP API (`/v1/completions`, `/v1/chat/completions`,
+//! `/v1/models`) with continuous batching, plus `/health` and Prometheus `/metrics`.
+//!
+//! Threads: the scheduler ([`engine`]) owns the model and runs on the command's own
+//! thread (a worker of the pool the kernels split on); tokio's threads serve HTTP. They
+//! meet in a bounded queue of jobs, and each job streams its tokens back on its own
+//! channel.
+
+mod api;
+mod engine;
+mod metrics;
+mod routes;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokenizers::Tokenizer;
+use tokio::sync::Semaphore;
+
+use crate::chat_template::ChatTemplate;
+use crate::common::{self, Loaded, ModelArgs};
+use api::ModelInfo;
+use engine::Queue;
+use metrics::Metrics;
+
+/// Options of `gpt serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on. Without --api-key, keep it a loopback address.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: the OS picks one; the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Most sequences decoded together in one step.
+    #[arg(long, default_value_t = 16)]
+    pub max_batch: usize,
+    /// Most requests waiting for a place in the batch; past it, 429.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Require `Authorization: Bearer KEY` on /v1 (also from GPT_API_KEY).
+    #[arg(long, env = "GPT_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// The model's name in the API (default: the --model argument, or `gpt-default`).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Most open connections; more are closed at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's headers (slow clients are dropped).
+    #[arg(long, default_value_t = 10)]
+    pub header_timeout: u64,
+    /// Seconds in-flight requests get to finish after SIGTERM or Ctrl-C; then they are
+    /// cancelled.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace: u64,
+}
+
+/// What the HTTP handlers and the scheduler share.
+pub struct Shared {
+    model_name: String,
+    tokenizer: Option<Arc<Tokenizer>>,
+    chat: ChatTemplate,
+    n_positions: usize,
+    vocab_size: usize,
+    eos: Option<u32>,
+    queue: Queue,
+    metrics: Arc<Metrics>,
+    /// Set on SIGTERM / Ctrl-C: nothing new is accepted.
+    draining: AtomicBool,
+    api_key: Option<String>,
+    /// Unix time the server started (the model's `created`).
+    created: u64,
+    ids: AtomicU64,
+}
+
+impl Shared {
+    fn info(&self) -> ModelInfo<'_> {
+        ModelInfo {
+            tokenizer: self.tokenizer.as_deref(),
+            chat: &self.chat,
+            n_positions: self.n_positions,
+            vocab_size: self.vocab_size,
+            eos: self.eos,
+            name: &self.model_name,
+        }
+    }
+
+    fn next_id(&self) -> u64 {
+        self.ids.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// Runs `gpt serve` until SIGTERM or Ctrl-C.
+pub fn run(a: &ServeArgs, margs: &ModelArgs) -> Result<()> {
+    for (name, v) in [
+        ("--max-batch", a.max_batch),
+        ("--max-queue", a.max_queue),
+        ("--max-connections", a.max_connections),
+    ] {
+        if v == 0 {
+            bail!("{name} must be at least 1")
+        }
+    }
+    if a.api_key.as_deref() == Some("") {
+        bail!("--api-key must not be empty")
+    }
+    let Loaded {
+        model,
+        tokenizer,
+        chat,
+        source,
+    } = common::load(margs)?;
+    let cfg = model.config();
+    let model_name = match (&a.served_model_name, &margs.model) {
+        (Some(n), _) => n.clone(),
+        (None, Some(m)) => m.clone(),
+        (None, None) => "gpt-default".into(),
+    };
+    let listener = std::net::TcpListener::bind((a.host.as_str(), a.port))
+        .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    if a.api_key.is_none() && !addr.ip().is_loopback() {
+        eprintln!(
+            "warning: listening on {addr} without --api-key: anyone who can reach this address can use the model"
+        );
+    }
+    let metrics = Arc::new(Metrics::default());
+    let (queue, jobs) = Queue::new(a.max_queue, metrics.clone());
+    let shared = Arc::new(Shared {
+        model_name,
+        tokenizer: tokenizer.map(Arc::new),
+        chat,
+        n_positions: cfg.n_positions,
+        vocab_size: cfg.vocab_size,
+        eos: cfg.eos_token_id,
+        queue,
+        metrics,
+        draining: AtomicBool::new(false),
+        api_key: a.api_key.clone(),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        ids: AtomicU64::new(0),
+    });
+    // HTTP needs little CPU; the cores are the model's.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let limits = Limits {
+        connections: a.max_connections,
+        header_timeout: Duration::from_secs(a.header_timeout.max(1)),
+        grace: Duration::from_secs(a.shutdown_grace),
+    };
+    let http = {
+        let _guard = rt.enter();
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        rt.spawn(serve_http(listener, shared.clone(), limits))
+    };
+    let template = match shared.chat.is_own() {
+        true => "the model's chat template",
+        false => "the plain User:/Assistant: format",
+    };
+    eprintln!(
+        "gpt serve: `{}` ({source}) on http://{addr} (max batch {}, queue {}; chat uses {template})",
+        shared.model_name, a.max_batch, a.max_queue
+    );
+    eprintln!("listening on http://{addr}");
+    engine::run(&model, jobs, &shared, a.max_batch, limits.grace);
+    // The scheduler returns once shutdown has drained it; let the connections finish.
+    rt.block_on(http).context("the HTTP server failed")??;
+    rt.shutdown_timeout(Duration::from_secs(1));
+    eprintln!("gpt serve: stopped");
+    Ok(())
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    connections: usize,
+    header_timeout: Duration,
+    grace: Duration,
+}
+
+/// Accepts connections until a shutdown signal, then waits (up to the grace period and a
+/// little) for open connections to finish.
+async fn serve_http(
+    listener: tokio::net::TcpListener,
+    shared: Arc<Shared>,
+    limits: Limits,
+) -> Result<()> {
+    let app = routes::router(shared.clone());
+    let permits = Arc::new(Semaphore::new(limits.connections));
+    let graceful = GracefulShutdown::new();
+    let mut signal = std::pin::pin!(shutdown_signal());
+    loop {
+        let (stream, _peer): (tokio::net::TcpStream, SocketAddr) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(c) => c,
+                // Out of file descriptors and the like: wait a moment, keep serving.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut signal => break,
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            drop(stream); // over the connection limit
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let svc = TowerToHyperService::new(app.clone());
+        let conn = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_timeout)
+            .serve_connection(TokioIo::new(stream), svc);
+        let conn = graceful.watch(conn);
+        let metrics = shared.metrics.clone();
+        metrics.connections.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(async move {
+            let _ = conn.await;
+            metrics.connections.fetch_sub(1, Ordering::Relaxed);
+            drop(permit);
+        });
+    }
+    eprintln!(
+        "gpt serve: shutting down (in-flight requests get {} s)",
+        limits.grace.as_secs()
+    );
+    shared.draining.store(true, Ordering::SeqCst);
+    drop(listener);
+    let _ = tokio::time::timeout(limits.grace + Duration::from_secs(5), graceful.shutdown()).await;
+    Ok(())
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
