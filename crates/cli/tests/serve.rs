@@ -1,0 +1,607 @@
+//! `gpt serve` end to end: a real server process on 127.0.0.1 with a port the OS picks,
+//! driven over HTTP (and by the official `openai` Python client), every request and loop
+//! bounded in count and time. Outputs are checked against `gpt generate` on the same
+//! prompts; batching against each request run alone.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const PROMPT: &str = "ROMEO:";
+
+/// A `gpt serve` child process, killed when dropped.
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gpt"))
+            .args([
+                "--threads",
+                "2",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+            ])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        // Reads the server's log until it closes; the address goes to the test.
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(addr) = line.strip_prefix("listening on ") {
+                    let _ = tx.send(addr.to_string());
+                }
+                assert!(!line.contains("panicked"), "server: {line}");
+            }
+        });
+        let base = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the server did not start listening within 60 s");
+        assert!(base.starts_with("http://127.0.0.1:"), "{base}");
+        Server { child, base }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Status and body of a request (any status).
+    fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+        key: Option<&str>,
+    ) -> (u16, String) {
+        let mut req = ureq::request(method, &self.url(path)).timeout(Duration::from_secs(60));
+        if let Some(k) = key {
+            req = req.set("Authorization", &format!("Bearer {k}"));
+        }
+        let res = match body {
+            Some(b) => req.set("Content-Type", "application/json").send_string(b),
+            None => req.call(),
+        };
+        match res {
+            Ok(r) => (r.status(), r.into_string().unwrap()),
+            Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap()),
+            Err(e) => panic!("{method} {path}: {e}"),
+        }
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (status, text) = self.call("POST", path, Some(&body.to_string()), None);
+        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        (status, v)
+    }
+
+    fn complete(&self, body: Value) -> Value {
+        let (status, v) = self.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        v
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.call("GET", "/metrics", None, None);
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} not in /metrics"))
+    }
+
+    /// SIGTERM, then the exit status (within `limit`).
+    fn terminate(&mut self, limit: Duration) -> ExitStatus {
+        // SAFETY: sending a signal to our own child process.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                start.elapsed() < limit,
+                "the server did not stop within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What `gpt generate` prints (its JSON `text`) for these arguments.
+fn generate(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpt"))
+        .args(["--threads", "2", "generate", "--format", "json"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["text"].as_str().unwrap().to_string()
+}
+
+/// Text of the first choice.
+fn text(v: &Value) -> &str {
+    v["choices"][0]["text"].as_str().unwrap()
+}
+
+/// Greedy and seeded completions equal `gpt generate`; chat equals `gpt generate --chat`;
+/// streaming gives the same text; stop strings cut; batched requests equal requests alone.
+#[test]
+fn answers_equal_gpt_generate_and_batching_changes_nothing() {
+    let server = Server::start(&[]);
+    assert_eq!(server.call("GET", "/health", None, None).0, 200);
+    let (status, models) = server.call("GET", "/v1/models", None, None);
+    assert_eq!(status, 200);
+    assert!(models.contains("\"id\":\"gpt-default\""), "{models}");
+
+    let greedy = generate(&[
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "24",
+        "--temperature",
+        "0",
+    ]);
+    let v = server.complete(
+        json!({"model": "gpt-default", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}),
+    );
+    assert_eq!(text(&v), greedy);
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+
+    let seeded = generate(&[
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "24",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "5",
+    ]);
+    let v =
+        server.complete(json!({"prompt": PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": 5}));
+    assert_eq!(text(&v), seeded);
+
+    let chat = generate(&[
+        "--chat",
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "24",
+        "--temperature",
+        "0",
+    ]);
+    let (status, v) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], chat.as_str());
+    assert_eq!(v["object"], "chat.completion");
+
+    // Streaming: the same text in several events, usage at the end, then [DONE].
+    let (status, body) = server.call(
+        "POST",
+        "/v1/completions",
+        Some(
+            &json!({"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stream": true})
+                .to_string(),
+        ),
+        None,
+    );
+    assert_eq!(status, 200);
+    let events: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let streamed: String = chunks.iter().map(text).collect();
+    assert_eq!(streamed, greedy);
+    assert!(chunks.len() > 2);
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 24);
+
+    // A stop string in the middle of the greedy text ends it there.
+    let cut = greedy
+        .char_indices()
+        .nth(greedy.chars().count() / 2)
+        .unwrap()
+        .0;
+    let stop: String = greedy[cut..].chars().take(3).collect();
+    let v = server
+        .complete(json!({"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stop": stop}));
+    assert_eq!(text(&v), &greedy[..greedy.find(&stop).unwrap()]);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    // Eight clients at once, each with its own prompt: each gets what it gets alone.
+    let prompts: Vec<String> = (0..8)
+        .map(|i| {
+            format!(
+                "{PROMPT} {}",
+                ["I", "the", "a", "my", "O", "what", "no", "good"][i]
+            )
+        })
+        .collect();
+    let alone: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            text(&server.complete(json!({"prompt": p, "max_tokens": 40, "temperature": 0})))
+                .to_string()
+        })
+        .collect();
+    let before = server.metric("gpt_step_batch_size_count");
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let server = &server;
+                s.spawn(move || {
+                    text(&server.complete(json!({"prompt": p, "max_tokens": 40, "temperature": 0})))
+                        .to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone);
+    let (_, metrics) = server.call("GET", "/metrics", None, None);
+    // Steps taken with one sequence are fewer than all steps: some ran batched.
+    let single = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("gpt_step_batch_size_bucket{le=\"1\"} ")?
+                .parse::<f64>()
+                .ok()
+        })
+        .unwrap();
+    let steps = server.metric("gpt_step_batch_size_count");
+    assert!(
+        steps > before && single < steps,
+        "no step ran more than one sequence:\n{metrics}"
+    );
+    assert!(metrics.contains("gpt_requests_total{endpoint=\"completions\",status=\"200\"}"));
+}
+
+/// Every mistake is a 4xx in OpenAI's error shape, hostile requests included, and the server
+/// keeps serving.
+#[test]
+fn bad_and_hostile_requests_get_clean_errors() {
+    let server = Server::start(&["--header-timeout", "1"]);
+    let cases: Vec<(String, u16, &str)> = vec![
+        ("{not json".into(), 400, "not valid JSON"),
+        ("[1, 2]".into(), 400, "JSON object"),
+        (
+            r#"{"prompt": "x", "temperature": "hot"}"#.into(),
+            400,
+            "temperature",
+        ),
+        (
+            r#"{"prompt": "x", "temperature": -0.5}"#.into(),
+            400,
+            "temperature",
+        ),
+        (r#"{"prompt": "x", "top_p": 1.5}"#.into(), 400, "top_p"),
+        (
+            r#"{"prompt": "x", "max_tokens": -3}"#.into(),
+            400,
+            "max_tokens",
+        ),
+        (
+            r#"{"prompt": "x", "max_tokens": 1e300}"#.into(),
+            400,
+            "max_tokens",
+        ),
+        (r#"{"prompt": "x", "n": 3}"#.into(), 400, "`n` must be 1"),
+        (
+            r#"{"prompt": [5000000]}"#.into(),
+            400,
+            "outside the vocabulary",
+        ),
+        (
+            r#"{"prompt": "x", "model": "gpt-4"}"#.into(),
+            404,
+            "does not exist",
+        ),
+        (
+            r#"{"prompt": "x", "max_tokens": 100000}"#.into(),
+            400,
+            "maximum context length",
+        ),
+        (
+            format!(r#"{{"prompt": "{}"}}"#, "word ".repeat(2000)),
+            400,
+            "maximum context length",
+        ),
+        (
+            json!({"prompt": "x", "stop": vec!["s"; 10_000]}).to_string(),
+            400,
+            "stop strings",
+        ),
+        (r#"{"prompt": "x", "seed": "seven"}"#.into(), 400, "seed"),
+    ];
+    for (body, status, needle) in &cases {
+        let (got, text) = server.call("POST", "/v1/completions", Some(body), None);
+        assert_eq!(got, *status, "{}: {text}", &body[..body.len().min(80)]);
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
+        assert!(v["error"]["type"].is_string());
+    }
+    let (status, v) = server.post("/v1/chat/completions", &json!({"messages": "hello"}));
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("messages"))
+    );
+    // Not UTF-8, too large, wrong method, no such path.
+    let raw = |bytes: &[u8]| -> String {
+        let mut s = TcpStream::connect(server.base.trim_start_matches("http://")).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            bytes.len()
+        );
+        s.write_all(head.as_bytes()).unwrap();
+        let _ = s.write_all(bytes);
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out
+    };
+    let reply = raw(b"{\"prompt\": \"\xff\xfe\"}");
+    assert!(reply.starts_with("HTTP/1.1 400"), "{reply}");
+    let reply = raw(&vec![b' '; 3 << 20]);
+    assert!(
+        reply.starts_with("HTTP/1.1 413"),
+        "{}",
+        &reply[..reply.len().min(200)]
+    );
+    assert_eq!(server.call("GET", "/v1/completions", None, None).0, 405);
+    let (status, body) = server.call("GET", "/v2/nothing", None, None);
+    assert_eq!(status, 404);
+    assert!(body.contains("\"error\""));
+
+    // A client that sends half its headers and stalls is cut off after --header-timeout.
+    let start = Instant::now();
+    let mut slow = TcpStream::connect(server.base.trim_start_matches("http://")).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    slow.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = slow.read_to_end(&mut buf);
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "slow client kept for {:?}",
+        start.elapsed()
+    );
+    // Still serving.
+    let v = server.complete(json!({"prompt": PROMPT, "max_tokens": 3}));
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+}
+
+/// Past --max-queue, 429s; the requests that were taken all finish well-formed.
+#[test]
+fn a_full_queue_answers_429() {
+    let server = Server::start(&["--max-batch", "1", "--max-queue", "1"]);
+    let statuses: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..6)
+            .map(|_| {
+                let server = &server;
+                s.spawn(move || {
+                    server.post(
+                        "/v1/completions",
+                        &json!({"prompt": PROMPT, "max_tokens": 200, "temperature": 0}),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let rejected: Vec<&Value> = statuses
+        .iter()
+        .filter(|(s, _)| *s == 429)
+        .map(|(_, v)| v)
+        .collect();
+    assert!(
+        !rejected.is_empty(),
+        "no 429 from 6 requests with a queue of 1: {statuses:?}"
+    );
+    for v in rejected {
+        assert_eq!(v["error"]["code"], "queue_full");
+    }
+    for (s, v) in &statuses {
+        assert!(
+            *s == 429 || (*s == 200 && v["usage"]["completion_tokens"] == 200),
+            "{s} {v}"
+        );
+    }
+    assert_eq!(server.metric("gpt_queue_length"), 0.0);
+}
+
+/// With --api-key, /v1 needs `Authorization: Bearer KEY`; /health does not.
+#[test]
+fn api_key_is_checked() {
+    let server = Server::start(&["--api-key", "s3cret"]);
+    let body = json!({"prompt": PROMPT, "max_tokens": 2}).to_string();
+    assert_eq!(
+        server.call("POST", "/v1/completions", Some(&body), None).0,
+        401
+    );
+    assert_eq!(
+        server
+            .call("POST", "/v1/completions", Some(&body), Some("wrong"))
+            .0,
+        401
+    );
+    assert_eq!(server.call("GET", "/v1/models", None, Some("s3cre")).0, 401);
+    assert_eq!(
+        server
+            .call("POST", "/v1/completions", Some(&body), Some("s3cret"))
+            .0,
+        200
+    );
+    assert_eq!(server.call("GET", "/health", None, None).0, 200);
+}
+
+/// A streaming client that disconnects frees its slot at once (the sequence stops
+/// decoding), and SIGTERM lets an in-flight request finish, then exits cleanly.
+#[test]
+fn disconnects_free_slots_and_sigterm_drains() {
+    let mut server = Server::start(&[]);
+    let addr = server.base.trim_start_matches("http://").to_string();
+    let body =
+        json!({"prompt": PROMPT, "max_tokens": 250, "temperature": 0, "stream": true}).to_string();
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    s.read_exact(&mut first).unwrap();
+    drop(s);
+    // The generated-token count stops short of the 250 asked for.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while server.metric("gpt_batch_size") > 0.0 {
+        assert!(Instant::now() < deadline, "the slot was not freed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let generated = server.metric("gpt_generated_tokens_total");
+    assert!(
+        generated < 250.0,
+        "the disconnected sequence ran to the end ({generated} tokens)"
+    );
+
+    // SIGTERM while a request runs: it completes, then the process exits 0.
+    let long = json!({"prompt": PROMPT, "max_tokens": 200, "temperature": 0});
+    let status = std::thread::scope(|sc| {
+        let server_ref = &server;
+        let h = sc.spawn(move || server_ref.post("/v1/completions", &long));
+        // Wait until it is running.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while server_ref.metric("gpt_batch_size") == 0.0 && !h.is_finished() {
+            assert!(Instant::now() < deadline, "the request never started");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let pid = server_ref.child.id();
+        // SAFETY: signalling our own child process.
+        unsafe {
+            libc::kill(pid as libc::pid_t, libc::SIGTERM);
+        }
+        h.join().unwrap()
+    });
+    assert_eq!(status.0, 200, "{}", status.1);
+    assert_eq!(status.1["usage"]["completion_tokens"], 200);
+    let exit = server.terminate(Duration::from_secs(30));
+    assert!(exit.success(), "{exit:?}");
+}
+
+/// The official `openai` Python client, pinned in tests/openai/requirements.txt and
+/// installed into a virtual environment under the target directory on first use.
+#[test]
+fn the_openai_python_client_works() {
+    let Some(python) = openai_python() else {
+        return;
+    };
+    let server = Server::start(&[]);
+    let expected = json!({
+        "prompt": PROMPT,
+        "greedy": generate(&["--prompt", PROMPT, "--max-new-tokens", "24", "--temperature", "0"]),
+        "seeded": generate(&["--prompt", PROMPT, "--max-new-tokens", "24", "--temperature", "0.8", "--seed", "5"]),
+        "chat": generate(&["--chat", "--system", "Answer briefly.", "--prompt", PROMPT, "--max-new-tokens", "24", "--temperature", "0"]),
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("expected.json");
+    std::fs::write(&path, expected.to_string()).unwrap();
+    let out = Command::new(&python)
+        .arg(openai_dir().join("client_checks.py"))
+        .arg(server.url("/v1"))
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "openai client checks failed:\n{stdout}\n{stderr}"
+    );
+    eprintln!("{stdout}");
+}
+
+fn openai_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai")
+}
+
+/// A Python with the pinned `openai` client, or `None` (with the reason printed) when this
+/// machine has no Python.
+fn openai_python() -> Option<PathBuf> {
+    let python = ["python3", "python"].into_iter().find(|p| {
+        Command::new(p)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    let Some(python) = python else {
+        eprintln!("skipped: no python3 on this machine, so the openai client cannot run");
+        return None;
+    };
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+    let bin = venv.join("bin/python");
+    let requirements = openai_dir().join("requirements.txt");
+    let stamp = venv.join("requirements.txt");
+    let wanted = std::fs::read_to_string(&requirements).unwrap();
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(wanted.as_str()) {
+        let run = |cmd: &mut Command| {
+            let out = cmd.output().unwrap();
+            assert!(
+                out.status.success(),
+                "{cmd:?} failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let _ = std::fs::remove_dir_all(&venv);
+        run(Command::new(python).args(["-m", "venv"]).arg(&venv));
+        run(Command::new(&bin)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "-r",
+            ])
+            .arg(&requirements));
+        std::fs::write(&stamp, wanted).unwrap();
+    }
+    Some(bin)
+}
