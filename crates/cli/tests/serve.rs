@@ -487,8 +487,14 @@ fn disconnects_free_slots_and_sigterm_drains() {
         body.len()
     )
     .unwrap();
-    let mut first = [0u8; 64];
-    s.read_exact(&mut first).unwrap();
+    // Read until the first token has arrived: the sequence is then in the running batch.
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 256];
+    while !String::from_utf8_lossy(&seen).contains("\"text\"") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0 && seen.len() < 1 << 16, "no token arrived");
+        seen.extend_from_slice(&buf[..n]);
+    }
     drop(s);
     // The generated-token count stops short of the 250 asked for.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -502,26 +508,39 @@ fn disconnects_free_slots_and_sigterm_drains() {
         "the disconnected sequence ran to the end ({generated} tokens)"
     );
 
-    // SIGTERM while a request runs: it completes, then the process exits 0.
-    let long = json!({"prompt": PROMPT, "max_tokens": 200, "temperature": 0});
-    let status = std::thread::scope(|sc| {
-        let server_ref = &server;
-        let h = sc.spawn(move || server_ref.post("/v1/completions", &long));
-        // Wait until it is running.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while server_ref.metric("gpt_batch_size") == 0.0 && !h.is_finished() {
-            assert!(Instant::now() < deadline, "the request never started");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let pid = server_ref.child.id();
-        // SAFETY: signalling our own child process.
-        unsafe {
-            libc::kill(pid as libc::pid_t, libc::SIGTERM);
-        }
-        h.join().unwrap()
-    });
-    assert_eq!(status.0, 200, "{}", status.1);
-    assert_eq!(status.1["usage"]["completion_tokens"], 200);
+    // SIGTERM while a stream is being read: it still completes, then the process exits 0.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("\"text\"") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0 && seen.len() < 1 << 16, "no token arrived");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    // SAFETY: signalling our own child process.
+    unsafe {
+        libc::kill(server.child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !String::from_utf8_lossy(&seen).contains("data: [DONE]") {
+        assert!(Instant::now() < deadline, "the stream did not finish");
+        let n = s.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "the stream was cut: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let seen = String::from_utf8_lossy(&seen);
+    assert!(seen.contains("\"completion_tokens\":250"), "{seen}");
     let exit = server.terminate(Duration::from_secs(30));
     assert!(exit.success(), "{exit:?}");
 }

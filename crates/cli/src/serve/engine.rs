@@ -145,7 +145,7 @@ pub fn run(model: &Gpt, jobs: Receiver<Job>, shared: &Shared, max_batch: usize, 
                     continue; // the client left while queued
                 }
                 let (index, events) = (job.index, job.events.clone());
-                match catch(|| prefill(model, job)) {
+                match catch(|| prefill(model, job, metrics)) {
                     Ok(Some(seq)) => active.push(seq),
                     Ok(None) => {}
                     Err(e) => {
@@ -163,7 +163,7 @@ pub fn run(model: &Gpt, jobs: Receiver<Job>, shared: &Shared, max_batch: usize, 
             continue;
         }
         metrics.step_batch.observe(active.len() as f64);
-        if let Err(e) = catch(|| step(model, &mut active)) {
+        if let Err(e) = catch(|| step(model, &mut active, metrics)) {
             // One failed step fails the sequences in it, not the server.
             for s in active.drain(..) {
                 s.job.send(Event::Failed(format!("{e:#}")));
@@ -189,7 +189,7 @@ fn catch<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
 
 /// Runs the prompt alone into a fresh cache and picks the first token. `None` when the
 /// sequence already ended (one token asked for, a stop token, a client gone).
-fn prefill(model: &Gpt, job: Job) -> Result<Option<Seq>> {
+fn prefill(model: &Gpt, job: Job, metrics: &Metrics) -> Result<Option<Seq>> {
     let capacity = job.prompt.len() + job.max_tokens;
     let mut seq = Seq {
         cache: GptCache::new(model.config(), capacity),
@@ -209,11 +209,11 @@ fn prefill(model: &Gpt, job: Job) -> Result<Option<Seq>> {
             .to_vec1::<f32>()?)
     };
     let logits = run(&mut seq)?;
-    Ok(advance(&mut seq, &logits)?.then_some(seq))
+    Ok(advance(&mut seq, &logits, metrics)?.then_some(seq))
 }
 
 /// One decoding step for every running sequence; those that end leave the batch.
-fn step(model: &Gpt, active: &mut Vec<Seq>) -> Result<()> {
+fn step(model: &Gpt, active: &mut Vec<Seq>, metrics: &Metrics) -> Result<()> {
     let n = active.len();
     let last: Vec<u32> = active.iter().map(Seq::last).collect();
     let ids = Tensor::from_vec(last, (n, 1), model.device())?;
@@ -223,7 +223,7 @@ fn step(model: &Gpt, active: &mut Vec<Seq>) -> Result<()> {
     let logits = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let mut keep = Vec::with_capacity(n);
     for (seq, row) in active.iter_mut().zip(&logits) {
-        keep.push(advance(seq, row)?);
+        keep.push(advance(seq, row, metrics)?);
     }
     let mut keep = keep.into_iter();
     active.retain(|_| keep.next().unwrap_or(false));
@@ -231,8 +231,9 @@ fn step(model: &Gpt, active: &mut Vec<Seq>) -> Result<()> {
 }
 
 /// Samples the next token from `logits`, sends it, and says whether the sequence goes on.
-fn advance(seq: &mut Seq, logits: &[f32]) -> Result<bool> {
+fn advance(seq: &mut Seq, logits: &[f32], metrics: &Metrics) -> Result<bool> {
     let id = seq.sampler.sample(logits, &seq.history)?;
+    metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
     seq.history.push(id);
     seq.generated += 1;
     let is_stop = seq.job.stop_ids.contains(&id);

@@ -376,10 +376,6 @@ impl Run {
                         let m = &self.shared.metrics;
                         m.first_token.observe(self.started.elapsed().as_secs_f64());
                     }
-                    self.shared
-                        .metrics
-                        .generated_tokens
-                        .fetch_add(1, Ordering::Relaxed);
                     choice.generated += 1;
                     if !t.is_stop {
                         choice.tokens.push(t);
