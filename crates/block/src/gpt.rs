@@ -98,6 +98,42 @@ impl GptCache {
     pub fn reset(&mut self) {
         self.layers.iter_mut().for_each(KvCache::reset)
     }
+
+    /// The cache of a left-padded batch split into one cache per row, each holding only its
+    /// row's real positions: row `i`'s last `lens[i]` positions. After a prefill with
+    /// [`Gpt::infer`] and a `keep` mask (positions then count real tokens only), row `i`'s
+    /// cache is the one its prompt would have made alone. Each new cache has room for
+    /// `capacity[i]` positions before it grows.
+    pub fn split_left_padded(&self, lens: &[usize], capacity: &[usize]) -> Result<Vec<GptCache>> {
+        let len = self.len();
+        if lens.len() != capacity.len() || lens.iter().any(|&l| l == 0 || l > len) {
+            bail!("split: row lengths {lens:?} do not fit a cache of {len} positions")
+        }
+        let mut rows: Vec<GptCache> = capacity
+            .iter()
+            .map(|&c| GptCache {
+                layers: (0..self.layers.len()).map(|_| KvCache::new(c)).collect(),
+            })
+            .collect();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let Some((k, v)) = layer.current()? else {
+                bail!("split: layer {l} of the cache is empty")
+            };
+            // (b, h_kv, len, d)
+            if k.dim(0)? != lens.len() {
+                bail!(
+                    "split: {} row lengths for a batch of {}",
+                    lens.len(),
+                    k.dim(0)?
+                )
+            }
+            for (i, (&n, row)) in lens.iter().zip(&mut rows).enumerate() {
+                let take = |t: &Tensor| t.narrow(0, i, 1)?.narrow(2, len - n, n);
+                row.layers[l].append(&take(&k)?, &take(&v)?)?;
+            }
+        }
+        Ok(rows)
+    }
 }
 
 /// A decoder-only language model of any supported [`Family`].

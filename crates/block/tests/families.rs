@@ -237,6 +237,96 @@ fn rows_with_their_own_caches_equal_rows_alone() {
     }
 }
 
+/// A left-padded prefill of prompts of different lengths, its cache split into one cache
+/// per row (`GptCache::split_left_padded`), then decoding them together with
+/// `infer_rows`: every step equals that prompt run alone (f32, 1e-5).
+#[test]
+fn split_left_padded_prefill_equals_rows_alone() {
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny");
+    let dirs = MODELS.iter().map(|n| (n.to_string(), fixture(n)));
+    for (name, dir) in dirs.chain([("gpt2".to_string(), tiny)]) {
+        let model = load(&dir, DType::F32);
+        let vocab = model.config().vocab_size as u32;
+        let lens = [5usize, 2, 7];
+        let seqs: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| {
+                (0..n as u32 + 4)
+                    .map(|i| (i * 5 + s as u32 * 11 + 2) % vocab)
+                    .collect()
+            })
+            .collect();
+        let row = |ids: &[u32]| {
+            Tensor::new(ids, &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap()
+        };
+        let alone: Vec<Vec<Tensor>> = seqs
+            .iter()
+            .zip(lens)
+            .map(|(s, p)| {
+                let mut cache = GptCache::new(model.config(), 4);
+                let mut out = vec![model
+                    .infer(&row(&s[..p]), None, Some(&mut cache), Logits::Last)
+                    .unwrap()];
+                for i in p..s.len() {
+                    out.push(
+                        model
+                            .infer(&row(&s[i..=i]), None, Some(&mut cache), Logits::Last)
+                            .unwrap(),
+                    );
+                }
+                out
+            })
+            .collect();
+        let longest = 7;
+        let mut ids = Vec::new();
+        let mut keep = Vec::new();
+        for (s, &n) in seqs.iter().zip(&lens) {
+            ids.extend(std::iter::repeat_n(0u32, longest - n).chain(s[..n].iter().copied()));
+            keep.extend(std::iter::repeat_n(0u8, longest - n).chain(std::iter::repeat_n(1u8, n)));
+        }
+        let ids = Tensor::from_vec(ids, (3, longest), &Device::Cpu).unwrap();
+        let keep = Tensor::from_vec(keep, (3, longest), &Device::Cpu).unwrap();
+        let mut batch = GptCache::new(model.config(), longest);
+        let first = model
+            .infer(&ids, Some(&keep), Some(&mut batch), Logits::Last)
+            .unwrap();
+        let mut caches = batch.split_left_padded(&lens, &[8, 8, 8]).unwrap();
+        for s in 0..3 {
+            assert_close(
+                &first.i(s..s + 1).unwrap(),
+                &alone[s][0],
+                1e-5,
+                1e-5,
+                &format!("{name}: prefill {s}"),
+            );
+            assert_eq!(caches[s].len(), lens[s]);
+        }
+        for step in 0..4 {
+            let next: Vec<u32> = (0..3).map(|s| seqs[s][lens[s] + step]).collect();
+            let next = Tensor::from_vec(next, (3, 1), &Device::Cpu).unwrap();
+            let mut rows: Vec<&mut GptCache> = caches.iter_mut().collect();
+            let got = model.infer_rows(&next, &mut rows, Logits::Last).unwrap();
+            for s in 0..3 {
+                assert_close(
+                    &got.i(s..s + 1).unwrap(),
+                    &alone[s][step + 1],
+                    1e-5,
+                    1e-5,
+                    &format!("{name}: sequence {s}, step {step}"),
+                );
+            }
+        }
+        // Lengths that do not fit are an error, not a panic.
+        assert!(batch.split_left_padded(&[8, 1, 1], &[8, 8, 8]).is_err());
+        assert!(batch.split_left_padded(&[0, 1, 1], &[8, 8, 8]).is_err());
+        assert!(batch.split_left_padded(&[1, 1], &[8, 8, 8]).is_err());
+    }
+}
+
 /// The hub's older field names (top-level `rope_theta`/`rope_scaling`, NeoX's `rotary_pct`
 /// and `rotary_emb_base`, Qwen2 without `layer_types`) read as the same model.
 #[test]

@@ -124,8 +124,9 @@ pub fn run(model: &Gpt, jobs: Receiver<Job>, shared: &Shared, max_batch: usize, 
         } else {
             // Admit new sequences up to the batch size: wait when idle, else take only
             // what is already queued.
-            while active.len() < max_batch {
-                let job = if active.is_empty() {
+            let mut admitted = Vec::new();
+            while active.len() + admitted.len() < max_batch {
+                let job = if active.is_empty() && admitted.is_empty() {
                     match jobs.recv_timeout(Duration::from_millis(50)) {
                         Ok(job) => job,
                         Err(RecvTimeoutError::Timeout) => break,
@@ -141,15 +142,18 @@ pub fn run(model: &Gpt, jobs: Receiver<Job>, shared: &Shared, max_batch: usize, 
                 metrics
                     .queue_wait
                     .observe(job.queued_at.elapsed().as_secs_f64());
-                if job.gone() {
-                    continue; // the client left while queued
+                if !job.gone() {
+                    admitted.push(job); // else the client left while queued
                 }
-                let (index, events) = (job.index, job.events.clone());
-                match catch(|| prefill(model, job, metrics)) {
-                    Ok(Some(seq)) => active.push(seq),
-                    Ok(None) => {}
+            }
+            for group in prefill_groups(admitted) {
+                let senders: Vec<_> = group.iter().map(|j| (j.index, j.events.clone())).collect();
+                match catch(|| prefill(model, group, metrics)) {
+                    Ok(seqs) => active.extend(seqs),
                     Err(e) => {
-                        let _ = events.send((index, Event::Failed(format!("{e:#}"))));
+                        for (index, events) in senders {
+                            let _ = events.send((index, Event::Failed(format!("{e:#}"))));
+                        }
                     }
                 }
             }
@@ -187,29 +191,78 @@ fn catch<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     })
 }
 
-/// Runs the prompt alone into a fresh cache and picks the first token. `None` when the
-/// sequence already ended (one token asked for, a stop token, a client gone).
-fn prefill(model: &Gpt, job: Job, metrics: &Metrics) -> Result<Option<Seq>> {
-    let capacity = job.prompt.len() + job.max_tokens;
-    let mut seq = Seq {
-        cache: GptCache::new(model.config(), capacity),
-        sampler: Sampler::new(job.sampling.clone())?,
-        history: job.prompt.clone(),
-        generated: 0,
-        job,
+/// Most positions (prompts × padded length) prefilled in one pass.
+const PREFILL_POSITIONS: usize = 4096;
+
+/// Newly admitted jobs in groups to prefill together: prompts of similar length (sorted,
+/// with padding kept under half the real tokens), each group within [`PREFILL_POSITIONS`].
+fn prefill_groups(mut jobs: Vec<Job>) -> Vec<Vec<Job>> {
+    jobs.sort_by_key(|j| j.prompt.len());
+    let mut groups: Vec<Vec<Job>> = Vec::new();
+    for job in jobs {
+        let len = job.prompt.len();
+        let fits = groups.last().is_some_and(|g| {
+            let real: usize = g.iter().map(|j| j.prompt.len()).sum::<usize>() + len;
+            let padded = (g.len() + 1) * len; // sorted: this prompt is the longest
+            padded <= PREFILL_POSITIONS && 2 * padded <= 3 * real + 32
+        });
+        match (fits, groups.last_mut()) {
+            (true, Some(g)) => g.push(job),
+            _ => groups.push(vec![job]),
+        }
+    }
+    groups
+}
+
+/// Runs the prompts of `jobs` in one left-padded pass, splits the batch's cache into one
+/// cache per sequence (each as its prompt alone would have made it) and picks each first
+/// token. Returns the sequences that go on (not those that already ended: one token asked
+/// for, a stop token, a client gone).
+fn prefill(model: &Gpt, jobs: Vec<Job>, metrics: &Metrics) -> Result<Vec<Seq>> {
+    let dev = model.device();
+    let n = jobs.len();
+    let lens: Vec<usize> = jobs.iter().map(|j| j.prompt.len()).collect();
+    let longest = lens.iter().copied().max().unwrap_or(0);
+    let mut ids = Vec::with_capacity(n * longest);
+    let mut keep = Vec::with_capacity(n * longest);
+    for j in &jobs {
+        let pad = longest - j.prompt.len();
+        ids.extend(std::iter::repeat_n(0u32, pad).chain(j.prompt.iter().copied()));
+        keep.extend(std::iter::repeat_n(0u8, pad).chain(std::iter::repeat_n(1u8, j.prompt.len())));
+    }
+    let ids = Tensor::from_vec(ids, (n, longest), dev)?;
+    let keep = Tensor::from_vec(keep, (n, longest), dev)?;
+    let padded = lens.iter().any(|&l| l != longest);
+    let capacity: Vec<usize> = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).collect();
+    // One prompt keeps the batch's cache: give it its whole room at once.
+    let room = if n == 1 { capacity[0] } else { longest };
+    let mut batch = GptCache::new(model.config(), room);
+    // (n, 1, vocab)
+    let logits = model.infer(
+        &ids,
+        padded.then_some(&keep),
+        Some(&mut batch),
+        Logits::Last,
+    )?;
+    let logits = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let caches = match n {
+        1 => vec![batch],
+        _ => batch.split_left_padded(&lens, &capacity)?,
     };
-    let run = |seq: &mut Seq| -> Result<Vec<f32>> {
-        let n = seq.job.prompt.len();
-        let ids = Tensor::from_slice(&seq.job.prompt, (1, n), model.device())?;
-        // (1, 1, vocab)
-        let logits = model.infer(&ids, None, Some(&mut seq.cache), Logits::Last)?;
-        Ok(logits
-            .flatten_all()?
-            .to_dtype(DType::F32)?
-            .to_vec1::<f32>()?)
-    };
-    let logits = run(&mut seq)?;
-    Ok(advance(&mut seq, &logits, metrics)?.then_some(seq))
+    let mut going = Vec::with_capacity(n);
+    for ((job, cache), row) in jobs.into_iter().zip(caches).zip(&logits) {
+        let mut seq = Seq {
+            cache,
+            sampler: Sampler::new(job.sampling.clone())?,
+            history: job.prompt.clone(),
+            generated: 0,
+            job,
+        };
+        if advance(&mut seq, row, metrics)? {
+            going.push(seq);
+        }
+    }
+    Ok(going)
 }
 
 /// One decoding step for every running sequence; those that end leave the batch.
@@ -324,6 +377,41 @@ impl Queue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn job(len: usize) -> Job {
+        Job {
+            index: len,
+            prompt: vec![1; len],
+            max_tokens: 1,
+            sampling: SamplingParams::default(),
+            stop_ids: Vec::new(),
+            logprobs: None,
+            events: tokio::sync::mpsc::unbounded_channel().0,
+            cancel: Arc::new(AtomicBool::new(false)),
+            queued_at: Instant::now(),
+        }
+    }
+
+    /// Similar lengths prefill together; a much longer prompt, or one past the position
+    /// budget, starts its own group.
+    #[test]
+    fn prefill_groups_bound_padding_and_size() {
+        let lens = |groups: Vec<Vec<Job>>| -> Vec<Vec<usize>> {
+            groups
+                .iter()
+                .map(|g| g.iter().map(|j| j.prompt.len()).collect())
+                .collect()
+        };
+        let jobs = [7, 5, 6, 40, 5, 300].map(job).into_iter().collect();
+        assert_eq!(
+            lens(prefill_groups(jobs)),
+            [vec![5, 5, 6, 7], vec![40], vec![300]]
+        );
+        let jobs = (0..20).map(|_| job(256)).collect();
+        let groups = lens(prefill_groups(jobs));
+        assert_eq!(groups.iter().map(Vec::len).collect::<Vec<_>>(), [16, 4]);
+        assert!(prefill_groups(Vec::new()).is_empty());
+    }
 
     #[test]
     fn log_softmax_sums_to_one_and_top_n_orders() {
