@@ -59,7 +59,8 @@ async def one_request(client, model, i, args, stats):
         async for chunk in stream:
             for ch in chunk.choices:
                 assert isinstance(ch.text, str)
-                if first is None and ch.text:
+                # The first token's chunk (its text may be held back: half a character).
+                if first is None:
                     first = time.perf_counter() - t0
                 text.append(ch.text)
             if chunk.usage is not None:

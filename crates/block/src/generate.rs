@@ -125,20 +125,40 @@ impl Sampler {
         if p.temperature == 0.0 {
             return Ok(argmax(&logits));
         }
-        // Candidates, most likely first (stable: ties keep the lower id first).
+        let best = argmax(&logits) as usize;
+        let max = logits[best] as f64;
+        if !max.is_finite() {
+            return Ok(best as u32);
+        }
+        let weight = |l: f32| ((l as f64 - max) / p.temperature).exp();
+        let top_p = p.top_p.filter(|&x| x < 1.0);
+        if p.top_k.is_none() && top_p.is_none() {
+            // Nothing is cut off, so the candidates' order does not matter: one pass in
+            // vocabulary order instead of sorting the vocabulary for every token.
+            let weights: Vec<f64> = logits.iter().map(|&l| weight(l)).collect();
+            let total: f64 = weights.iter().sum();
+            let mut u = self.rng.uniform() * total;
+            for (id, &w) in weights.iter().enumerate() {
+                if u < w {
+                    return Ok(id as u32);
+                }
+                u -= w;
+            }
+            return Ok(best as u32);
+        }
+        // Candidates, most likely first; ties keep the lower id first. With top-k only the
+        // k best are sorted.
+        let cmp = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
         let mut order: Vec<usize> = (0..logits.len()).collect();
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-        if let Some(k) = p.top_k {
+        if let Some(k) = p.top_k.filter(|&k| k < order.len()) {
+            order.select_nth_unstable_by(k - 1, cmp);
             order.truncate(k);
         }
-        let max = logits[order[0]] as f64;
-        let mut probs: Vec<f64> = order
-            .iter()
-            .map(|&i| ((logits[i] as f64 - max) / p.temperature).exp())
-            .collect();
+        order.sort_by(cmp);
+        let mut probs: Vec<f64> = order.iter().map(|&i| weight(logits[i])).collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= total);
-        if let Some(top_p) = p.top_p {
+        if let Some(top_p) = top_p {
             let mut cum = 0.0;
             let keep = probs
                 .iter()

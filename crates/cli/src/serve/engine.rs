@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use block::{Gpt, GptCache, Logits, Sampler, SamplingParams};
 use candle_core::{DType, Tensor};
+use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
@@ -274,10 +275,12 @@ fn step(model: &Gpt, active: &mut Vec<Seq>, metrics: &Metrics) -> Result<()> {
     // (n, 1, vocab)
     let logits = model.infer_rows(&ids, &mut caches, Logits::Last)?;
     let logits = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-    let mut keep = Vec::with_capacity(n);
-    for (seq, row) in active.iter_mut().zip(&logits) {
-        keep.push(advance(seq, row, metrics)?);
-    }
+    // Sampling reads the whole vocabulary per sequence: split it across the cores.
+    let keep: Vec<bool> = active
+        .par_iter_mut()
+        .zip(logits.par_iter())
+        .map(|(seq, row)| advance(seq, row, metrics))
+        .collect::<Result<_>>()?;
     let mut keep = keep.into_iter();
     active.retain(|_| keep.next().unwrap_or(false));
     Ok(())

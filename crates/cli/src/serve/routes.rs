@@ -502,7 +502,9 @@ impl Run {
         let c = &self.choices[i];
         let delta = c.text.get(c.sent_bytes..).unwrap_or("").to_string();
         let finish = c.finish;
-        if delta.is_empty() && finish.is_none() && !first {
+        // One chunk per token (its text may be held back: half a character, or what could
+        // still become a stop string), as OpenAI streams.
+        if delta.is_empty() && finish.is_none() && !first && c.tokens.len() == c.sent_tokens {
             return None;
         }
         // The log-probabilities of the tokens that arrived since the last chunk.
