@@ -2,6 +2,7 @@
 
 use candle_core::{bail, DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
+use rayon::prelude::*;
 
 use crate::layout::{self, Proj, Projections, QkvProj, WeightLayout};
 use crate::{kernel, Dropout, KvCache, Mask, MhaConfig, Rope, RopeTables};
@@ -469,13 +470,26 @@ impl MultiHeadAttention {
         };
         let Projected { q, k, v, dtype } = self.project(xs, xs, xs, rope, 0, false)?;
         let params = SdpaParams::inference(cfg.softmax_scale());
-        let mut ys = Vec::with_capacity(rows);
-        for (i, cache) in caches.iter_mut().enumerate() {
+        let row = |(i, cache): (usize, &mut &mut KvCache)| -> Result<Tensor> {
             let mut mask = Mask::causal(cache.len());
             mask.window = cfg.window;
             let (k, v) = cache.append(&k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?)?;
-            ys.push(sdpa(&q.narrow(0, i, 1)?, &k, &v, &mask, &params)?.0);
-        }
+            Ok(sdpa(&q.narrow(0, i, 1)?, &k, &v, &mask, &params)?.0)
+        };
+        // Rows are independent, and on a small model each is mostly per-call overhead:
+        // spread them over the CPU's threads.
+        let ys: Vec<Tensor> = match xs.device().is_cpu() {
+            true => caches
+                .par_iter_mut()
+                .enumerate()
+                .map(row)
+                .collect::<Result<_>>()?,
+            false => caches
+                .iter_mut()
+                .enumerate()
+                .map(row)
+                .collect::<Result<_>>()?,
+        };
         // (rows, h, t, hd) -> (rows, t, h·hd)
         let ys = Tensor::cat(&ys, 0)?
             .to_dtype(dtype)?

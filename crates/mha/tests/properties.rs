@@ -132,6 +132,54 @@ fn cached_decoding_equals_full_pass() -> Result<()> {
     Ok(())
 }
 
+/// `forward_rows`: rows that are separate sequences, each with its own cache of a different
+/// length, give each row what `forward_cached` gives it alone (GQA, rotary, a window).
+#[test]
+fn rows_with_their_own_caches_equal_rows_alone() -> Result<()> {
+    for (rope, window) in [(None, None), (Some(mha::RopeConfig::default()), Some(3))] {
+        let cfg = MhaConfig {
+            n_kv_heads: Some(2),
+            rope,
+            window,
+            ..MhaConfig::new(32, 4)
+        };
+        let (_vm, attn) = layer(&cfg, &WeightLayout::hf(), DType::F32);
+        let past = [4usize, 1, 6];
+        let seqs: Vec<Tensor> = past.iter().map(|&p| randn(&[1, p + 1, 32])).collect();
+        let mut alone = Vec::new();
+        let mut caches = Vec::new();
+        for (x, &p) in seqs.iter().zip(&past) {
+            let mut c = KvCache::new(2);
+            let pre = x.narrow(1, 0, p)?;
+            attn.forward_cached(&pre, &pre, &pre, &Mask::causal(0), &mut c)?;
+            caches.push(c.clone());
+            let last = x.narrow(1, p, 1)?;
+            alone.push(attn.forward_cached(&last, &last, &last, &Mask::causal(p), &mut c)?);
+        }
+        let last: Vec<Tensor> = seqs
+            .iter()
+            .zip(&past)
+            .map(|(x, &p)| x.narrow(1, p, 1))
+            .collect::<Result<_>>()?;
+        let xs = Tensor::cat(&last, 0)?;
+        let mut rows: Vec<&mut KvCache> = caches.iter_mut().collect();
+        let got = attn.forward_rows(&xs, None, &mut rows)?;
+        for (i, want) in alone.iter().enumerate() {
+            assert_close(
+                &got.narrow(0, i, 1)?,
+                want,
+                1e-5,
+                1e-5,
+                &format!("row {i}, rope {}", cfg.rope.is_some()),
+            );
+            assert_eq!(caches[i].len(), past[i] + 1);
+        }
+        let mut two: Vec<&mut KvCache> = caches.iter_mut().take(2).collect();
+        assert!(attn.forward_rows(&xs, None, &mut two).is_err());
+    }
+    Ok(())
+}
+
 #[test]
 fn left_padded_rows_equal_rows_run_alone() -> Result<()> {
     let cfg = MhaConfig::new(16, 2);
