@@ -51,6 +51,16 @@ async def one_request(client, model, i, args, stats):
     first = None
     tokens = 0
     try:
+        if args.no_stream:
+            r = await client.completions.create(
+                model=model, prompt=f"ROMEO {i}:", max_tokens=args.max_tokens,
+                temperature=0.8, seed=i, timeout=args.timeout)
+            assert isinstance(r.choices[0].text, str)
+            assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+            stats["latency"].append(time.perf_counter() - t0)
+            stats["ttft"].append(float("nan"))
+            stats["tokens"] += r.usage.completion_tokens
+            return
         stream = await client.completions.create(
             model=model, prompt=f"ROMEO {i}:", max_tokens=args.max_tokens,
             temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
@@ -102,6 +112,8 @@ def main():
     p.add_argument("--clients", default="1,4,16,64")
     p.add_argument("--requests", type=int, default=4, help="requests per client")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--no-stream", action="store_true",
+                   help="whole responses (no first-token times; less client work per token)")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--timeout", type=float, default=300, help="seconds per request")

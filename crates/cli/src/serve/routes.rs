@@ -380,6 +380,11 @@ impl Run {
                     if !t.is_stop {
                         choice.tokens.push(t);
                     }
+                    // The text so far matters only to a stream or to stop strings; a whole
+                    // response is decoded once at the end.
+                    if !self.plan.stream && self.plan.stops.is_empty() {
+                        return Ok(Some(i));
+                    }
                     let ids: Vec<u32> = choice.tokens.iter().map(|t| t.id).collect();
                     let (text, stopped) = visible(tok, &ids, &self.plan.stops, false)
                         .map_err(|e| internal(&format!("{e:#}")))?;
