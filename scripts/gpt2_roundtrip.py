@@ -23,12 +23,12 @@ FIX = os.path.join(ROOT, "crates", "block", "tests", "fixtures")
 sources = [os.path.join(FIX, n) for n in ("tiny", "inverse_layer_scale", "untied_exact_gelu")]
 sources.append(os.path.join(FIX, "nanogpt", "ckpt.pt"))
 # The built-in model, trained and saved by `gpt train` (f16 weights).
-sources.append(os.path.join(ROOT, "models", "default"))
+sources.append(os.path.join(ROOT, "crates", "cli", "models", "default"))
 worst = 0.0
 with tempfile.TemporaryDirectory() as tmp:
     for i, src in enumerate(sources):
         out = os.path.join(tmp, str(i))
-        subprocess.run(["cargo", "run", "-q", "-p", "block", "--example", "resave", "--", src, out],
+        subprocess.run(["cargo", "run", "-q", "-p", "gpt-blocks", "--example", "resave", "--", src, out],
                        cwd=ROOT, check=True)
         ours = load_file(os.path.join(out, "ours.safetensors"))
         model = GPT2LMHeadModel.from_pretrained(out).eval()

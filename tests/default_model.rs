@@ -1,10 +1,10 @@
-//! The model shipped in `models/default` (and built into `gpt`): it loads with its
+//! The model shipped in `crates/cli/models/default` (and built into `gpt`): it loads with its
 //! tokenizer, and it has learned its corpus: real Shakespeare scores far better than the
 //! same tokens shuffled.
 
 use std::path::Path;
 
-use block::{load_dir, token_logprobs, Logits};
+use gpt_blocks::{load_dir, token_logprobs, Logits};
 use candle_core::{DType, Device, Tensor};
 
 const PASSAGE: &str = "Friends, Romans, countrymen, lend me your ears;\n\
@@ -13,7 +13,7 @@ The evil that men do lives after them;\n\
 The good is oft interred with their bones;\n\
 So let it be with Caesar.";
 
-fn nll(model: &block::Gpt, ids: &[u32]) -> f64 {
+fn nll(model: &gpt_blocks::Gpt, ids: &[u32]) -> f64 {
     let t = Tensor::new(ids, &Device::Cpu)
         .unwrap()
         .unsqueeze(0)
@@ -30,7 +30,7 @@ fn nll(model: &block::Gpt, ids: &[u32]) -> f64 {
 
 #[test]
 fn default_model_has_learned_its_corpus() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/default");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/cli/models/default");
     let model = load_dir(&dir, DType::F32, &Device::Cpu).unwrap();
     let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
     assert_eq!(tok.get_vocab_size(true), model.config().vocab_size);

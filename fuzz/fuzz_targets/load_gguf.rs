@@ -13,7 +13,7 @@ fuzz_target!(|data: &[u8]| {
         .tempfile()
         .expect("temporary file");
     file.write_all(data).expect("write model");
-    let Ok(gguf) = block::Gguf::open(file.path()) else {
+    let Ok(gguf) = gpt_blocks::Gguf::open(file.path()) else {
         return;
     };
     let _ = gguf.vocab();
@@ -21,7 +21,7 @@ fuzz_target!(|data: &[u8]| {
     let dev = candle_core::Device::Cpu;
     if let Ok(model) = gguf.load(candle_core::DType::F32, &dev) {
         if let Ok(ids) = candle_core::Tensor::new(&[[0u32]], &dev) {
-            let _ = model.infer(&ids, None, None, block::Logits::Last);
+            let _ = model.infer(&ids, None, None, gpt_blocks::Logits::Last);
         }
     }
 });

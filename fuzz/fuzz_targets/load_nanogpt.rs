@@ -13,9 +13,9 @@ fuzz_target!(|data: &[u8]| {
         .expect("temporary file");
     file.write_all(data).expect("write checkpoint");
     let dev = candle_core::Device::Cpu;
-    if let Ok(model) = block::load_nanogpt(file.path(), candle_core::DType::F32, &dev) {
+    if let Ok(model) = gpt_blocks::load_nanogpt(file.path(), candle_core::DType::F32, &dev) {
         if let Ok(ids) = candle_core::Tensor::new(&[[0u32, 1]], &dev) {
-            let _ = model.infer(&ids, None, None, block::Logits::Last);
+            let _ = model.infer(&ids, None, None, gpt_blocks::Logits::Last);
         }
     }
 });

@@ -2,12 +2,12 @@
 //! back as a Hugging Face directory, and records our logits beside it, so that
 //! `scripts/gpt2_roundtrip.py` can check that transformers reads the same model.
 //!
-//! `cargo run -p block --example resave -- SRC OUT`
+//! `cargo run -p gpt-blocks --example resave -- SRC OUT`
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use block::{load_dir, load_nanogpt, save_dir, Logits};
+use gpt_blocks::{load_dir, load_nanogpt, save_dir, Logits};
 use candle_core::{DType, Device, Tensor};
 
 fn main() -> Result<()> {

@@ -19,7 +19,7 @@
 //!   penalty), reproducible under a seed.
 //!
 //! ```
-//! use block::{generate, GenerateOptions, Gpt, GptConfig, Logits, SamplingParams};
+//! use gpt_blocks::{generate, GenerateOptions, Gpt, GptConfig, Logits, SamplingParams};
 //! use candle_core::{DType, Device, Tensor};
 //!
 //! let cfg = GptConfig { vocab_size: 100, n_positions: 32, n_embd: 32, n_layer: 2, n_head: 4,
@@ -68,7 +68,7 @@ pub use nanogpt::{load_nanogpt, nanogpt_config};
 pub use norm::{LayerNorm, Norm, RmsNorm};
 pub use optim::{AdamW, AdamWParams};
 
-// The README's examples run as doctests.
-#[doc = include_str!("../../../README.md")]
+// The crate README's examples run as doctests.
+#[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;

@@ -16,7 +16,7 @@ mod reference;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use block::{load_dir, Gpt, GptCache, Logits};
+use gpt_blocks::{load_dir, Gpt, GptCache, Logits};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, max_abs_diff};
@@ -348,7 +348,7 @@ fn legacy_config_fields_give_the_same_model() {
         let new = load(&fixture(name), DType::F32);
         let old = load(&dir, DType::F32);
         // The same window per layer, however the runs are written.
-        let per_layer = |c: &block::GptConfig| block::GptConfig {
+        let per_layer = |c: &gpt_blocks::GptConfig| gpt_blocks::GptConfig {
             windows: vec![((0..c.n_layer).map(|i| c.window(i)).collect(), 1)],
             ..c.clone()
         };
@@ -538,7 +538,7 @@ fn bad_configs_are_one_line_errors_naming_the_field() {
         *config.pointer_mut(field).unwrap() = value;
         // The message itself: with RUST_BACKTRACE set, Candle wraps errors with a backtrace
         // (which `gpt` turns off for users).
-        let err = match block::GptConfig::from_json(&config.to_string()).unwrap_err() {
+        let err = match gpt_blocks::GptConfig::from_json(&config.to_string()).unwrap_err() {
             candle_core::Error::WithBacktrace { inner, .. } => inner.to_string(),
             e => e.to_string(),
         };

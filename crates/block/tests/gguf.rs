@@ -18,7 +18,7 @@ mod common;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use block::{generate, GenerateOptions, Gguf, Gpt, GptCache, Logits, SamplingParams};
+use gpt_blocks::{generate, GenerateOptions, Gguf, Gpt, GptCache, Logits, SamplingParams};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use common::{assert_close, max_abs_diff};
@@ -35,7 +35,7 @@ fn expected(name: &str) -> HashMap<String, Tensor> {
 }
 
 fn load(file: &str) -> Gpt {
-    block::load_gguf(&path(file), DType::F32, &Device::Cpu)
+    gpt_blocks::load_gguf(&path(file), DType::F32, &Device::Cpu)
         .unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
@@ -199,7 +199,7 @@ fn metadata_becomes_the_checkpoint_config() {
         .unwrap()
         .config()
         .unwrap();
-    assert_eq!(llama.family, block::Family::Llama);
+    assert_eq!(llama.family, gpt_blocks::Family::Llama);
     assert_eq!((llama.n_embd, llama.n_head, llama.n_layer), (64, 4, 2));
     assert_eq!(llama.kv_heads(), 2);
     assert!(!llama.tie_word_embeddings);
@@ -278,8 +278,8 @@ fn written_files_load_back_as_the_same_model() {
         let ids = &expected(name)["input_ids"];
         let want = logits(&model, ids);
         let out = dir.path().join(format!("{name}.gguf"));
-        block::save_gguf(&model, &out, GgmlDType::F32, None, None).unwrap();
-        let again = block::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
+        gpt_blocks::save_gguf(&model, &out, GgmlDType::F32, None, None).unwrap();
+        let again = gpt_blocks::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
         // GGUF keeps Llama 3's scaling as divisors, read back into bands that give them to
         // f32 rounding: the frequencies, and so the logits, move by a few ulps.
         let atol = if name == "llama3" { 1e-5 } else { 1e-6 };
@@ -290,8 +290,8 @@ fn written_files_load_back_as_the_same_model() {
         }
         assert_eq!(&read, model.config(), "{name}");
 
-        block::save_gguf(&model, &out, GgmlDType::Q8_0, None, None).unwrap();
-        let q = block::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
+        gpt_blocks::save_gguf(&model, &out, GgmlDType::Q8_0, None, None).unwrap();
+        let q = gpt_blocks::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
         // The same model quantized in memory; the file's token embedding is q8_0 too (as
         // llama.cpp writes it), so the lookups read its dequantized rows.
         let quantized = model.quantize(GgmlDType::Q8_0).unwrap();
@@ -301,7 +301,7 @@ fn written_files_load_back_as_the_same_model() {
             .unwrap();
         let in_memory = Gpt::from_parts(
             model.config(),
-            block::Embedding::Dense(wte),
+            gpt_blocks::Embedding::Dense(wte),
             model.wpe().cloned(),
             quantized.blocks().to_vec(),
             quantized.ln_f().cloned(),
@@ -320,8 +320,8 @@ fn families_llama_cpp_cannot_run_are_refused() {
         ("neo_local", "no gpt_neo architecture"),
         ("mistral_window", "sliding-window"),
     ] {
-        let model = block::load_dir(&families.join(name), DType::F32, &Device::Cpu).unwrap();
-        let err = block::save_gguf(
+        let model = gpt_blocks::load_dir(&families.join(name), DType::F32, &Device::Cpu).unwrap();
+        let err = gpt_blocks::save_gguf(
             &model,
             &dir.path().join("x.gguf"),
             GgmlDType::F32,
@@ -342,7 +342,7 @@ fn llama3_rope_scaling_matches_transformers() {
     let exp = expected("llama3");
     let ids = &exp["input_ids"];
     let dir = path("llama3_hf");
-    let from_json = block::load_dir(&dir, DType::F32, &Device::Cpu).unwrap();
+    let from_json = gpt_blocks::load_dir(&dir, DType::F32, &Device::Cpu).unwrap();
     let got = logits(&from_json, ids);
     println!(
         "llama3 from config.json: {:e}",
@@ -380,7 +380,7 @@ fn llama3_rope_scaling_matches_transformers() {
     legacy["rope_theta"] = params["rope_theta"].clone();
     legacy["rope_scaling"] = params;
     std::fs::write(tmp.path().join("config.json"), legacy.to_string()).unwrap();
-    let old_form = block::load_dir(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    let old_form = gpt_blocks::load_dir(tmp.path(), DType::F32, &Device::Cpu).unwrap();
     assert_eq!(old_form.config().rope, from_json.config().rope);
 
     cfg["rope_parameters"]["rope_type"] = "default".into();
@@ -390,7 +390,7 @@ fn llama3_rope_scaling_matches_transformers() {
         tmp.path().join("model.safetensors"),
     )
     .unwrap();
-    let unscaled = block::load_dir(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    let unscaled = gpt_blocks::load_dir(tmp.path(), DType::F32, &Device::Cpu).unwrap();
     let moved = max_abs_diff(&logits(&unscaled, ids), &exp["logits"]);
     assert!(moved > 1e-2, "the scaling changes nothing: {moved}");
 }

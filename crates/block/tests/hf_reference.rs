@@ -12,7 +12,7 @@ mod reference;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use block::{load_dir, save_dir, Gpt, Logits};
+use gpt_blocks::{load_dir, save_dir, Gpt, Logits};
 use candle_core::{DType, Device, Tensor};
 use common::assert_close;
 
@@ -222,7 +222,7 @@ fn bad_checkpoints_are_errors_that_name_the_problem() {
 #[test]
 fn nanogpt_checkpoint_matches_transformers() {
     let exp = expected("nanogpt");
-    let model = block::load_nanogpt(
+    let model = gpt_blocks::load_nanogpt(
         &fixture("nanogpt").join("ckpt.pt"),
         DType::F32,
         &Device::Cpu,
@@ -231,7 +231,7 @@ fn nanogpt_checkpoint_matches_transformers() {
     assert_eq!(model.config().n_head, 2);
     let got = logits(&model, &exp["input_ids"]);
     assert_close(&got, &exp["logits"], 1e-4, 0.0, "nanoGPT logits");
-    let err = block::load_nanogpt(
+    let err = gpt_blocks::load_nanogpt(
         &fixture("tiny").join("model.safetensors"),
         DType::F32,
         &Device::Cpu,

@@ -3,7 +3,7 @@
 //! fit, sampling parameters out of range. Each gives a result or an error, never a panic.
 //! (Only the CPU exists in CI, so mismatched devices cannot be exercised here.)
 
-use block::{
+use gpt_blocks::{
     argmax, generate, next_token_loss, token_logprobs, GenerateOptions, Gpt, GptCache, GptConfig,
     Logits, Sampler, SamplingParams, SplitMix64,
 };

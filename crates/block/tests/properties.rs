@@ -5,7 +5,7 @@
 #[path = "../../mha/tests/common/mod.rs"]
 mod common;
 
-use block::{
+use gpt_blocks::{
     generate, GenerateOptions, Gpt, GptCache, GptConfig, Logits, NormPlacement, Sampler,
     SamplingParams,
 };
@@ -523,15 +523,15 @@ fn quantizing_while_loading_equals_quantizing_after() -> Result<()> {
     };
     let (_vm, gpt) = model(&cfg, DType::F32);
     let dir = tempfile::tempdir().unwrap();
-    block::save_dir(&gpt, dir.path())?;
+    gpt_blocks::save_dir(&gpt, dir.path())?;
     let xs = ids(&[&[3, 1, 4, 1, 5, 9, 2, 6]]);
     for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
-        let load_as = block::LoadAs {
+        let load_as = gpt_blocks::LoadAs {
             dtype: DType::F32,
             quantize: Some(dtype),
         };
-        let on_load = block::load_dir(dir.path(), load_as, &Device::Cpu)?;
-        let after = block::load_dir(dir.path(), DType::F32, &Device::Cpu)?.quantize(dtype)?;
+        let on_load = gpt_blocks::load_dir(dir.path(), load_as, &Device::Cpu)?;
+        let after = gpt_blocks::load_dir(dir.path(), DType::F32, &Device::Cpu)?.quantize(dtype)?;
         assert!(on_load.is_quantized());
         let a = on_load.infer(&xs, None, None, Logits::All)?;
         let b = after.infer(&xs, None, None, Logits::All)?;

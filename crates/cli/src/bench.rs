@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use block::{argmax, GptCache, Logits};
+use gpt_blocks::{argmax, GptCache, Logits};
 use candle_core::{DType, Tensor};
 use clap::Args;
 

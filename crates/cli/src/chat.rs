@@ -7,7 +7,7 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Result};
-use block::{GenerateOptions, SamplingParams};
+use gpt_blocks::{GenerateOptions, SamplingParams};
 use clap::Args;
 
 use crate::chat_template::Message;
@@ -162,7 +162,7 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
         let mut shown = 0;
         let mut reply = String::new();
         let mut error = None;
-        block::generate(&model, &[prompt], &opts, |_, t| {
+        gpt_blocks::generate(&model, &[prompt], &opts, |_, t| {
             if !stop_tokens.contains(&t) {
                 new.push(t);
             }

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
-use block::Gpt;
+use gpt_blocks::Gpt;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use tokenizers::Tokenizer;
@@ -11,11 +11,11 @@ use tokenizers::Tokenizer;
 use crate::chat_template::ChatTemplate;
 use crate::{gguf_tokenizer, tokenizer};
 
-/// The small model built into the binary (see `models/default/README.md`).
+/// The small model built into the binary (see `crates/cli/models/default/README.md`).
 mod embedded {
-    pub const CONFIG: &str = include_str!("../../../models/default/config.json");
-    pub const WEIGHTS: &[u8] = include_bytes!("../../../models/default/model.safetensors");
-    pub const TOKENIZER: &[u8] = include_bytes!("../../../models/default/tokenizer.json");
+    pub const CONFIG: &str = include_str!("../models/default/config.json");
+    pub const WEIGHTS: &[u8] = include_bytes!("../models/default/model.safetensors");
+    pub const TOKENIZER: &[u8] = include_bytes!("../models/default/tokenizer.json");
 }
 
 /// Where the computation runs.
@@ -201,7 +201,7 @@ pub fn read_tokenizer(path: &Path) -> Result<Tokenizer> {
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
     // Quantizing while loading keeps the f32 blocks from all being in memory at once;
     // checking the weights needs them unquantized, so that loads first and quantizes after.
-    let load_as = block::LoadAs {
+    let load_as = gpt_blocks::LoadAs {
         dtype: args.dtype.map_or(DType::F32, Into::into),
         quantize: args
             .quantize
@@ -218,12 +218,12 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     Ok(loaded)
 }
 
-fn load_unchecked(args: &ModelArgs, load_as: block::LoadAs) -> Result<Loaded> {
+fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs) -> Result<Loaded> {
     let dev = device(args.device)?;
     let dtype = load_as.dtype;
     let plain = || ChatTemplate::new(None, None, None);
     let Some(spec) = &args.model else {
-        let model = block::load_bytes(embedded::CONFIG, embedded::WEIGHTS, load_as, &dev)
+        let model = gpt_blocks::load_bytes(embedded::CONFIG, embedded::WEIGHTS, load_as, &dev)
             .context("the built-in model")?;
         let tokenizer = tokenizer::parse(embedded::TOKENIZER)
             .map_err(|e| anyhow!("the built-in tokenizer: {e}"))?;
@@ -242,7 +242,7 @@ fn load_unchecked(args: &ModelArgs, load_as: block::LoadAs) -> Result<Loaded> {
     };
     let path = PathBuf::from(spec);
     if path.is_dir() {
-        let model = block::load_dir(&path, load_as, &dev)?;
+        let model = gpt_blocks::load_dir(&path, load_as, &dev)?;
         let tokenizer = tokenizer_file(&path.join("tokenizer.json"))?;
         return Ok(loaded(model, tokenizer, ChatTemplate::from_dir(&path)?));
     }
@@ -253,13 +253,13 @@ fn load_unchecked(args: &ModelArgs, load_as: block::LoadAs) -> Result<Loaded> {
             return load_gguf(&path, dtype, &dev).map(|(m, t, c)| loaded(m, t, c));
         }
         if ext == "pt" {
-            let model = block::load_nanogpt(&path, dtype, &dev)?;
+            let model = gpt_blocks::load_nanogpt(&path, dtype, &dev)?;
             let tokenizer = tokenizer_file(&path.with_file_name("tokenizer.json"))?;
             return Ok(loaded(model, tokenizer, plain()));
         }
         if let Some(dir) = path.parent().filter(|_| ext == "safetensors") {
-            let cfg = block::read_config(dir)?;
-            let model = block::load_files(&cfg, std::slice::from_ref(&path), load_as, &dev)?;
+            let cfg = gpt_blocks::read_config(dir)?;
+            let model = gpt_blocks::load_files(&cfg, std::slice::from_ref(&path), load_as, &dev)?;
             let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
             return Ok(loaded(model, tokenizer, ChatTemplate::from_dir(dir)?));
         }
@@ -274,7 +274,7 @@ fn load_unchecked(args: &ModelArgs, load_as: block::LoadAs) -> Result<Loaded> {
         bail!("{spec}: no such file or directory")
     }
     let dir = hub_download(spec)?;
-    let model = block::load_dir(&dir, load_as, &dev)?;
+    let model = gpt_blocks::load_dir(&dir, load_as, &dev)?;
     let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
     Ok(loaded(model, tokenizer, ChatTemplate::from_dir(&dir)?))
 }
@@ -287,7 +287,7 @@ fn load_gguf(
     dtype: Option<DType>,
     dev: &Device,
 ) -> Result<(Gpt, Option<Tokenizer>, ChatTemplate)> {
-    let gguf = block::Gguf::open(path)?;
+    let gguf = gpt_blocks::Gguf::open(path)?;
     let dtype = dtype.unwrap_or_else(|| gguf.float_dtype());
     let model = gguf
         .load(dtype, dev)

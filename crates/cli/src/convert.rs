@@ -72,7 +72,7 @@ pub fn run(a: &ConvertArgs, margs: &ModelArgs) -> Result<()> {
         GgufType::Q8_0 => GgmlDType::Q8_0,
         GgufType::Q4_0 => GgmlDType::Q4_0,
     };
-    block::save_gguf(&model, &a.out, dtype, vocab.as_ref(), chat.own_template())
+    gpt_blocks::save_gguf(&model, &a.out, dtype, vocab.as_ref(), chat.own_template())
         .with_context(|| format!("writing {}", a.out.display()))?;
     let bytes = std::fs::metadata(&a.out)?.len();
     eprintln!(

@@ -4,7 +4,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use block::{GenerateOptions, SamplingParams};
+use gpt_blocks::{GenerateOptions, SamplingParams};
 use clap::Args;
 use tokenizers::Tokenizer;
 
@@ -202,7 +202,7 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
     };
     let started = Instant::now();
     let mut first_token_at = None;
-    let out = block::generate(&model, &fitted, &opts, |row, t| {
+    let out = gpt_blocks::generate(&model, &fitted, &opts, |row, t| {
         first_token_at.get_or_insert_with(Instant::now);
         news[row].push(t);
         match visible(tok, &reply(&news[row]), &stops, false) {

@@ -32,7 +32,7 @@ fn part(name: &str) -> &'static str {
 }
 
 /// What the family chose for each part, in words.
-fn parts_of(cfg: &block::GptConfig) -> serde_json::Value {
+fn parts_of(cfg: &gpt_blocks::GptConfig) -> serde_json::Value {
     let positions = match &cfg.rope {
         None => "learned".to_string(),
         Some(r) => {

