@@ -4,8 +4,8 @@
 
 use std::path::Path;
 
-use gpt_blocks::{load_dir, token_logprobs, Logits};
 use candle_core::{DType, Device, Tensor};
+use gpt_blocks::{load_dir, token_logprobs, Logits};
 
 const PASSAGE: &str = "Friends, Romans, countrymen, lend me your ears;\n\
 I come to bury Caesar, not to praise him.\n\

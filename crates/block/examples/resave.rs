@@ -7,8 +7,8 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use gpt_blocks::{load_dir, load_nanogpt, save_dir, Logits};
 use candle_core::{DType, Device, Tensor};
+use gpt_blocks::{load_dir, load_nanogpt, save_dir, Logits};
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();

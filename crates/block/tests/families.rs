@@ -16,10 +16,10 @@ mod reference;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use gpt_blocks::{load_dir, Gpt, GptCache, Logits};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, max_abs_diff};
+use gpt_blocks::{load_dir, Gpt, GptCache, Logits};
 
 const MODELS: [&str; 7] = [
     "llama_gqa_bias",

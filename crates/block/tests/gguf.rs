@@ -18,10 +18,10 @@ mod common;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use gpt_blocks::{generate, GenerateOptions, Gguf, Gpt, GptCache, Logits, SamplingParams};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use common::{assert_close, max_abs_diff};
+use gpt_blocks::{generate, GenerateOptions, Gguf, Gpt, GptCache, Logits, SamplingParams};
 
 fn path(file: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

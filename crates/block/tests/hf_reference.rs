@@ -12,9 +12,9 @@ mod reference;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use gpt_blocks::{load_dir, save_dir, Gpt, Logits};
 use candle_core::{DType, Device, Tensor};
 use common::assert_close;
+use gpt_blocks::{load_dir, save_dir, Gpt, Logits};
 
 const MODELS: [&str; 3] = ["tiny", "inverse_layer_scale", "untied_exact_gelu"];
 

@@ -3,12 +3,12 @@
 //! fit, sampling parameters out of range. Each gives a result or an error, never a panic.
 //! (Only the CPU exists in CI, so mismatched devices cannot be exercised here.)
 
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
 use gpt_blocks::{
     argmax, generate, next_token_loss, token_logprobs, GenerateOptions, Gpt, GptCache, GptConfig,
     Logits, Sampler, SamplingParams, SplitMix64,
 };
-use candle_core::{DType, Device, Tensor};
-use candle_nn::{VarBuilder, VarMap};
 use proptest::prelude::*;
 
 const DTYPES: [DType; 6] = [

@@ -5,13 +5,13 @@
 #[path = "../../mha/tests/common/mod.rs"]
 mod common;
 
+use candle_core::{DType, Device, ModuleT, Result, Tensor};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
+use common::assert_close;
 use gpt_blocks::{
     generate, GenerateOptions, Gpt, GptCache, GptConfig, Logits, NormPlacement, Sampler,
     SamplingParams,
 };
-use candle_core::{DType, Device, ModuleT, Result, Tensor};
-use candle_nn::{Optimizer, VarBuilder, VarMap};
-use common::assert_close;
 
 const DEV: Device = Device::Cpu;
 

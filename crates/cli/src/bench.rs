@@ -3,9 +3,9 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use gpt_blocks::{argmax, GptCache, Logits};
 use candle_core::{DType, Tensor};
 use clap::Args;
+use gpt_blocks::{argmax, GptCache, Logits};
 
 use crate::common::{self, Format, Loaded, ModelArgs};
 

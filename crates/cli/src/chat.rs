@@ -7,8 +7,8 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Result};
-use gpt_blocks::{GenerateOptions, SamplingParams};
 use clap::Args;
+use gpt_blocks::{GenerateOptions, SamplingParams};
 
 use crate::chat_template::Message;
 use crate::common::{self, Loaded, ModelArgs};

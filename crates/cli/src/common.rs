@@ -3,9 +3,9 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
-use gpt_blocks::Gpt;
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
+use gpt_blocks::Gpt;
 use tokenizers::Tokenizer;
 
 use crate::chat_template::ChatTemplate;

@@ -4,8 +4,8 @@ use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use gpt_blocks::{GenerateOptions, SamplingParams};
 use clap::Args;
+use gpt_blocks::{GenerateOptions, SamplingParams};
 use tokenizers::Tokenizer;
 
 use crate::chat_template::Message;

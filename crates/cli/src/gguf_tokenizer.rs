@@ -329,7 +329,8 @@ mod tests {
         .unwrap();
         assert!(corpus.len() >= 1000);
         for name in ["gpt2", "llama", "qwen2"] {
-            let gguf = gpt_blocks::Gguf::open(&fixtures().join(format!("{name}.q8_0.gguf"))).unwrap();
+            let gguf =
+                gpt_blocks::Gguf::open(&fixtures().join(format!("{name}.q8_0.gguf"))).unwrap();
             let ours = from_vocab(&gguf.vocab().unwrap()).unwrap();
             let path = fixtures().join(format!("{name}.tokenizer.json"));
             let reference = Tokenizer::from_file(path).unwrap();
@@ -356,8 +357,7 @@ mod tests {
         )
         .unwrap();
         let builtin =
-            crate::tokenizer::parse(include_bytes!("../models/default/tokenizer.json"))
-                .unwrap();
+            crate::tokenizer::parse(include_bytes!("../models/default/tokenizer.json")).unwrap();
         let gguf = gpt_blocks::Gguf::open(&fixtures().join("llama.q8_0.gguf")).unwrap();
         let llama = from_vocab(&gguf.vocab().unwrap()).unwrap();
         for (name, tok, bos) in [("built-in", builtin, Some(0)), ("llama", llama, Some(1))] {

@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use gpt_blocks::{token_logprobs, Logits};
 use candle_core::Tensor;
 use clap::Args;
+use gpt_blocks::{token_logprobs, Logits};
 
 use crate::common::{self, Format, Loaded, ModelArgs};
 

@@ -1,9 +1,9 @@
 //! `gpt trace`: one forward pass, step by step, with every tensor's shape.
 
 use anyhow::{bail, Result};
-use gpt_blocks::NormPlacement;
 use candle_core::{Tensor, D};
 use clap::Args;
+use gpt_blocks::NormPlacement;
 
 use crate::common::{self, Loaded, ModelArgs, PromptArgs};
 

@@ -6,10 +6,12 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 // Batches and initialisation replay exactly after a resume.
-use gpt_blocks::{save_dir_as, write_atomic, AdamW, AdamWParams, Gpt, GptConfig, SplitMix64 as Rng};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use clap::Args;
+use gpt_blocks::{
+    save_dir_as, write_atomic, AdamW, AdamWParams, Gpt, GptConfig, SplitMix64 as Rng,
+};
 use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
 

@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
-use gpt_blocks::{generate, GenerateOptions, Gpt, Logits, SamplingParams};
 use candle_core::{DType, Tensor};
+use gpt_blocks::{generate, GenerateOptions, Gpt, Logits, SamplingParams};
 
 use crate::common::{assert_close, max_abs_diff};
 

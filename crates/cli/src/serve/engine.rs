@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
-use gpt_blocks::{Gpt, GptCache, Logits, Sampler, SamplingParams};
 use candle_core::{DType, Tensor};
+use gpt_blocks::{Gpt, GptCache, Logits, Sampler, SamplingParams};
 use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
