@@ -5,20 +5,45 @@ use serde::{Deserialize, Serialize};
 
 use crate::RopeConfig;
 
-/// Configuration of [`crate::MultiHeadAttention`], named as `torch.nn.MultiheadAttention`
-/// names its arguments where it has them.
+/// Configuration of [`crate::MultiHeadAttention`].
 ///
 /// Build it with struct update syntax:
 /// `MhaConfig { n_kv_heads: Some(2), ..MhaConfig::new(64, 8) }`.
+///
+/// From JSON, PyTorch's argument names work too (`embed_dim`, `num_heads`, `kdim`, `vdim`,
+/// `bias`, `dropout`), and a field this struct does not have is an error rather than
+/// silently ignored:
+///
+/// ```
+/// let cfg: mha::MhaConfig = serde_json::from_str(r#"{"embed_dim": 64, "num_heads": 8}"#).unwrap();
+/// assert_eq!((cfg.d_model, cfg.n_heads), (64, 8));
+/// assert!(serde_json::from_str::<mha::MhaConfig>(r#"{"embed_dims": 64}"#).is_err());
+/// ```
+///
+/// | `torch.nn.MultiheadAttention` | here |
+/// |---|---|
+/// | `embed_dim` | `d_model` |
+/// | `num_heads` | `n_heads` |
+/// | `dropout` | `dropout` (on the attention weights, in training) |
+/// | `bias` | `bias` (`out_bias` to differ for the output projection) |
+/// | `kdim`, `vdim` | `kdim`, `vdim` |
+/// | `batch_first=True` | always: inputs are `[batch, seq, width]` |
+/// | `attn_mask`, `key_padding_mask`, `is_causal` | [`crate::Mask`] |
+/// | `need_weights`, `average_attn_weights` | [`crate::MultiHeadAttention::forward_with_weights`], [`crate::AttnWeights::averaged`] |
+/// | state dict names | [`crate::WeightLayout::TorchInProj`] |
+/// | `add_bias_kv`, `add_zero_attn` | not supported: such a checkpoint is refused when it is loaded |
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct MhaConfig {
     /// Width of the query input and of the output (`embed_dim` in PyTorch).
+    #[serde(alias = "embed_dim")]
     pub d_model: usize,
-    /// Number of query heads; must divide `d_model`.
+    /// Number of query heads; must divide `d_model` (`num_heads` in PyTorch).
+    #[serde(alias = "num_heads")]
     pub n_heads: usize,
     /// Number of key/value heads: `None` is `n_heads` (classic attention), `1` is multi-query
     /// attention, anything else that divides `n_heads` is grouped-query attention.
+    #[serde(alias = "num_key_value_heads")]
     pub n_kv_heads: Option<usize>,
     /// Width of the key input (`kdim`); `None` is `d_model`.
     pub kdim: Option<usize>,

@@ -476,6 +476,103 @@ fn split_fused(qkv: Proj, o: Proj, cfg: &MhaConfig) -> Result<Projections> {
 
 pub(crate) fn load(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Result<Projections> {
     cfg.validate()?;
+    // PyTorch's add_bias_kv / add_zero_attn change the output: never load past them.
+    for name in ["bias_k", "bias_v"] {
+        if vb.contains_tensor(name) {
+            bail!("the checkpoint has `{name}`: it was saved with nn.MultiheadAttention(add_bias_kv=True), which this layer does not implement")
+        }
+    }
+    match load_layout(cfg, layout, &vb) {
+        Ok(p) => {
+            check_unexpected_biases(cfg, layout, &vb)?;
+            Ok(p)
+        }
+        Err(e) => match diagnose(cfg, layout, &vb) {
+            Some(hint) => bail!("{e}; {hint}"),
+            None => Err(e),
+        },
+    }
+}
+
+/// The layout whose names a checkpoint has, told by one tensor each holds.
+fn layout_in_file(vb: &VarBuilder) -> Option<(&'static str, &'static str)> {
+    [
+        ("in_proj_weight", "WeightLayout::TorchInProj"),
+        (
+            "q_proj_weight",
+            "WeightLayout::TorchInProj with kdim/vdim set",
+        ),
+        ("c_attn.weight", "WeightLayout::Gpt2Conv1d"),
+        ("query_key_value.weight", "WeightLayout::HeadInterleavedQkv"),
+        ("q_proj.weight", "WeightLayout::hf()"),
+        ("W_q.weight", "WeightLayout::tutorial()"),
+    ]
+    .into_iter()
+    .find(|(name, _)| vb.contains_tensor(name))
+}
+
+/// What to change when loading failed: another layout, `bias: false`, `kdim`/`vdim`.
+fn diagnose(cfg: &MhaConfig, layout: &WeightLayout, vb: &VarBuilder) -> Option<String> {
+    let (found, fix) = layout_in_file(vb)?;
+    let matches = match layout {
+        WeightLayout::TorchInProj => found.ends_with("proj_weight"),
+        WeightLayout::Gpt2Conv1d => found == "c_attn.weight",
+        WeightLayout::HeadInterleavedQkv { qkv, .. } => {
+            vb.contains_tensor(&format!("{qkv}.weight"))
+        }
+        WeightLayout::Separate { q, .. } => vb.contains_tensor(&format!("{q}.weight")),
+    };
+    let same_width = cfg.k_dim() == cfg.d_model && cfg.v_dim() == cfg.d_model;
+    if !matches {
+        return Some(format!("the file has `{found}`: use {fix}"));
+    }
+    if found == "q_proj_weight" && same_width {
+        return Some("the file has separate q_proj_weight/k_proj_weight/v_proj_weight, as PyTorch saves them when kdim or vdim differ from embed_dim: set `kdim` and `vdim`".into());
+    }
+    if found == "in_proj_weight" && !same_width {
+        return Some("the file has one in_proj_weight, as PyTorch saves it when kdim = vdim = embed_dim: leave `kdim` and `vdim` unset".into());
+    }
+    let biases = [
+        "in_proj_bias",
+        "c_attn.bias",
+        "q_proj.bias",
+        "out_proj.bias",
+        "o_proj.bias",
+    ];
+    if cfg.bias && !biases.iter().any(|b| vb.contains_tensor(b)) {
+        return Some(
+            "the file has no biases (nn.MultiheadAttention(bias=False)): set `bias: false`".into(),
+        );
+    }
+    None
+}
+
+/// A checkpoint with biases the config would leave unread gives wrong outputs: refuse it.
+fn check_unexpected_biases(cfg: &MhaConfig, layout: &WeightLayout, vb: &VarBuilder) -> Result<()> {
+    let (qkv, o): (Vec<String>, String) = match layout {
+        WeightLayout::TorchInProj => (["in_proj_bias".into()].into(), "out_proj.bias".into()),
+        WeightLayout::Gpt2Conv1d => (["c_attn.bias".into()].into(), "c_proj.bias".into()),
+        WeightLayout::HeadInterleavedQkv { qkv, o } => {
+            ([format!("{qkv}.bias")].into(), format!("{o}.bias"))
+        }
+        WeightLayout::Separate { q, k, v, o } => (
+            [q, k, v].iter().map(|p| format!("{p}.bias")).collect(),
+            format!("{o}.bias"),
+        ),
+    };
+    if !cfg.bias {
+        if let Some(b) = qkv.iter().find(|b| vb.contains_tensor(b)) {
+            bail!("the checkpoint has `{b}` but the config says `bias: false`: set `bias: true`")
+        }
+    }
+    if !cfg.o_bias() && vb.contains_tensor(&o) {
+        bail!("the checkpoint has `{o}` but the config has no output bias: set `out_bias: Some(true)` (or `bias: true`)")
+    }
+    Ok(())
+}
+
+fn load_layout(cfg: &MhaConfig, layout: &WeightLayout, vb: &VarBuilder) -> Result<Projections> {
+    let vb = vb.clone();
     let (d, kv, kdim, vdim) = (cfg.d_model, cfg.kv_width(), cfg.k_dim(), cfg.v_dim());
     let same_width = kdim == d && vdim == d;
     match layout {

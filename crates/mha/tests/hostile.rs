@@ -219,3 +219,102 @@ fn empty_cached_steps_are_fine() {
     assert_eq!(out.dims(), &[1, 0, 1]);
     assert_eq!(cache.len(), 2);
 }
+
+/// A checkpoint that does not fit the config is an error that says what to change: the
+/// layout whose names the file has, `bias: false`, `kdim`/`vdim`; biases the config would
+/// leave unread, and PyTorch's `add_bias_kv`, are refused rather than giving wrong outputs.
+#[test]
+fn mismatched_checkpoints_name_the_fix() {
+    use candle_nn::VarBuilder;
+    use mha::{MhaConfig, MultiHeadAttention, WeightLayout};
+    use std::collections::HashMap;
+    let d = 8;
+    let t = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &Device::Cpu).unwrap();
+    let torch = |bias: bool, extra: &[(&str, &[usize])]| {
+        let mut m: HashMap<String, Tensor> = HashMap::new();
+        m.insert("in_proj_weight".into(), t(&[3 * d, d]));
+        m.insert("out_proj.weight".into(), t(&[d, d]));
+        if bias {
+            m.insert("in_proj_bias".into(), t(&[3 * d]));
+            m.insert("out_proj.bias".into(), t(&[d]));
+        }
+        for (name, dims) in extra {
+            m.insert(name.to_string(), t(dims));
+        }
+        m
+    };
+    let load = |cfg: &MhaConfig, layout: &WeightLayout, m: HashMap<String, Tensor>| {
+        let vb = VarBuilder::from_tensors(m, DType::F32, &Device::Cpu);
+        MultiHeadAttention::load(cfg, layout, vb)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    let cfg = MhaConfig::new(d, 2);
+    let no_bias = MhaConfig {
+        bias: false,
+        ..cfg.clone()
+    };
+    assert!(load(&cfg, &WeightLayout::TorchInProj, torch(true, &[])).is_ok());
+    assert!(load(&no_bias, &WeightLayout::TorchInProj, torch(false, &[])).is_ok());
+    for (cfg, layout, file, needle) in [
+        (
+            &cfg,
+            WeightLayout::hf(),
+            torch(true, &[]),
+            "use WeightLayout::TorchInProj",
+        ),
+        (
+            &cfg,
+            WeightLayout::Gpt2Conv1d,
+            torch(true, &[]),
+            "use WeightLayout::TorchInProj",
+        ),
+        (
+            &cfg,
+            WeightLayout::TorchInProj,
+            torch(false, &[]),
+            "set `bias: false`",
+        ),
+        (
+            &no_bias,
+            WeightLayout::TorchInProj,
+            torch(true, &[]),
+            "set `bias: true`",
+        ),
+        (
+            &cfg,
+            WeightLayout::TorchInProj,
+            torch(true, &[("bias_k", &[1, 1, d]), ("bias_v", &[1, 1, d])]),
+            "add_bias_kv=True",
+        ),
+        (
+            &MhaConfig {
+                kdim: Some(4),
+                vdim: Some(4),
+                ..cfg.clone()
+            },
+            WeightLayout::TorchInProj,
+            torch(true, &[]),
+            "leave `kdim` and `vdim` unset",
+        ),
+    ] {
+        let err = load(cfg, &layout, file).expect_err(needle);
+        assert!(err.contains(needle), "{needle:?} not in {err:?}");
+    }
+    // A forgotten kdim: the file has PyTorch's separate projections.
+    let mut m: HashMap<String, Tensor> = HashMap::new();
+    m.insert("q_proj_weight".into(), t(&[d, d]));
+    m.insert("k_proj_weight".into(), t(&[d, 4]));
+    m.insert("v_proj_weight".into(), t(&[d, 4]));
+    m.insert("in_proj_bias".into(), t(&[3 * d]));
+    m.insert("out_proj.weight".into(), t(&[d, d]));
+    m.insert("out_proj.bias".into(), t(&[d]));
+    let err = load(&cfg, &WeightLayout::TorchInProj, m.clone()).unwrap_err();
+    assert!(err.contains("set `kdim` and `vdim`"), "{err}");
+    let with_kdim = MhaConfig {
+        kdim: Some(4),
+        vdim: Some(4),
+        ..cfg.clone()
+    };
+    assert!(load(&with_kdim, &WeightLayout::TorchInProj, m).is_ok());
+}
