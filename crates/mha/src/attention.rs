@@ -89,7 +89,7 @@ pub fn sdpa(
     let fast = ![b, h, tq, tk].contains(&0)
         && q.device().is_cpu()
         && q.dtype() == DType::F32
-        && mask.additive.is_none()
+        && mask.is_structural()
         && !p.need_weights
         && !dropout_on
         && !(q.track_op() || k.track_op() || v.track_op());

@@ -26,8 +26,8 @@ pub fn flash_attn_cpu(
     mask: &Mask,
     scale: f64,
 ) -> Result<Tensor> {
-    if mask.additive.is_some() {
-        bail!("flash_attn_cpu: additive masks go through sdpa_reference")
+    if !mask.is_structural() {
+        bail!("flash_attn_cpu: additive and boolean masks go through sdpa_reference")
     }
     let (b, _, _, _) = q.dims4()?;
     let tk = k.dim(2)?;

@@ -42,6 +42,14 @@ pub struct Mask<'a> {
     /// Added to the scores before softmax (`-inf` hides a key); any float dtype, any shape
     /// that broadcasts to `[batch, n_heads, q_len, kv_len]`.
     pub additive: Option<&'a Tensor>,
+    /// PyTorch's boolean `attn_mask`, in its polarity: non-zero where a query may NOT attend
+    /// to a key (any integer dtype; save a `torch.bool` mask as `uint8`). Shapes:
+    /// `[q_len, kv_len]` for every batch row and head; `[batch·n_heads, q_len, kv_len]`,
+    /// PyTorch's per-head form (row `i·n_heads + j` is batch row `i`, head `j`); or
+    /// `[batch, q_len, kv_len]`, one mask per batch row shared by its heads. A 3-D mask whose
+    /// first dimension is `batch·n_heads` is read per head, else it must be `batch`: a
+    /// first dimension equal to the head count alone is an error, never a silent broadcast.
+    pub disallowed: Option<&'a Tensor>,
 }
 
 impl<'a> Mask<'a> {
@@ -51,6 +59,7 @@ impl<'a> Mask<'a> {
         window: None,
         key_padding: None,
         additive: None,
+        disallowed: None,
     };
 
     /// Causal masking for queries starting at absolute position `offset`.
@@ -93,9 +102,38 @@ impl<'a> Mask<'a> {
         }
     }
 
+    /// Adds PyTorch's boolean `attn_mask`: non-zero where attending is NOT allowed (see
+    /// [`Mask::disallowed`] for the shapes).
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use mha::Mask;
+    /// // torch.triu(torch.ones(3, 3, dtype=torch.bool), diagonal=1): the causal mask.
+    /// let m = Tensor::new(&[[0u8, 1, 1], [0, 0, 1], [0, 0, 0]], &Device::Cpu)?;
+    /// let bias = Mask::NONE.with_disallowed(&m).to_bias((1, 2, 3, 3), &Device::Cpu)?.unwrap();
+    /// let causal = Mask::causal(0).to_bias((1, 2, 3, 3), &Device::Cpu)?.unwrap();
+    /// let (a, b) = (bias.flatten_all()?.to_vec1::<f32>()?, causal.flatten_all()?.to_vec1::<f32>()?);
+    /// assert_eq!(a, b);
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn with_disallowed(self, disallowed: &'a Tensor) -> Self {
+        Mask {
+            disallowed: Some(disallowed),
+            ..self
+        }
+    }
+
     /// True when the mask hides nothing.
     pub fn is_empty(&self) -> bool {
-        self.causal.is_none() && self.key_padding.is_none() && self.additive.is_none()
+        self.causal.is_none()
+            && self.key_padding.is_none()
+            && self.additive.is_none()
+            && self.disallowed.is_none()
+    }
+
+    /// Whether only the fused kernel's masks are used (causal, window, key padding).
+    pub fn is_structural(&self) -> bool {
+        self.additive.is_none() && self.disallowed.is_none()
     }
 
     /// The key padding as a `u8` tensor `[batch, kv_len]` with 1 where the key is kept.
@@ -181,8 +219,39 @@ impl<'a> Mask<'a> {
             }
             add(a.to_device(device)?.to_dtype(DType::F32)?)?;
         }
+        if let Some(m) = self.disallowed {
+            add(disallowed_to_bias(m, b_sz, n_heads, q_len, kv_len, device)?)?;
+        }
         Ok(bias)
     }
+}
+
+/// PyTorch's boolean `attn_mask` (non-zero = not allowed) as a bias broadcastable to
+/// `[b_sz, n_heads, q_len, kv_len]`.
+fn disallowed_to_bias(
+    m: &Tensor,
+    b_sz: usize,
+    n_heads: usize,
+    q_len: usize,
+    kv_len: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    if m.dtype().is_float() {
+        bail!("the disallowed (boolean) mask must be an integer tensor (save a torch.bool mask as uint8), got {:?}; a float mask goes in `additive`", m.dtype())
+    }
+    let shape = match *m.dims() {
+        [q, k] if (q, k) == (q_len, kv_len) => (1, 1, q, k),
+        [n, q, k] if (q, k) == (q_len, kv_len) && n == b_sz * n_heads => (b_sz, n_heads, q, k),
+        [n, q, k] if (q, k) == (q_len, kv_len) && n == b_sz => (b_sz, 1, q, k),
+        _ => bail!(
+            "the disallowed mask must be [q_len, kv_len] = [{q_len}, {kv_len}], [batch·n_heads, q_len, kv_len] = [{}, {q_len}, {kv_len}] or [batch, q_len, kv_len] = [{b_sz}, {q_len}, {kv_len}], got {:?}",
+            b_sz * n_heads,
+            m.dims()
+        ),
+    };
+    let m = m.to_device(device)?;
+    let zero = Tensor::zeros((), m.dtype(), device)?.broadcast_as(m.shape())?;
+    keep_to_bias(&m.eq(&zero)?)?.reshape(shape)
 }
 
 /// `u8` keep flags to an f32 bias: 0 where kept, `-inf` where hidden.
