@@ -308,7 +308,17 @@ impl MultiHeadAttention {
         })
     }
 
-    /// Attention of `query` over `key`/`value`.
+    /// Attention of `query` over `key`/`value` (PyTorch's `forward(query, key, value)` with
+    /// `batch_first=True`; pass the same tensor three times for self-attention).
+    ///
+    /// - `mask`: what each query may not see ([`Mask`]): `Mask::NONE`, `Mask::causal(0)`
+    ///   (PyTorch's `is_causal=True`), key padding (`with_ignore` is PyTorch's
+    ///   `key_padding_mask`), PyTorch's boolean `attn_mask` (`with_disallowed`) or a float
+    ///   one (`with_additive`), in any combination. A query that may see no key at all gets
+    ///   zeros from attention, so the layer returns `out_proj`'s bias there (PyTorch returns
+    ///   NaN).
+    /// - `train`: dropout on the attention weights when true (PyTorch's `module.train()`);
+    ///   false for inference, where the fused CPU kernel may run.
     ///
     /// # Shapes
     /// - `query`: `[batch, q_len, d_model]`

@@ -5,6 +5,10 @@
 //! size `q_len × kv_len` exists. The two block products go through the `gemm` crate (the
 //! kernels Candle's matmul uses); blocks run in parallel on rayon's pool. Its reference is
 //! [`crate::sdpa_reference`], and the tests hold it to that.
+//!
+//! A public module for the crates built on this one and for the benchmarks: most users want
+//! [`crate::sdpa`] or [`crate::MultiHeadAttention`], which pick this kernel when it applies.
+//! [`gelu_tanh`] lives here because it shares the SIMD code; the MLPs of `gpt-blocks` use it.
 
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use half::slice::HalfFloatSliceExt;

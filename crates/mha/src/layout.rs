@@ -30,9 +30,13 @@ pub enum WeightLayout {
     /// GPT-2: a fused `c_attn` Conv1D (`weight` stored `[d_model, d_model + 2·kv_width]`,
     /// that is `[in, out]`) and a `c_proj` Conv1D `[d_model, d_model]`.
     Gpt2Conv1d,
-    /// `torch.nn.MultiheadAttention`: `in_proj_weight` `[3·d_model, d_model]` (or
-    /// `q_proj_weight`/`k_proj_weight`/`v_proj_weight` when `kdim`/`vdim` differ), the
-    /// fused `in_proj_bias`, and `out_proj.weight`/`out_proj.bias`.
+    /// `torch.nn.MultiheadAttention`: `in_proj_weight` `[3·d_model, d_model]` (with
+    /// grouped key/value heads `[d_model + 2·kv_width, d_model]`, `kv_width = n_kv_heads ·
+    /// head_dim`), or `q_proj_weight [d_model, d_model]`, `k_proj_weight [kv_width, kdim]`,
+    /// `v_proj_weight [kv_width, vdim]` when `kdim`/`vdim` differ from `d_model`; the fused
+    /// `in_proj_bias` `[d_model + 2·kv_width]`; `out_proj.weight [d_model, d_model]` and
+    /// `out_proj.bias [d_model]`. A checkpoint with `bias_k`/`bias_v` (`add_bias_kv=True`)
+    /// is refused.
     TorchInProj,
     /// GPT-NeoX: one `nn.Linear` `{qkv}` `[3·d_model, d_model]` whose outputs are grouped
     /// by head (q, k, v of head 0, then of head 1, ...), and an `{o}` `nn.Linear`. The rows

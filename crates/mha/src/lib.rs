@@ -40,6 +40,30 @@
 //! let diff = (full - stepped)?.abs()?.max_all()?.to_scalar::<f32>()?;
 //! assert!(diff < 1e-5);
 //! # Ok::<(), candle_core::Error>(())
+//! ```//!
+//! # From PyTorch
+//!
+//! A `torch.nn.MultiheadAttention(embed_dim=64, num_heads=8, batch_first=True)` saved with
+//! `torch.save(layer.state_dict(), "mha.pt")` (or with safetensors' `save_file`) loads with
+//! [`WeightLayout::TorchInProj`]; [`MhaConfig`]'s docs map every PyTorch argument, and a
+//! file that does not fit the config is an error that says what to change.
+//!
+//! ```no_run
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::VarBuilder;
+//! use mha::{Mask, MhaConfig, MultiHeadAttention, WeightLayout};
+//!
+//! let dev = Device::Cpu;
+//! let vb = VarBuilder::from_pth("mha.pt", DType::F32, &dev)?;
+//! // or: unsafe { VarBuilder::from_mmaped_safetensors(&["mha.safetensors"], DType::F32, &dev)? }
+//! let attn = MultiHeadAttention::load(&MhaConfig::new(64, 8), &WeightLayout::TorchInProj, vb)?;
+//! let x = Tensor::randn(0f32, 1.0, (2, 10, 64), &dev)?; // [batch, seq, embed_dim]
+//! // PyTorch: attn(x, x, x, attn_mask=bool_mask, key_padding_mask=padding)
+//! let bool_mask = Tensor::zeros((10, 10), DType::U8, &dev)?; // 1 = not allowed
+//! let padding = Tensor::zeros((2, 10), DType::U8, &dev)?; // 1 = padding
+//! let mask = Mask::NONE.with_disallowed(&bool_mask).with_ignore(&padding);
+//! let y = attn.forward(&x, &x, &x, &mask, false)?; // [2, 10, 64]
+//! # Ok::<(), candle_core::Error>(())
 //! ```
 
 mod attention;

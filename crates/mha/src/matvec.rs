@@ -15,6 +15,9 @@
 //! Sums are in f32 whatever the weight's dtype. bf16 is widened by a shift as it is read,
 //! f16 by `vcvtph2ps` on AVX-512 CPUs (elsewhere f16 stays on Candle's f16 GEMM). Its
 //! reference is `matmul`; the tests hold it to that.
+//!
+//! A public module for the crates built on this one (their quantized and dense projections)
+//! and for the benchmarks; [`crate::Proj`] picks it when it applies.
 
 use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
 use half::{bf16, f16};
