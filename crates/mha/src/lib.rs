@@ -3,7 +3,8 @@
 //!
 //! - separate query, key and value inputs: self- and cross-attention, `kdim`/`vdim`;
 //! - [`Mask`]: causal with an offset, key padding whose polarity is in its type, additive
-//!   float masks, and any combination; fully masked rows give zeros, not NaN;
+//!   float masks, PyTorch's boolean `attn_mask`, and any combination; fully masked rows
+//!   give zeros, not NaN;
 //! - dropout on the attention weights in training, repeatable under a seed;
 //! - per-head attention weights on request;
 //! - a caller-owned [`KvCache`] for incremental decoding;
@@ -40,7 +41,8 @@
 //! let diff = (full - stepped)?.abs()?.max_all()?.to_scalar::<f32>()?;
 //! assert!(diff < 1e-5);
 //! # Ok::<(), candle_core::Error>(())
-//! ```//!
+//! ```
+//!
 //! # From PyTorch
 //!
 //! A `torch.nn.MultiheadAttention(embed_dim=64, num_heads=8, batch_first=True)` saved with
