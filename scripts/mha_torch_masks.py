@@ -66,6 +66,27 @@ with torch.no_grad():
     # Self-attention through the torch.save'd state dict.
     tensors["out_self"] = layer(q, q, q, need_weights=False)[0]
 
+# add_bias_kv and add_zero_attn, alone and together, plain, with a boolean mask and key
+# padding, and causal (PyTorch pads every mask with a visible column per added position);
+# per-head weights too.
+for name, kwargs in [("bkv", dict(add_bias_kv=True)), ("zero", dict(add_zero_attn=True)),
+                     ("both", dict(add_bias_kv=True, add_zero_attn=True))]:
+    extra = nn.MultiheadAttention(E, H, batch_first=True, **kwargs)
+    with torch.no_grad():
+        for pname, p in extra.named_parameters():
+            if "bias" in pname:
+                p.add_(0.1 * torch.randn_like(p))
+    extra.eval()
+    for pname, p in extra.state_dict().items():
+        tensors[f"{name}.{pname}"] = p.detach().clone()
+    with torch.no_grad():
+        out, w = extra(q, kv, kv, need_weights=True, average_attn_weights=False)
+        tensors[f"{name}.out"], tensors[f"{name}.weights"] = out, w
+        tensors[f"{name}.out_masked"] = extra(q, kv, kv, attn_mask=m2, key_padding_mask=pad,
+                                              need_weights=False)[0]
+        causal = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        tensors[f"{name}.out_causal"] = extra(q, q, q, attn_mask=causal, need_weights=False)[0]
+
 save_file({k: v.contiguous() for k, v in tensors.items()},
           os.path.join(OUT, "torch_masks.safetensors"))
 print("wrote", len(tensors), "tensors; torch", torch.__version__)

@@ -214,6 +214,8 @@ pub struct MultiHeadAttention {
     proj: Projections,
     dropout: Dropout,
     rope: Option<Rope>,
+    /// `bias_k`, `bias_v` (`[kv_width]` each) with `add_bias_kv`.
+    bias_kv: Option<(Tensor, Tensor)>,
 }
 
 /// Everything a call of [`MultiHeadAttention::forward_with`] takes beside its three inputs.
@@ -249,17 +251,44 @@ impl MultiHeadAttention {
 
     /// Loads the layer from a checkpoint in the given layout.
     pub fn load(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Result<Self> {
-        let proj = layout::load(cfg, layout, vb)?;
-        Self::assemble(cfg, proj)
+        // A checkpoint (not a VarMap creating the layer) must hold bias_k/bias_v itself.
+        let from_file = layout::layout_in_file(&vb).is_some();
+        let proj = layout::load(cfg, layout, vb.clone())?;
+        let bias_kv = match cfg.add_bias_kv {
+            false => None,
+            true => {
+                let kv = cfg.kv_width();
+                // PyTorch initialises them with xavier_normal_ over [1, 1, kv].
+                let init = candle_nn::Init::Randn {
+                    mean: 0.0,
+                    stdev: (2.0 / (kv as f64 + kv as f64)).sqrt(),
+                };
+                let get = |name: &str| -> Result<Tensor> {
+                    if from_file && !vb.contains_tensor(name) {
+                        bail!("the config says `add_bias_kv: true` but the checkpoint has no `{name}`: set `add_bias_kv: false`")
+                    }
+                    vb.get_with_hints((1, 1, kv), name, init)?.reshape(kv)
+                };
+                Some((get("bias_k")?, get("bias_v")?))
+            }
+        };
+        Self::assemble(cfg, proj, bias_kv)
     }
 
     /// Builds the layer from projections loaded elsewhere (a GGUF file's quantized
     /// matrices, say), checking their widths and biases against `cfg`.
     pub fn from_projections(cfg: &MhaConfig, qkv: QkvProj, o: Proj) -> Result<Self> {
-        Self::assemble(cfg, layout::from_projections(cfg, qkv, o)?)
+        if cfg.add_bias_kv {
+            bail!("add_bias_kv needs bias_k and bias_v: build the layer with MultiHeadAttention::load")
+        }
+        Self::assemble(cfg, layout::from_projections(cfg, qkv, o)?, None)
     }
 
-    fn assemble(cfg: &MhaConfig, proj: Projections) -> Result<Self> {
+    fn assemble(
+        cfg: &MhaConfig,
+        proj: Projections,
+        bias_kv: Option<(Tensor, Tensor)>,
+    ) -> Result<Self> {
         let rope = match &cfg.rope {
             Some(r) => Some(Rope::new(r, cfg.head_dim())?),
             None => None,
@@ -269,7 +298,54 @@ impl MultiHeadAttention {
             proj,
             dropout: Dropout::new(cfg.dropout, cfg.seed)?,
             rope,
+            bias_kv,
         })
+    }
+
+    /// Attention of `q` over `k`/`v` (`[b, heads, t, head_dim]`) with the positions
+    /// `add_bias_kv`/`add_zero_attn` append: every query sees them, whatever the mask hides
+    /// of the others (PyTorch pads its masks with a visible column for each).
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: &Mask,
+        params: &SdpaParams,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let mut ks = vec![k];
+        let mut vs = vec![v];
+        let (b, h_kv, tk, hd) = ks[0].dims4()?;
+        let (dtype, dev) = (ks[0].dtype(), ks[0].device().clone());
+        if let Some((bk, bv)) = &self.bias_kv {
+            let row = |t: &Tensor| -> Result<Tensor> {
+                t.to_dtype(dtype)?
+                    .reshape((1, h_kv, 1, hd))?
+                    .broadcast_as((b, h_kv, 1, hd))
+            };
+            ks.push(row(bk)?);
+            vs.push(row(bv)?);
+        }
+        if self.cfg.add_zero_attn {
+            ks.push(Tensor::zeros((b, h_kv, 1, hd), dtype, &dev)?);
+            vs.push(Tensor::zeros((b, h_kv, 1, hd), dtype, &dev)?);
+        }
+        let extra = ks.len() - 1;
+        if extra == 0 {
+            let (k, v) = (ks.swap_remove(0), vs.swap_remove(0));
+            return sdpa(q, &k, &v, mask, params);
+        }
+        let (_, h, tq, _) = q.dims4()?;
+        let k = Tensor::cat(&ks, 2)?;
+        let v = Tensor::cat(&vs, 2)?;
+        // The mask over the real keys, then visible columns for the appended ones.
+        let real = match mask.to_bias((b, h, tq, tk), &dev)? {
+            Some(bias) => bias.broadcast_as((b, h, tq, tk))?.contiguous()?,
+            None => Tensor::zeros((b, h, tq, tk), DType::F32, &dev)?,
+        };
+        let open = Tensor::zeros((b, h, tq, extra), DType::F32, &dev)?;
+        let bias = Tensor::cat(&[&real, &open], 3)?;
+        sdpa(q, &k, &v, &Mask::NONE.with_additive(&bias), params)
     }
 
     /// The rotary embedding of this layer, when it has one.
@@ -432,7 +508,7 @@ impl MultiHeadAttention {
             },
             None => mask,
         };
-        let (ys, weights) = sdpa(&q, &k, &v, &mask, &params)?;
+        let (ys, weights) = self.attend(&q, k, v, &mask, &params)?;
         // (b, h, tq, hd) -> (b, tq, h·hd)
         let ys = ys
             .to_dtype(dtype)?
@@ -484,7 +560,7 @@ impl MultiHeadAttention {
             let mut mask = Mask::causal(cache.len());
             mask.window = cfg.window;
             let (k, v) = cache.append(&k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?)?;
-            Ok(sdpa(&q.narrow(0, i, 1)?, &k, &v, &mask, &params)?.0)
+            Ok(self.attend(&q.narrow(0, i, 1)?, k, v, &mask, &params)?.0)
         };
         // Rows are independent, and on a small model each is mostly per-call overhead:
         // spread them over the CPU's threads.

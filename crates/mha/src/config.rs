@@ -11,7 +11,7 @@ use crate::RopeConfig;
 /// `MhaConfig { n_kv_heads: Some(2), ..MhaConfig::new(64, 8) }`.
 ///
 /// From JSON, PyTorch's argument names work too (`embed_dim`, `num_heads`, `kdim`, `vdim`,
-/// `bias`, `dropout`), and a field this struct does not have is an error rather than
+/// `bias`, `dropout`, `add_bias_kv`, `add_zero_attn`), and a field this struct does not have is an error rather than
 /// silently ignored:
 ///
 /// ```
@@ -31,7 +31,7 @@ use crate::RopeConfig;
 /// | `attn_mask`, `key_padding_mask`, `is_causal` | [`crate::Mask`] |
 /// | `need_weights`, `average_attn_weights` | [`crate::MultiHeadAttention::forward_with_weights`], [`crate::AttnWeights::averaged`] |
 /// | state dict names | [`crate::WeightLayout::TorchInProj`] |
-/// | `add_bias_kv`, `add_zero_attn` | not supported: such a checkpoint is refused when it is loaded |
+/// | `add_bias_kv`, `add_zero_attn` | `add_bias_kv`, `add_zero_attn` |
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MhaConfig {
@@ -67,6 +67,12 @@ pub struct MhaConfig {
     pub scale: Option<f64>,
     /// Seed of the dropout mask stream, so that training runs can be repeated.
     pub seed: u64,
+    /// PyTorch's `add_bias_kv`: learned `bias_k`/`bias_v` (`[1, 1, kv_width]` in the state
+    /// dict) appended to the keys and values as one more position that every query sees.
+    pub add_bias_kv: bool,
+    /// PyTorch's `add_zero_attn`: a zero key and value appended (after `bias_k`/`bias_v`)
+    /// as one more position that every query sees.
+    pub add_zero_attn: bool,
 }
 
 impl Default for MhaConfig {
@@ -91,6 +97,8 @@ impl MhaConfig {
             dropout: 0.0,
             scale: None,
             seed: 0,
+            add_bias_kv: false,
+            add_zero_attn: false,
         }
     }
 

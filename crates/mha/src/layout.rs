@@ -480,10 +480,10 @@ fn split_fused(qkv: Proj, o: Proj, cfg: &MhaConfig) -> Result<Projections> {
 
 pub(crate) fn load(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Result<Projections> {
     cfg.validate()?;
-    // PyTorch's add_bias_kv / add_zero_attn change the output: never load past them.
+    // PyTorch's add_bias_kv changes the output: the file and the config must agree.
     for name in ["bias_k", "bias_v"] {
-        if vb.contains_tensor(name) {
-            bail!("the checkpoint has `{name}`: it was saved with nn.MultiheadAttention(add_bias_kv=True), which this layer does not implement")
+        if vb.contains_tensor(name) && !cfg.add_bias_kv {
+            bail!("the checkpoint has `{name}` (saved with nn.MultiheadAttention(add_bias_kv=True)) but the config says `add_bias_kv: false`: set `add_bias_kv: true`")
         }
     }
     match load_layout(cfg, layout, &vb) {
@@ -499,7 +499,7 @@ pub(crate) fn load(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Re
 }
 
 /// The layout whose names a checkpoint has, told by one tensor each holds.
-fn layout_in_file(vb: &VarBuilder) -> Option<(&'static str, &'static str)> {
+pub(crate) fn layout_in_file(vb: &VarBuilder) -> Option<(&'static str, &'static str)> {
     [
         ("in_proj_weight", "WeightLayout::TorchInProj"),
         (

@@ -84,3 +84,69 @@ fn bad_boolean_masks_are_errors() {
         assert!(err.contains(needle), "{dims:?}: {err}");
     }
 }
+
+/// PyTorch's `add_bias_kv` and `add_zero_attn`, alone and together: outputs and per-head
+/// weights without a mask, with a boolean mask and key padding, and causal; the causal
+/// case also decoded token by token through a KV cache (the added positions are not
+/// cached: every step sees them once).
+#[test]
+fn add_bias_kv_and_add_zero_attn_match_pytorch() {
+    let t = tensors();
+    let vb = VarBuilder::from_tensors(t.clone(), DType::F32, &Device::Cpu);
+    let (q, kv) = (&t["query"], &t["key_value"]);
+    for (name, add_bias_kv, add_zero_attn) in [
+        ("bkv", true, false),
+        ("zero", false, true),
+        ("both", true, true),
+    ] {
+        let cfg = MhaConfig {
+            add_bias_kv,
+            add_zero_attn,
+            ..MhaConfig::new(16, 4)
+        };
+        let attn = MultiHeadAttention::load(&cfg, &WeightLayout::TorchInProj, vb.pp(name)).unwrap();
+        let (out, w) = attn
+            .forward_with_weights(q, kv, kv, &Mask::NONE, false)
+            .unwrap();
+        assert_close(&out, &t[&format!("{name}.out")], 1e-5, 1e-5, name);
+        assert_close(
+            &w.per_head,
+            &t[&format!("{name}.weights")],
+            1e-5,
+            1e-5,
+            name,
+        );
+        let mask = Mask::NONE
+            .with_disallowed(&t["mask_2d"])
+            .with_ignore(&t["padding"]);
+        let got = attn.forward(q, kv, kv, &mask, false).unwrap();
+        assert_close(&got, &t[&format!("{name}.out_masked")], 1e-5, 1e-5, name);
+        let want = &t[&format!("{name}.out_causal")];
+        let got = attn.forward(q, q, q, &Mask::causal(0), false).unwrap();
+        assert_close(&got, want, 1e-5, 1e-5, &format!("{name} causal"));
+        let mut cache = mha::KvCache::new(2);
+        let steps: Vec<Tensor> = (0..q.dim(1).unwrap())
+            .map(|i| {
+                let x = q.narrow(1, i, 1).unwrap();
+                let mask = Mask::causal(cache.len());
+                attn.forward_cached(&x, &x, &x, &mask, &mut cache).unwrap()
+            })
+            .collect();
+        let stepped = Tensor::cat(&steps, 1).unwrap();
+        assert_close(&stepped, want, 1e-5, 1e-5, &format!("{name} cached"));
+    }
+    // The file and the config must agree.
+    let plain = MhaConfig::new(16, 4);
+    let err = MultiHeadAttention::load(&plain, &WeightLayout::TorchInProj, vb.pp("bkv"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("set `add_bias_kv: true`"), "{err}");
+    let wants = MhaConfig {
+        add_bias_kv: true,
+        ..plain
+    };
+    let err = MultiHeadAttention::load(&wants, &WeightLayout::TorchInProj, vb.pp("layer"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("set `add_bias_kv: false`"), "{err}");
+}
