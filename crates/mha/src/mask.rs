@@ -39,8 +39,10 @@ pub struct Mask<'a> {
     pub window: Option<usize>,
     /// Padding keys to hide, per batch row.
     pub key_padding: Option<KeyPadding<'a>>,
-    /// Added to the scores before softmax (`-inf` hides a key); any float dtype, any shape
-    /// that broadcasts to `[batch, n_heads, q_len, kv_len]`.
+    /// Added to the scores before softmax (`-inf` hides a key); any float dtype. 2-D and 4-D
+    /// shapes broadcast to `[batch, n_heads, q_len, kv_len]`; a 3-D one is PyTorch's
+    /// `[batch·n_heads, q_len, kv_len]` (per head) or `[batch, q_len, kv_len]` (per batch
+    /// row), as for [`Mask::disallowed`].
     pub additive: Option<&'a Tensor>,
     /// PyTorch's boolean `attn_mask`, in its polarity: non-zero where a query may NOT attend
     /// to a key (any integer dtype; save a `torch.bool` mask as `uint8`). Shapes:
@@ -208,6 +210,22 @@ impl<'a> Mask<'a> {
         }
         if let Some(a) = self.additive {
             let full = (b_sz, n_heads, q_len, kv_len);
+            // A 3-D mask is read as the boolean one is: per head when its first dimension
+            // is batch·heads, else per batch row; never right-aligned onto the heads.
+            let a = &match *a.dims() {
+                [n, q, k] if (q, k) == (q_len, kv_len) && n == b_sz * n_heads => {
+                    a.reshape(full)?
+                }
+                [n, q, k] if (q, k) == (q_len, kv_len) && n == b_sz => {
+                    a.reshape((b_sz, 1, q, k))?
+                }
+                [_, _, _] => bail!(
+                    "a 3-D additive mask must be [batch·n_heads, q_len, kv_len] = [{}, {q_len}, {kv_len}] or [batch, q_len, kv_len] = [{b_sz}, {q_len}, {kv_len}], got {:?}",
+                    b_sz * n_heads,
+                    a.dims()
+                ),
+                _ => a.clone(),
+            };
             if a.rank() > 4 || a.broadcast_as(full).is_err() {
                 bail!(
                     "additive mask of shape {:?} does not broadcast to [batch, heads, q_len, kv_len] = {full:?}",

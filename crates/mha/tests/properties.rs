@@ -523,6 +523,12 @@ fn bad_inputs_are_errors() -> Result<()> {
         .forward(&x, &x, &x, &Mask::NONE.with_additive(&wrong_add), false)
         .unwrap_err()
         .to_string();
+    assert!(err.contains("3-D additive mask must be"), "{err}");
+    let wrong_add = randn(&[3, 1, 5, 5]);
+    let err = attn
+        .forward(&x, &x, &x, &Mask::NONE.with_additive(&wrong_add), false)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("does not broadcast"), "{err}");
     let int_add = Tensor::zeros((5, 5), DType::U8, &DEV)?;
     let err = attn

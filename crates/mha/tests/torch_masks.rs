@@ -150,3 +150,32 @@ fn add_bias_kv_and_add_zero_attn_match_pytorch() {
         .to_string();
     assert!(err.contains("set `add_bias_kv: false`"), "{err}");
 }
+
+/// A 3-D float mask follows the same rule as the boolean one (PyTorch's float `attn_mask`
+/// of `-inf`/0 gives what its boolean mask gives): `[b·h, q, k]` per head, `[b, q, k]` per
+/// batch row, and a first dimension equal to the head count alone is an error.
+#[test]
+fn three_dimensional_float_masks_follow_the_same_rule() {
+    let t = tensors();
+    let vb = VarBuilder::from_tensors(t.clone(), DType::F32, &Device::Cpu);
+    let attn = layer(vb.pp("layer"));
+    let (q, kv) = (&t["query"], &t["key_value"]);
+    let to_float = |m: &Tensor| {
+        let zeros = Tensor::zeros(m.shape(), DType::F32, &Device::Cpu).unwrap();
+        let inf = Tensor::full(f32::NEG_INFINITY, m.shape(), &Device::Cpu).unwrap();
+        m.where_cond(&inf, &zeros).unwrap()
+    };
+    for case in ["heads", "batch"] {
+        let additive = to_float(&t[&format!("mask_{case}")]);
+        let got = attn
+            .forward(q, kv, kv, &Mask::NONE.with_additive(&additive), false)
+            .unwrap();
+        assert_close(&got, &t[&format!("out_{case}")], 1e-5, 1e-5, case);
+    }
+    let per_head_only = Tensor::zeros((4, 5, 6), DType::F32, &Device::Cpu).unwrap();
+    let err = attn
+        .forward(q, kv, kv, &Mask::NONE.with_additive(&per_head_only), false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("3-D additive mask"), "{err}");
+}
