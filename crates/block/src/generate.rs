@@ -1,6 +1,6 @@
 //! Sampling and batched generation with a KV cache.
 
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, DType, Device, Result, Tensor};
 
 use crate::{Gpt, GptCache, Logits};
 
@@ -194,6 +194,26 @@ pub fn argmax(xs: &[f32]) -> u32 {
     best as u32
 }
 
+/// Prompts as one left-padded batch, so that every row's last token sits in the last
+/// column: the ids `[b, longest]` (padding 0) and the matching `keep` mask (1 for real
+/// tokens), as [`Gpt::infer`] takes them.
+pub fn left_padded<P: AsRef<[u32]>>(prompts: &[P], dev: &Device) -> Result<(Tensor, Tensor)> {
+    let longest = prompts.iter().map(|p| p.as_ref().len()).max().unwrap_or(0);
+    let b = prompts.len();
+    let mut ids = Vec::with_capacity(b * longest);
+    let mut keep = Vec::with_capacity(b * longest);
+    for p in prompts {
+        let p = p.as_ref();
+        let pad = longest - p.len();
+        ids.extend(std::iter::repeat_n(0u32, pad).chain(p.iter().copied()));
+        keep.extend(std::iter::repeat_n(0u8, pad).chain(std::iter::repeat_n(1u8, p.len())));
+    }
+    Ok((
+        Tensor::from_vec(ids, (b, longest), dev)?,
+        Tensor::from_vec(keep, (b, longest), dev)?,
+    ))
+}
+
 /// What to generate.
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {
@@ -231,18 +251,9 @@ pub fn generate(
     }
     let dev = model.device();
     let mut samplers = vec![Sampler::new(opts.sampling.clone())?; b];
-    // Left padding: every row's last prompt token sits at the same column.
-    let mut ids = Vec::with_capacity(b * longest);
-    let mut keep = Vec::with_capacity(b * longest);
-    for p in prompts {
-        let pad = longest - p.len();
-        ids.extend(std::iter::repeat_n(0u32, pad).chain(p.iter().copied()));
-        keep.extend(std::iter::repeat_n(0u8, pad).chain(std::iter::repeat_n(1u8, p.len())));
-    }
+    let (mut input, mut keep_t) = left_padded(prompts, dev)?;
     let padded = prompts.iter().any(|p| p.len() != longest);
-    let mut keep_t = Tensor::from_vec(keep, (b, longest), dev)?;
     let mut cache = GptCache::new(cfg, longest + opts.max_new_tokens);
-    let mut input = Tensor::from_vec(ids, (b, longest), dev)?;
     let mut history: Vec<Vec<u32>> = prompts.to_vec();
     let mut out = vec![Vec::new(); b];
     let mut done = vec![false; b];

@@ -56,7 +56,9 @@ pub use block::Block;
 pub use check::available_memory;
 pub use config::{Activation, GptConfig, NormKind, NormPlacement};
 pub use family::Family;
-pub use generate::{argmax, generate, GenerateOptions, Sampler, SamplingParams, SplitMix64};
+pub use generate::{
+    argmax, generate, left_padded, GenerateOptions, Sampler, SamplingParams, SplitMix64,
+};
 pub use gguf::{load_gguf, save_gguf, Gguf, GgufVocab};
 pub use gpt::{next_token_loss, token_logprobs, Embedding, Gpt, GptCache, Logits};
 pub use load::{

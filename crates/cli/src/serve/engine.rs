@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Tensor};
-use gpt_blocks::{Gpt, GptCache, Logits, Sampler, SamplingParams};
+use gpt_blocks::{left_padded, Gpt, GptCache, Logits, Sampler, SamplingParams};
 use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -224,15 +224,8 @@ fn prefill(model: &Gpt, jobs: Vec<Job>, metrics: &Metrics) -> Result<Vec<Seq>> {
     let n = jobs.len();
     let lens: Vec<usize> = jobs.iter().map(|j| j.prompt.len()).collect();
     let longest = lens.iter().copied().max().unwrap_or(0);
-    let mut ids = Vec::with_capacity(n * longest);
-    let mut keep = Vec::with_capacity(n * longest);
-    for j in &jobs {
-        let pad = longest - j.prompt.len();
-        ids.extend(std::iter::repeat_n(0u32, pad).chain(j.prompt.iter().copied()));
-        keep.extend(std::iter::repeat_n(0u8, pad).chain(std::iter::repeat_n(1u8, j.prompt.len())));
-    }
-    let ids = Tensor::from_vec(ids, (n, longest), dev)?;
-    let keep = Tensor::from_vec(keep, (n, longest), dev)?;
+    let prompts: Vec<&[u32]> = jobs.iter().map(|j| j.prompt.as_slice()).collect();
+    let (ids, keep) = left_padded(&prompts, dev)?;
     let padded = lens.iter().any(|&l| l != longest);
     let capacity: Vec<usize> = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).collect();
     // One prompt keeps the batch's cache: give it its whole room at once.
