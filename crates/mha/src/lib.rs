@@ -76,6 +76,7 @@ pub mod kernel;
 mod layout;
 mod mask;
 pub mod matvec;
+pub mod qmatvec;
 mod rope;
 mod simd;
 

@@ -200,7 +200,7 @@ const PARALLEL_MIN: usize = 1 << 19;
 
 /// Splits `0..n` into one contiguous range per thread (at least `min` long), or a single
 /// range when the product reads fewer than `PARALLEL_MIN` weights.
-fn ranges(n: usize, min: usize, weights: usize) -> Vec<(usize, usize)> {
+pub(crate) fn ranges(n: usize, min: usize, weights: usize) -> Vec<(usize, usize)> {
     let parts = if weights < PARALLEL_MIN {
         1
     } else {
@@ -213,7 +213,10 @@ fn ranges(n: usize, min: usize, weights: usize) -> Vec<(usize, usize)> {
 }
 
 /// `f` over the ranges: on the pool when there are several, here when there is one.
-fn map_ranges<T: Send>(ranges: &[(usize, usize)], f: impl Fn(usize, usize) -> T + Sync) -> Vec<T> {
+pub(crate) fn map_ranges<T: Send>(
+    ranges: &[(usize, usize)],
+    f: impl Fn(usize, usize) -> T + Sync,
+) -> Vec<T> {
     match ranges {
         [(lo, hi)] => vec![f(*lo, *hi)],
         _ => ranges.par_iter().map(|&(lo, hi)| f(lo, hi)).collect(),

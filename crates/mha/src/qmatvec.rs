@@ -1,0 +1,588 @@
+//! Products of a few rows with a block-quantized weight (ggml's q8_0 and q4_0) on the CPU,
+//! reading each weight block once from where it is stored: no dequantized or repacked copy.
+//!
+//! As in ggml, each row of `x` is first quantized to 8 bits in blocks of 32 (q8_0: one
+//! f16 scale per block), so the product of two blocks is an integer dot product of 32
+//! pairs times the two scales. `vpdpbusd` (AVX-512 VNNI) takes 64 pairs (two blocks) per
+//! instruction, `vpmaddubsw` + `vpmaddwd` (AVX2) 32 in two. Both multiply unsigned by
+//! signed bytes: q4_0's 4-bit values are unsigned already (their offset of 8 comes off
+//! through the block sums of `x`), and for q8_0 the kernels take |w| and move w's sign
+//! onto `x`, which is in [-127, 127] and so never overflows when negated (|w| is 128 at
+//! most and fits an unsigned byte, so a -128 in a file is exact too).
+//!
+//! Weights are `[out, in]`, as GGUF files and Candle's quantized matrices store them. Each
+//! thread takes a contiguous range of output rows and walks it front to back; a weight row
+//! (816 bytes for 768 inputs in q8_0) is read from memory once and from L1 for every
+//! further row of `x`. Sums are in f32, as ggml's are. The reference is Candle's quantized
+//! matrix product (which quantizes `x` the same way) and the f64 product with the
+//! dequantized weight; the tests hold the kernels to both and to the scalar code.
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{bail, DType, Result, Tensor};
+use half::f16;
+
+use crate::matvec::{map_ranges, ranges};
+
+/// Values per block, in both formats and in the quantized rows of `x`.
+const QK: usize = 32;
+
+/// The weight formats with kernels here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    /// An f16 scale and 32 signed bytes.
+    Q8_0,
+    /// An f16 scale and 32 4-bit values `q` (value `q - 8`), element `j` in the low
+    /// nibble of byte `j` and element `j + 16` in its high nibble.
+    Q4_0,
+}
+
+impl Format {
+    fn of(dtype: GgmlDType) -> Option<Self> {
+        match dtype {
+            GgmlDType::Q8_0 => Some(Self::Q8_0),
+            GgmlDType::Q4_0 => Some(Self::Q4_0),
+            _ => None,
+        }
+    }
+
+    /// Bytes per block of 32 values.
+    fn block_bytes(self) -> usize {
+        match self {
+            Self::Q8_0 => 2 + QK,
+            Self::Q4_0 => 2 + QK / 2,
+        }
+    }
+}
+
+/// Whether [`qmatmul`] has kernels for `w`: a q8_0 or q4_0 matrix on the CPU.
+pub fn supported(w: &QTensor) -> bool {
+    Format::of(w.dtype()).is_some() && w.device().is_cpu() && w.shape().rank() == 2
+}
+
+/// `xs [m, in] · wᵀ` over output rows `rows` of `w` (`[out, in]`, q8_0 or q4_0): an
+/// `[m, rows.len()]` f32 tensor, or `None` when `w` is of another format or not on the CPU
+/// (the caller then uses Candle's product). Any `m` works; the kernels pay off while a
+/// weight row read once serves every row of `x` from L1 (decoding, small batches).
+pub fn qmatmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Tensor>> {
+    let Some(format) = Format::of(w.dtype()) else {
+        return Ok(None);
+    };
+    if !supported(w) || !xs.device().is_cpu() || w.shape().elem_count() == 0 {
+        return Ok(None);
+    }
+    let (d_out, k) = w.shape().dims2()?;
+    let (m, xk) = xs.dims2()?;
+    if xk != k {
+        bail!("quantized product: inputs [{m}, {xk}] for a weight [{d_out}, {k}]")
+    }
+    if rows.start > rows.end || rows.end > d_out {
+        bail!("quantized product: rows {rows:?} of a weight with {d_out}")
+    }
+    if !k.is_multiple_of(QK) {
+        bail!("quantized product: input width {k} is not a multiple of {QK}")
+    }
+    let data = w.data()?;
+    let row_bytes = k / QK * format.block_bytes();
+    if data.len() < d_out * row_bytes {
+        bail!(
+            "quantized product: {} bytes for a [{d_out}, {k}] {format:?} weight",
+            data.len()
+        )
+    }
+    let x = xs.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let x = QRows::new(&x, k);
+    let n = rows.len();
+    let weights = &data[rows.start * row_bytes..rows.end * row_bytes];
+    let ys = product(level(), format, weights, row_bytes, &x);
+    Tensor::from_vec(ys, (m, n), xs.device()).map(Some)
+}
+
+/// Rows of `x` quantized as ggml's q8_0 (the scale rounded to f16, as the block stores it).
+struct QRows {
+    /// `[m, k]`.
+    q: Vec<i8>,
+    /// `[m, k / 32]` scales.
+    d: Vec<f32>,
+    /// `[m, k / 32]`: `-8 · Σ q` per block, q4_0's offset (its weights are `u - 8`, so a
+    /// block's integer sum is `Σ u·q` plus this).
+    offset: Vec<i32>,
+    k: usize,
+}
+
+impl QRows {
+    fn new(x: &[f32], k: usize) -> Self {
+        let blocks = x.len() / QK;
+        let mut q = vec![0i8; x.len()];
+        let (mut d, mut offset) = (Vec::with_capacity(blocks), Vec::with_capacity(blocks));
+        for (xb, qb) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)) {
+            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                *q = (v * inv).round() as i8;
+                sum += *q as i32;
+            }
+            d.push(f16::from_f32(scale).to_f32());
+            offset.push(-8 * sum);
+        }
+        Self { q, d, offset, k }
+    }
+
+    /// Row `r`: its values, scales and offsets.
+    fn row(&self, r: usize) -> (&[i8], &[f32], &[i32]) {
+        let nb = self.k / QK;
+        (
+            &self.q[r * self.k..][..self.k],
+            &self.d[r * nb..][..nb],
+            &self.offset[r * nb..][..nb],
+        )
+    }
+
+    fn rows(&self) -> usize {
+        self.q.len() / self.k.max(1)
+    }
+}
+
+/// `[m, n]`: every row of `x` against the `n` weight rows of `row_bytes` bytes in `w`.
+fn product(level: Level, format: Format, w: &[u8], row_bytes: usize, x: &QRows) -> Vec<f32> {
+    let (m, n) = (x.rows(), w.len() / row_bytes.max(1));
+    if m == 0 || n == 0 {
+        return vec![0.0; m * n];
+    }
+    let parts = ranges(n, 64, n * x.k);
+    let blocks = map_ranges(&parts, |lo, hi| {
+        let mut out = vec![0f32; m * (hi - lo)];
+        for o in lo..hi {
+            let row = &w[o * row_bytes..][..row_bytes];
+            for r in 0..m {
+                out[r * (hi - lo) + o - lo] = dot(level, format, row, x.row(r));
+            }
+        }
+        out
+    });
+    if let [block] = &blocks[..] {
+        return block.clone();
+    }
+    let mut ys = vec![0f32; m * n];
+    for (&(lo, hi), block) in parts.iter().zip(&blocks) {
+        for r in 0..m {
+            ys[r * n + lo..r * n + hi].copy_from_slice(&block[r * (hi - lo)..][..hi - lo]);
+        }
+    }
+    ys
+}
+
+/// The instruction sets the kernels use, best first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Level {
+    Scalar,
+    Avx2,
+    Avx512Vnni,
+}
+
+fn level() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("f16c") {
+                return Level::Avx512Vnni;
+            }
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                return Level::Avx2;
+            }
+        }
+        Level::Scalar
+    })
+}
+
+/// One weight row (`w`, whole blocks) against one quantized row of `x`, with the kernels
+/// of `level`, which must not be above [`level()`].
+fn dot(level: Level, format: Format, w: &[u8], (xq, xd, xo): (&[i8], &[f32], &[i32])) -> f32 {
+    let nb = xd.len();
+    assert!(w.len() >= nb * format.block_bytes() && xq.len() >= nb * QK && xo.len() >= nb);
+    #[cfg(target_arch = "x86_64")]
+    {
+        debug_assert!(level <= self::level());
+        // SAFETY: `level` is at most what the CPU was seen to support, and the lengths
+        // were checked above.
+        match (level, format) {
+            (Level::Avx512Vnni, Format::Q8_0) => return unsafe { x86::q8_0_avx512(w, xq, xd) },
+            (Level::Avx512Vnni, Format::Q4_0) => return unsafe { x86::q4_0_avx512(w, xq, xd, xo) },
+            (Level::Avx2, Format::Q8_0) => return unsafe { x86::q8_0_avx2(w, xq, xd) },
+            (Level::Avx2, Format::Q4_0) => return unsafe { x86::q4_0_avx2(w, xq, xd, xo) },
+            (Level::Scalar, _) => {}
+        }
+    }
+    let _ = level;
+    dot_scalar(format, w, xq, xd)
+}
+
+/// The scalar form of every kernel: an exact integer sum per block, scaled in f32.
+fn dot_scalar(format: Format, w: &[u8], xq: &[i8], xd: &[f32]) -> f32 {
+    let mut acc = 0f32;
+    for (b, block) in w
+        .chunks_exact(format.block_bytes())
+        .take(xd.len())
+        .enumerate()
+    {
+        let dw = f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let x = &xq[b * QK..][..QK];
+        let sum: i32 = match format {
+            Format::Q8_0 => block[2..]
+                .iter()
+                .zip(x)
+                .map(|(&w, &x)| w as i8 as i32 * x as i32)
+                .sum(),
+            Format::Q4_0 => (0..QK / 2)
+                .map(|j| {
+                    let q = block[2 + j];
+                    ((q & 15) as i32 - 8) * x[j] as i32 + ((q >> 4) as i32 - 8) * x[j + 16] as i32
+                })
+                .sum(),
+        };
+        acc += sum as f32 * (dw * xd[b]);
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! Every kernel takes `w` holding `xd.len()` whole blocks, `xq` as many blocks of 32
+    //! values and (q4_0) `xo` as many offsets; the caller checks the lengths. Each block's
+    //! sum is an exact integer, as in the scalar code: only the order of the f32 sums
+    //! differs.
+
+    use std::arch::x86_64::*;
+
+    /// The f16 scales at `a` and `b`, widened: `[a, b, 0, 0]`.
+    #[target_feature(enable = "f16c")]
+    #[inline]
+    unsafe fn scales2(a: *const u8, b: *const u8) -> __m128 {
+        // SAFETY (caller): two readable bytes at `a` and at `b`.
+        let (a, b) = unsafe {
+            (
+                a.cast::<u16>().read_unaligned(),
+                b.cast::<u16>().read_unaligned(),
+            )
+        };
+        _mm_cvtph_ps(_mm_setr_epi16(a as i16, b as i16, 0, 0, 0, 0, 0, 0))
+    }
+
+    /// The f16 scale at `p`, widened.
+    #[target_feature(enable = "f16c")]
+    #[inline]
+    unsafe fn scale(p: *const u8) -> f32 {
+        // SAFETY (caller): two readable bytes at `p`.
+        let h = unsafe { p.cast::<u16>().read_unaligned() };
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
+    /// The 32 values of the q4_0 block at `p` as unsigned bytes in element order.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        // SAFETY (caller): a whole 18-byte block at `p`.
+        let q = unsafe { _mm_loadu_si128(p.add(2).cast()) };
+        _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16::<4>(q), q),
+            _mm256_set1_epi8(0x0f),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q8_0_avx2(w: &[u8], xq: &[i8], xd: &[f32]) -> f32 {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = _mm256_setzero_ps();
+        for (b, &dx) in xd.iter().enumerate() {
+            // SAFETY: block b of `w` (34 bytes) and of `xq` (32) are in bounds.
+            unsafe {
+                let p = w.as_ptr().add(b * 34);
+                let wv = _mm256_loadu_si256(p.add(2).cast());
+                let xv = _mm256_loadu_si256(xq.as_ptr().add(b * 32).cast());
+                // |w| · (x with w's sign); pairs of products sum to at most 2·128·127.
+                let pairs =
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+                let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(scale(p) * dx), acc);
+            }
+        }
+        hsum256(acc)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q4_0_avx2(w: &[u8], xq: &[i8], xd: &[f32], xo: &[i32]) -> f32 {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = _mm256_setzero_ps();
+        for (b, &dx) in xd.iter().enumerate() {
+            // SAFETY: block b of `w` (18 bytes) and of `xq` (32) are in bounds.
+            unsafe {
+                let p = w.as_ptr().add(b * 18);
+                let xv = _mm256_loadu_si256(xq.as_ptr().add(b * 32).cast());
+                let pairs = _mm256_maddubs_epi16(nibbles(p), xv);
+                // The block's offset joins its first lane: the sum stays an exact integer.
+                let lanes = _mm256_add_epi32(
+                    _mm256_madd_epi16(pairs, ones),
+                    _mm256_setr_epi32(xo[b], 0, 0, 0, 0, 0, 0, 0),
+                );
+                let sum = _mm256_cvtepi32_ps(lanes);
+                acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(scale(p) * dx), acc);
+            }
+        }
+        hsum256(acc)
+    }
+
+    /// Lanes 0–7 from lane 0 of a `__m128`, lanes 8–15 from its lane 1.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn spread2(v: __m128) -> __m512 {
+        let idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn q8_0_avx512(w: &[u8], xq: &[i8], xd: &[f32]) -> f32 {
+        let nb = xd.len();
+        let mut acc = _mm512_setzero_ps();
+        let mut b = 0;
+        while b + 2 <= nb {
+            // SAFETY: blocks b and b + 1 of `w` (34 bytes each), `xq` and `xd` are in bounds.
+            unsafe {
+                let p = w.as_ptr().add(b * 34);
+                let lo = _mm256_loadu_si256(p.add(2).cast());
+                let hi = _mm256_loadu_si256(p.add(36).cast());
+                let wv = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                let xv = _mm512_loadu_si512(xq.as_ptr().add(b * 32).cast());
+                let signed_x =
+                    _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv);
+                let sum =
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(wv), signed_x);
+                let dx = _mm_castpd_ps(_mm_load_sd(xd.as_ptr().add(b).cast()));
+                let d = spread2(_mm_mul_ps(scales2(p, p.add(34)), dx));
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), d, acc);
+            }
+            b += 2;
+        }
+        // SAFETY: the last block, if any, is in bounds as the caller checked.
+        let tail = unsafe { q8_0_avx2(&w[b * 34..], &xq[b * 32..], &xd[b..]) };
+        _mm512_reduce_add_ps(acc) + tail
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn q4_0_avx512(w: &[u8], xq: &[i8], xd: &[f32], xo: &[i32]) -> f32 {
+        let nb = xd.len();
+        let spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let mut acc = _mm512_setzero_ps();
+        let mut b = 0;
+        while b + 2 <= nb {
+            // SAFETY: blocks b and b + 1 of `w` (18 bytes each), `xq`, `xd` and `xo` are
+            // in bounds.
+            unsafe {
+                let p = w.as_ptr().add(b * 18);
+                let wv =
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(nibbles(p)), nibbles(p.add(18)));
+                let xv = _mm512_loadu_si512(xq.as_ptr().add(b * 32).cast());
+                // The two blocks' offsets start lanes 0 and 8: exact integer sums.
+                let xo2 = _mm_loadl_epi64(xo.as_ptr().add(b).cast());
+                let init =
+                    _mm512_maskz_permutexvar_epi32(0x0101, spread, _mm512_castsi128_si512(xo2));
+                let sum = _mm512_dpbusd_epi32(init, wv, xv);
+                let dx = _mm_castpd_ps(_mm_load_sd(xd.as_ptr().add(b).cast()));
+                let d = spread2(_mm_mul_ps(scales2(p, p.add(18)), dx));
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), d, acc);
+            }
+            b += 2;
+        }
+        // SAFETY: the last block, if any, is in bounds as the caller checked.
+        let tail = unsafe { q4_0_avx2(&w[b * 18..], &xq[b * 32..], &xd[b..], &xo[b..]) };
+        _mm512_reduce_add_ps(acc) + tail
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::QMatMul;
+    use candle_core::{Device, Module};
+
+    fn levels() -> Vec<Level> {
+        [Level::Scalar, Level::Avx2, Level::Avx512Vnni]
+            .into_iter()
+            .filter(|&l| l <= level())
+            .collect()
+    }
+
+    /// A `[n, k]` weight of standard normal values (with a few large ones, so blocks have
+    /// different scales), quantized by Candle.
+    fn weight(n: usize, k: usize, dtype: GgmlDType, seed: u64) -> (Vec<f32>, QTensor) {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+        let spikes = (Tensor::rand(0f32, 1.0, (n, k), &dev)
+            .unwrap()
+            .ge(0.99)
+            .unwrap())
+        .to_dtype(DType::F32)
+        .unwrap()
+            * (seed as f64 + 4.0);
+        let w = (w + spikes.unwrap()).unwrap();
+        let q = QTensor::quantize(&w, dtype).unwrap();
+        let wd = q
+            .dequantize(&dev)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        (wd, q)
+    }
+
+    #[test]
+    fn kernels_match_scalar_code_and_candle_and_the_f64_product() {
+        let dev = Device::Cpu;
+        // Odd block counts (k = 96, 800) exercise the one-block tails.
+        for (dtype, (m, k, n)) in [GgmlDType::Q8_0, GgmlDType::Q4_0]
+            .into_iter()
+            .flat_map(|d| [(1, 768, 300), (3, 96, 70), (8, 800, 129), (17, 256, 5)].map(|s| (d, s)))
+        {
+            let (wd, q) = weight(n, k, dtype, m as u64);
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
+            let xv: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+            let data = q.data().unwrap();
+            let format = Format::of(dtype).unwrap();
+            let row_bytes = k / QK * format.block_bytes();
+            let xq = QRows::new(&xv, k);
+            let scalar = product(Level::Scalar, format, &data, row_bytes, &xq);
+            // Σ |w|·|x| per output: the scale of f32 rounding in sums of its terms.
+            let magnitude: Vec<f32> = (0..m * n)
+                .map(|i| {
+                    let (r, o) = (i / n, i % n);
+                    let (xr, wr) = (&xv[r * k..][..k], &wd[o * k..][..k]);
+                    xr.iter().zip(wr).map(|(a, b)| (a * b).abs()).sum()
+                })
+                .collect();
+            for level in levels() {
+                let ys = product(level, format, &data, row_bytes, &xq);
+                for ((a, b), mag) in ys.iter().zip(&scalar).zip(&magnitude) {
+                    // The integer sums are exact: only the order of the f32 sums differs.
+                    assert!(
+                        (a - b).abs() <= 1e-6 * mag,
+                        "{level:?} {dtype:?}: {a} vs {b}"
+                    );
+                }
+            }
+            // Candle's product quantizes x the same way: the same numbers up to the order
+            // of the sums.
+            let ys = qmatmul(&x, &q, 0..n).unwrap().unwrap();
+            drop(data);
+            let theirs = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
+            let diff = (&ys - &theirs).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(
+                diff.to_scalar::<f32>().unwrap() < 1e-3,
+                "{dtype:?} {m}x{k}x{n} against Candle"
+            );
+            // Against the exact product with the dequantized weight, x's 8-bit rounding
+            // (half a step, amax/254, per value) bounds the error: Σ |w|·amax/254.
+            let ys: Vec<f32> = ys.flatten_all().unwrap().to_vec1().unwrap();
+            for r in 0..m {
+                for o in 0..n {
+                    let (xr, wr) = (&xv[r * k..][..k], &wd[o * k..][..k]);
+                    let exact: f64 = xr.iter().zip(wr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    let bound: f64 = xr
+                        .chunks(QK)
+                        .zip(wr.chunks(QK))
+                        .map(|(xb, wb)| {
+                            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+                            wb.iter().map(|&w| w.abs() as f64).sum::<f64>() * amax / 254.0 * 1.01
+                        })
+                        .sum();
+                    let got = ys[r * n + o] as f64;
+                    assert!(
+                        (got - exact).abs() <= bound + 1e-4,
+                        "{dtype:?}: {got} vs {exact} (bound {bound})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_range_is_those_rows_of_the_whole_product() {
+        let dev = Device::Cpu;
+        let (_, q) = weight(200, 128, GgmlDType::Q8_0, 1);
+        let x = Tensor::randn(0f32, 1.0, (2, 128), &dev).unwrap();
+        let all = qmatmul(&x, &q, 0..200).unwrap().unwrap();
+        let part = qmatmul(&x, &q, 37..101).unwrap().unwrap();
+        let diff = (all.narrow(1, 37, 64).unwrap() - part).unwrap();
+        assert_eq!(
+            diff.abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
+    }
+
+    #[test]
+    fn q8_0_weights_of_minus_128_are_exact() {
+        // ggml's quantizer writes [-127, 127], but a file may hold -128: |w| = 128 must
+        // still multiply as 128 (the AVX2 pair sums reach 2·128·127, below i16's limit).
+        let format = Format::Q8_0;
+        let mut w = Vec::new();
+        for b in 0..3 {
+            w.extend_from_slice(&f16::from_f32(0.5 + b as f32).to_le_bytes());
+            w.extend((0..QK).map(|j| {
+                if j % 3 == 0 {
+                    0x80u8
+                } else {
+                    (j as u8).wrapping_mul(37)
+                }
+            }));
+        }
+        let x: Vec<f32> = (0..3 * QK)
+            .map(|i| if i % 2 == 0 { -1.0 } else { 0.9 })
+            .collect();
+        let xq = QRows::new(&x, 3 * QK);
+        let scalar = dot(Level::Scalar, format, &w, xq.row(0));
+        for level in levels() {
+            assert_eq!(dot(level, format, &w, xq.row(0)), scalar, "{level:?}");
+        }
+        // And the scalar code is the plain sum.
+        let exact: f32 = (0..3)
+            .map(|b| {
+                let blk = &w[b * 34..][..34];
+                let s: i32 = (0..QK)
+                    .map(|j| blk[2 + j] as i8 as i32 * xq.q[b * QK + j] as i32)
+                    .sum();
+                s as f32 * f16::from_le_bytes([blk[0], blk[1]]).to_f32() * xq.d[b]
+            })
+            .sum();
+        assert!((scalar - exact).abs() <= 1e-5 * exact.abs());
+    }
+
+    #[test]
+    fn other_formats_and_mismatched_inputs_are_refused() {
+        let dev = Device::Cpu;
+        let (_, q) = weight(16, 256, GgmlDType::Q4K, 0);
+        let x = Tensor::zeros((1, 256), DType::F32, &dev).unwrap();
+        assert!(qmatmul(&x, &q, 0..16).unwrap().is_none());
+        let (_, q) = weight(16, 64, GgmlDType::Q8_0, 0);
+        assert!(qmatmul(&x, &q, 0..16).is_err());
+        let x = Tensor::zeros((1, 64), DType::F32, &dev).unwrap();
+        assert!(qmatmul(&x, &q, 0..17).is_err());
+    }
+}
