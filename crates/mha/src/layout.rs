@@ -273,6 +273,24 @@ impl Proj {
                 d_in,
                 d_out,
             } => {
+                let (start, len) = cols.unwrap_or((0, *d_out));
+                let own = match w {
+                    // Decoding and small batches: q8_0 and q4_0 blocks read once from where
+                    // they are stored (Candle's kernels would keep a repacked copy of each
+                    // matrix beside the file's).
+                    QMatMul::QTensor(q) if rows < DENSE_ROWS => {
+                        crate::qmatvec::qmatmul(&xs2, q, start..start + len)?
+                    }
+                    _ => None,
+                };
+                if let Some(ys) = own {
+                    let ys = ys.to_dtype(xs.dtype())?;
+                    let ys = match &self.b {
+                        Some(b) => ys.broadcast_add(b)?,
+                        None => ys,
+                    };
+                    return ys.reshape(out_dims(dims, len));
+                }
                 let xs32 = xs2.to_dtype(DType::F32)?.contiguous()?;
                 let ys = match w {
                     QMatMul::QTensor(q)
