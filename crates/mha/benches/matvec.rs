@@ -6,9 +6,13 @@
 //! `RAYON_NUM_THREADS=2 cargo bench -p mha --bench matvec`. Results: docs/PERFORMANCE.md.
 #![allow(missing_docs)]
 
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::Module;
 use candle_core::{Device, Tensor};
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use mha::matvec::few_rows_matmul;
+use mha::qmatvec::qmatmul;
+use std::sync::Arc;
 
 fn randn(shape: (usize, usize)) -> Tensor {
     Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap()
@@ -59,5 +63,53 @@ fn bench_matvec(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_matvec);
+/// The same products with q8_0 and q4_0 weights (`[out, in]`, as GGUF stores them):
+/// `mha::qmatvec` against Candle's `QMatMul` (which repacks q8_0 matrices whose input width
+/// is a multiple of 256 for its AVX-512 VNNI kernel, keeping the copy). Throughput is in
+/// weight bytes read per second.
+fn bench_qmatvec(c: &mut Criterion) {
+    let mut group = c.benchmark_group("qmatvec");
+    group.sample_size(20);
+    let shapes = [
+        ("c_attn_768x2304", 768, 2304, 12),
+        ("c_fc_768x3072", 768, 3072, 12),
+        ("c_proj_3072x768", 3072, 768, 12),
+        ("smollm_mlp_576x1536", 576, 1536, 30),
+        ("lm_head_768x50257", 768, 50257, 1),
+    ];
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+        for (name, d_in, d_out, copies) in shapes {
+            let ws: Vec<Arc<QTensor>> = (0..copies)
+                .map(|_| Arc::new(QTensor::quantize(&randn((d_out, d_in)), dtype).unwrap()))
+                .collect();
+            let bytes: usize = ws.iter().map(|w| w.storage_size_in_bytes()).sum();
+            let candle: Vec<QMatMul> = ws
+                .iter()
+                .map(|w| QMatMul::from_arc(w.clone()).unwrap())
+                .collect();
+            for rows in [1, 4, 16] {
+                let xs = randn((rows, d_in));
+                let id = format!("{dtype:?}/{name}/rows{rows}");
+                group.throughput(Throughput::Bytes(bytes as u64));
+                group.bench_function(BenchmarkId::new("qmatvec", &id), |bench| {
+                    bench.iter(|| {
+                        for w in &ws {
+                            qmatmul(&xs, w, 0..d_out).unwrap().unwrap();
+                        }
+                    })
+                });
+                group.bench_function(BenchmarkId::new("candle", &id), |bench| {
+                    bench.iter(|| {
+                        for w in &candle {
+                            w.forward(&xs).unwrap();
+                        }
+                    })
+                });
+            }
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_matvec, bench_qmatvec);
 criterion_main!(benches);
