@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{bail, DType, Device, Result, Tensor};
+use mha::qpacked::PackedQ8;
 use mha::{MultiHeadAttention, Proj, QkvProj, RopeConfig, RopeScaling};
 
 use crate::load::path_err;
@@ -640,23 +641,32 @@ impl Gguf {
         // (GPT-2 124M's q8_0 table is 41 MB; read last, it raised decoding's peak RSS).
         let embd = Arc::new(self.qtensor("token_embd.weight", &[v, d], device)?);
         // A quantized table stays one quantized copy: rows are dequantized on lookup, and a
-        // tied head multiplies by the same blocks.
+        // tied head multiplies by the same blocks (repacked for this CPU's kernels where it
+        // has them, the file's layout then freed).
         let wte = match embd.dtype() {
             GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
                 Embedding::Dense(float_tensor(&embd, dtype, device)?)
             }
-            _ => Embedding::Quantized {
-                table: embd.clone(),
-                dtype,
-                device: device.clone(),
+            _ => match PackedQ8::new(&embd)? {
+                Some(packed) => Embedding::Packed {
+                    table: Arc::new(packed),
+                    dtype,
+                },
+                None => Embedding::Quantized {
+                    table: embd.clone(),
+                    dtype,
+                    device: device.clone(),
+                },
             },
         };
         let lm_head = match (&wte, cfg.tie_word_embeddings) {
             // A dense table is the head's weight too (one copy, as for safetensors).
             (Embedding::Dense(t), true) => Proj::from_linear(t, None)?,
-            (Embedding::Quantized { .. }, true) => Proj::from_qtensor(embd, None, dtype)?,
+            (Embedding::Quantized { .. }, true) => Proj::from_qtensor(embd.clone(), None, dtype)?,
+            (Embedding::Packed { table, .. }, true) => Proj::from_packed(table.clone(), None),
             (_, false) => proj("output".into(), (v, d), false, 0)?,
         };
+        drop(embd);
         // Grown block by block: a file claiming a billion blocks stops at the first missing.
         let mut blocks = Vec::new();
         for i in 0..cfg.n_layer {

@@ -11,6 +11,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
+use crate::qpacked::PackedQ8;
 use crate::MhaConfig;
 
 /// Where the four projections of an attention layer live in a checkpoint.
@@ -92,6 +93,12 @@ enum Weight {
         d_out: usize,
         cols: Option<(usize, usize)>,
     },
+    /// A q8_0 matrix `[out, in]` repacked for this CPU's kernels, the only copy of the
+    /// weight (`cols` as above).
+    Packed {
+        w: Arc<PackedQ8>,
+        cols: Option<(usize, usize)>,
+    },
 }
 
 impl Proj {
@@ -124,6 +131,9 @@ impl Proj {
             let dense = w.dequantize(&w.device())?.to_dtype(dtype)?;
             return Self::from_linear(&dense, b);
         }
+        if let Some(packed) = PackedQ8::new(&w)? {
+            return Ok(Self::from_packed(Arc::new(packed), b));
+        }
         Ok(Self {
             w: Weight::Quantized {
                 w: QMatMul::QTensor(w),
@@ -133,6 +143,23 @@ impl Proj {
             },
             b,
         })
+    }
+
+    /// From a repacked q8_0 matrix `[out, in]` (shared, e.g. with a tied embedding) and an
+    /// optional `[out]` bias.
+    pub fn from_packed(w: Arc<PackedQ8>, b: Option<Tensor>) -> Self {
+        Self {
+            w: Weight::Packed { w, cols: None },
+            b,
+        }
+    }
+
+    /// The repacked q8_0 matrix `[out, in]`, when this projection is one whole.
+    pub fn packed(&self) -> Option<&Arc<PackedQ8>> {
+        match &self.w {
+            Weight::Packed { w, cols: None } => Some(w),
+            _ => None,
+        }
     }
 
     /// The `[in, out]` weight (dequantized to f32 when the projection is quantized).
@@ -145,6 +172,15 @@ impl Proj {
                     QMatMul::Tensor(t) => t.clone(),
                     QMatMul::TensorF16(t) => t.to_dtype(DType::F32)?,
                 };
+                let full = full.t()?;
+                match cols {
+                    Some((start, len)) => full.narrow(1, *start, *len),
+                    None => Ok(full),
+                }
+            }
+            Weight::Packed { w, cols } => {
+                let (n, k) = w.dims();
+                let full = Tensor::from_vec(w.dequantize()?, (n, k), &candle_core::Device::Cpu)?;
                 let full = full.t()?;
                 match cols {
                     Some((start, len)) => full.narrow(1, *start, *len),
@@ -164,6 +200,10 @@ impl Proj {
                 ..
             } => Ok((*d_in, *len)),
             Weight::Quantized { d_in, d_out, .. } => Ok((*d_in, *d_out)),
+            Weight::Packed { w, cols } => {
+                let (n, k) = w.dims();
+                Ok((k, cols.map_or(n, |(_, len)| len)))
+            }
         }
     }
 
@@ -174,7 +214,7 @@ impl Proj {
 
     /// Whether the weight is block-quantized.
     pub fn is_quantized(&self) -> bool {
-        matches!(self.w, Weight::Quantized { .. })
+        matches!(self.w, Weight::Quantized { .. } | Weight::Packed { .. })
     }
 
     /// The weight quantized to `dtype` (e.g. [`GgmlDType::Q8_0`]): Candle's quantized
@@ -193,6 +233,9 @@ impl Proj {
         }
         let w = w_t.t()?.to_dtype(DType::F32)?.contiguous()?;
         let q = QTensor::quantize(&w, dtype)?;
+        if let Some(packed) = PackedQ8::new(&q)? {
+            return Ok(Self::from_packed(Arc::new(packed), self.b.clone()));
+        }
         Ok(Self {
             w: Weight::Quantized {
                 w: QMatMul::from_qtensor(q)?,
@@ -239,6 +282,19 @@ impl Proj {
                     w: w.clone(),
                     d_in: *d_in,
                     d_out: *d_out,
+                    cols: Some((base + start, len)),
+                }
+            }
+            Weight::Packed { w, cols } => {
+                let (base, width) = cols.unwrap_or((0, w.dims().0));
+                if start + len > width {
+                    bail!(
+                        "narrow {start}..{} of a projection with {width} outputs",
+                        start + len
+                    )
+                }
+                Weight::Packed {
+                    w: w.clone(),
                     cols: Some((base + start, len)),
                 }
             }
@@ -308,6 +364,14 @@ impl Proj {
                     None => ys,
                 };
                 ys.to_dtype(xs.dtype())?
+            }
+            Weight::Packed { w, cols } => {
+                // Every row count: decoding reads each tile once, a prefill reuses it from
+                // L1 for four rows of `x` at a time.
+                let (start, len) = cols.unwrap_or((0, w.dims().0));
+                let x = xs2.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let ys = w.matmul(&x, rows, start..start + len)?;
+                Tensor::from_vec(ys, (rows, len), xs.device())?.to_dtype(xs.dtype())?
             }
         };
         let ys = match &self.b {

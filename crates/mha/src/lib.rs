@@ -77,6 +77,7 @@ mod layout;
 mod mask;
 pub mod matvec;
 pub mod qmatvec;
+pub mod qpacked;
 mod rope;
 mod simd;
 

@@ -101,7 +101,7 @@ pub fn qmatmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Te
 }
 
 /// Rows of `x` quantized as ggml's q8_0 (the scale rounded to f16, as the block stores it).
-struct QRows {
+pub(crate) struct QRows {
     /// `[m, k]`.
     q: Vec<i8>,
     /// `[m, k / 32]` scales.
@@ -114,7 +114,7 @@ struct QRows {
 }
 
 impl QRows {
-    fn new(x: &[f32], k: usize) -> Self {
+    pub(crate) fn new(x: &[f32], k: usize) -> Self {
         let blocks = x.len() / QK;
         let mut q = vec![0i8; x.len()];
         let (mut d, mut sums) = (Vec::with_capacity(blocks), Vec::with_capacity(blocks));
@@ -134,7 +134,7 @@ impl QRows {
     }
 
     /// Row `r`: its values, scales and block sums.
-    fn row(&self, r: usize) -> (&[i8], &[f32], &[i32]) {
+    pub(crate) fn row(&self, r: usize) -> (&[i8], &[f32], &[i32]) {
         let nb = self.k / QK;
         (
             &self.q[r * self.k..][..self.k],
