@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{bail, DType, Device, Result, Tensor};
-use mha::qpacked::PackedQ8;
+use mha::qpacked::Packed;
 use mha::{MultiHeadAttention, Proj, QkvProj, RopeConfig, RopeScaling};
 
 use crate::load::path_err;
@@ -647,7 +647,7 @@ impl Gguf {
             GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
                 Embedding::Dense(float_tensor(&embd, dtype, device)?)
             }
-            _ => match PackedQ8::new(&embd)? {
+            _ => match Packed::new(&embd)? {
                 Some(packed) => Embedding::Packed {
                     table: Arc::new(packed),
                     dtype,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, DType, Device, ModuleT, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
-use mha::qpacked::PackedQ8;
+use mha::qpacked::Packed;
 use mha::{neox_to_fused, Dropout, KvCache, Mask, Proj, RopeTables};
 
 use crate::family::TensorNames;
@@ -39,11 +39,11 @@ pub enum Embedding {
         /// Where the table lives.
         device: Device,
     },
-    /// A q8_0 table repacked for this CPU's kernels (shared with a tied head); looked-up
+    /// A q8_0 or q4_0 table repacked for this CPU's kernels (shared with a tied head); looked-up
     /// rows come out in `dtype`.
     Packed {
         /// `[vocab, d]`.
-        table: Arc<PackedQ8>,
+        table: Arc<Packed>,
         /// The dtype of the activations.
         dtype: DType,
     },

@@ -11,7 +11,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
-use crate::qpacked::PackedQ8;
+use crate::qpacked::Packed;
 use crate::MhaConfig;
 
 /// Where the four projections of an attention layer live in a checkpoint.
@@ -93,10 +93,10 @@ enum Weight {
         d_out: usize,
         cols: Option<(usize, usize)>,
     },
-    /// A q8_0 matrix `[out, in]` repacked for this CPU's kernels, the only copy of the
-    /// weight (`cols` as above).
+    /// A q8_0 or q4_0 matrix `[out, in]` repacked for this CPU's kernels, the only copy
+    /// of the weight (`cols` as above).
     Packed {
-        w: Arc<PackedQ8>,
+        w: Arc<Packed>,
         cols: Option<(usize, usize)>,
     },
 }
@@ -131,7 +131,7 @@ impl Proj {
             let dense = w.dequantize(&w.device())?.to_dtype(dtype)?;
             return Self::from_linear(&dense, b);
         }
-        if let Some(packed) = PackedQ8::new(&w)? {
+        if let Some(packed) = Packed::new(&w)? {
             return Ok(Self::from_packed(Arc::new(packed), b));
         }
         Ok(Self {
@@ -145,17 +145,17 @@ impl Proj {
         })
     }
 
-    /// From a repacked q8_0 matrix `[out, in]` (shared, e.g. with a tied embedding) and an
+    /// From a repacked q8_0 or q4_0 matrix `[out, in]` (shared, e.g. with a tied embedding) and an
     /// optional `[out]` bias.
-    pub fn from_packed(w: Arc<PackedQ8>, b: Option<Tensor>) -> Self {
+    pub fn from_packed(w: Arc<Packed>, b: Option<Tensor>) -> Self {
         Self {
             w: Weight::Packed { w, cols: None },
             b,
         }
     }
 
-    /// The repacked q8_0 matrix `[out, in]`, when this projection is one whole.
-    pub fn packed(&self) -> Option<&Arc<PackedQ8>> {
+    /// The repacked matrix `[out, in]`, when this projection is one whole.
+    pub fn packed(&self) -> Option<&Arc<Packed>> {
         match &self.w {
             Weight::Packed { w, cols: None } => Some(w),
             _ => None,
@@ -233,7 +233,7 @@ impl Proj {
         }
         let w = w_t.t()?.to_dtype(DType::F32)?.contiguous()?;
         let q = QTensor::quantize(&w, dtype)?;
-        if let Some(packed) = PackedQ8::new(&q)? {
+        if let Some(packed) = Packed::new(&q)? {
             return Ok(Self::from_packed(Arc::new(packed), self.b.clone()));
         }
         Ok(Self {
@@ -331,9 +331,10 @@ impl Proj {
             } => {
                 let (start, len) = cols.unwrap_or((0, *d_out));
                 let own = match w {
-                    // Decoding and small batches: q8_0 and q4_0 blocks read once from where
-                    // they are stored (Candle's kernels would keep a repacked copy of each
-                    // matrix beside the file's).
+                    // Decoding and small batches of q8_0 and q4_0 matrices that were not
+                    // packed (a CPU without AVX-512 VNNI): blocks read once from where they
+                    // are stored (Candle's kernels would keep a repacked copy of each matrix
+                    // beside the file's).
                     QMatMul::QTensor(q) if rows < DENSE_ROWS => {
                         crate::qmatvec::qmatmul(&xs2, q, start..start + len)?
                     }

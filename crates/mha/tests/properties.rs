@@ -854,10 +854,12 @@ fn quantized_projections_agree_across_row_counts() -> Result<()> {
         let got = proj.forward(&xs)?;
         let what = format!("{dtype:?} {d_in}x{d_out}");
         // Prefill-sized products of matrices that neither Candle's repacked kernels nor
-        // our packed q8_0 ones take (both quantize `x` to 8 bits, as llama.cpp does) are
+        // our packed q8_0/q4_0 ones take (both quantize `x` to 8 bits, as llama.cpp does) are
         // the f32 product with the dequantized weight.
+        let packed = mha::qpacked::Packed::available();
         let eight_bit_x = match dtype {
-            GgmlDType::Q8_0 => d_in % 256 == 0 || mha::qpacked::PackedQ8::available(),
+            GgmlDType::Q8_0 => d_in % 256 == 0 || packed,
+            GgmlDType::Q4_0 => packed,
             GgmlDType::Q4K => d_in % 256 == 0,
             _ => false,
         };
@@ -865,7 +867,7 @@ fn quantized_projections_agree_across_row_counts() -> Result<()> {
             assert_close(&got, &want, 1e-4, 1e-4, &format!("{what}: 48 rows"));
         }
         let row = proj.forward(&xs.narrow(1, 5, 1)?)?;
-        if dtype == GgmlDType::Q8_0 && mha::qpacked::PackedQ8::available() {
+        if matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_0) && packed {
             // The same kernel row by row: a row's outputs do not depend on the others.
             let in_batch = got.narrow(1, 5, 1)?;
             assert_close(&row, &in_batch, 1e-5, 1e-5, &format!("{what}: row 5"));
