@@ -12,6 +12,7 @@ use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use mha::matvec::few_rows_matmul;
 use mha::qmatvec::qmatmul;
+use mha::qpacked::Packed;
 use std::sync::Arc;
 
 fn randn(shape: (usize, usize)) -> Tensor {
@@ -64,10 +65,17 @@ fn bench_matvec(c: &mut Criterion) {
 }
 
 /// The same products with q8_0 and q4_0 weights (`[out, in]`, as GGUF stores them):
-/// `mha::qmatvec` against Candle's `QMatMul` (which repacks q8_0 matrices whose input width
-/// is a multiple of 256 for its AVX-512 VNNI kernel, keeping the copy). Throughput is in
-/// weight bytes read per second.
+/// `mha::qpacked` (the repacked tiles `Proj` uses where the CPU has AVX-512 VNNI) and
+/// `mha::qmatvec` (the stored layout, used elsewhere) against Candle's `QMatMul` (which
+/// repacks q8_0 matrices whose input width is a multiple of 256 for its own AVX-512 VNNI
+/// kernel, keeping the copy). Throughput is in weight bytes read per second. Run it on the
+/// pool (`Proj` is called from a worker in `gpt`): calls from outside pay a wake-up.
 fn bench_qmatvec(c: &mut Criterion) {
+    let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
+    pool.install(|| bench_qmatvec_on_pool(c));
+}
+
+fn bench_qmatvec_on_pool(c: &mut Criterion) {
     let mut group = c.benchmark_group("qmatvec");
     group.sample_size(20);
     let shapes = [
@@ -87,10 +95,21 @@ fn bench_qmatvec(c: &mut Criterion) {
                 .iter()
                 .map(|w| QMatMul::from_arc(w.clone()).unwrap())
                 .collect();
+            let packed: Vec<Packed> = ws.iter().filter_map(|w| Packed::new(w).unwrap()).collect();
             for rows in [1, 4, 16] {
                 let xs = randn((rows, d_in));
                 let id = format!("{dtype:?}/{name}/rows{rows}");
                 group.throughput(Throughput::Bytes(bytes as u64));
+                let x: Vec<f32> = xs.flatten_all().unwrap().to_vec1().unwrap();
+                if !packed.is_empty() {
+                    group.bench_function(BenchmarkId::new("packed", &id), |bench| {
+                        bench.iter(|| {
+                            for w in &packed {
+                                w.matmul(&x, rows, 0..d_out).unwrap();
+                            }
+                        })
+                    });
+                }
                 group.bench_function(BenchmarkId::new("qmatvec", &id), |bench| {
                     bench.iter(|| {
                         for w in &ws {
