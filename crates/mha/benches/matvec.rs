@@ -69,13 +69,10 @@ fn bench_matvec(c: &mut Criterion) {
 /// `mha::qmatvec` (the stored layout, used elsewhere) against Candle's `QMatMul` (which
 /// repacks q8_0 matrices whose input width is a multiple of 256 for its own AVX-512 VNNI
 /// kernel, keeping the copy). Throughput is in weight bytes read per second. Run it on the
-/// pool (`Proj` is called from a worker in `gpt`): calls from outside pay a wake-up.
+/// pool (`Proj` is called from a worker in `gpt`): calls from outside pay a wake-up each.
 fn bench_qmatvec(c: &mut Criterion) {
+    // Each iteration runs on the pool (one hand-over per iteration, not per product).
     let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
-    pool.install(|| bench_qmatvec_on_pool(c));
-}
-
-fn bench_qmatvec_on_pool(c: &mut Criterion) {
     let mut group = c.benchmark_group("qmatvec");
     group.sample_size(20);
     let shapes = [
@@ -104,24 +101,30 @@ fn bench_qmatvec_on_pool(c: &mut Criterion) {
                 if !packed.is_empty() {
                     group.bench_function(BenchmarkId::new("packed", &id), |bench| {
                         bench.iter(|| {
-                            for w in &packed {
-                                w.matmul(&x, rows, 0..d_out).unwrap();
-                            }
+                            pool.install(|| {
+                                for w in &packed {
+                                    w.matmul(&x, rows, 0..d_out).unwrap();
+                                }
+                            })
                         })
                     });
                 }
                 group.bench_function(BenchmarkId::new("qmatvec", &id), |bench| {
                     bench.iter(|| {
-                        for w in &ws {
-                            qmatmul(&xs, w, 0..d_out).unwrap().unwrap();
-                        }
+                        pool.install(|| {
+                            for w in &ws {
+                                qmatmul(&xs, w, 0..d_out).unwrap().unwrap();
+                            }
+                        })
                     })
                 });
                 group.bench_function(BenchmarkId::new("candle", &id), |bench| {
                     bench.iter(|| {
-                        for w in &candle {
-                            w.forward(&xs).unwrap();
-                        }
+                        pool.install(|| {
+                            for w in &candle {
+                                w.forward(&xs).unwrap();
+                            }
+                        })
                     })
                 });
             }
