@@ -596,6 +596,37 @@ impl Gguf {
         info.read(&mut *file, self.content.tensor_data_offset, device)
     }
 
+    /// A q8_0 or q4_0 matrix packed for this CPU's kernels straight from the file, 16 rows
+    /// at a time (no buffer or `QTensor` the size of the matrix beside the result), or
+    /// `None` when the tensor is of another format, the device not the CPU or the CPU
+    /// without the kernels (the caller then reads a `QTensor`). Checks as [`Self::qtensor`].
+    fn packed(&self, name: &str, shape: &[usize], device: &Device) -> Result<Option<Packed>> {
+        let Some(info) = self.content.tensor_infos.get(name) else {
+            bail!("tensor {name} is missing")
+        };
+        let &[n, k] = shape else {
+            return Ok(None);
+        };
+        if !device.is_cpu()
+            || !Packed::available()
+            || !matches!(info.ggml_dtype, GgmlDType::Q8_0 | GgmlDType::Q4_0)
+            || info.shape.dims() != shape
+        {
+            return Ok(None);
+        }
+        let poisoned = || candle_core::Error::Msg("the GGUF file's lock is poisoned".into());
+        self.read
+            .lock()
+            .map_err(|_| poisoned())?
+            .insert(name.to_string());
+        let mut file = self.file.lock().map_err(|_| poisoned())?;
+        file.seek(SeekFrom::Start(
+            self.content.tensor_data_offset + info.offset,
+        ))?;
+        // The byte range was checked when the file was opened.
+        Packed::from_rows(info.ggml_dtype, n, k, |rows| Ok(file.read_exact(rows)?))
+    }
+
     /// A norm weight, bias or embedding, dequantized to `dtype`.
     fn dense(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         float_tensor(&self.qtensor(name, shape, device)?, dtype, device)
@@ -619,7 +650,14 @@ impl Gguf {
         // query and key rows; this model rotates halves, so the rows go back.
         let unpermute = |heads: usize| cfg.family == Family::Llama && heads > 0;
         let proj = |stem: String, (d_out, d_in): (usize, usize), has_bias: bool, heads: usize| {
-            let mut w = self.qtensor(&format!("{stem}.weight"), &[d_out, d_in], device)?;
+            let name = format!("{stem}.weight");
+            if !unpermute(heads) {
+                if let Some(packed) = self.packed(&name, &[d_out, d_in], device)? {
+                    let b = bias(format!("{stem}.bias"), d_out, has_bias)?;
+                    return Ok(Proj::from_packed(Arc::new(packed), b));
+                }
+            }
+            let mut w = self.qtensor(&name, &[d_out, d_in], device)?;
             let mut b = bias(format!("{stem}.bias"), d_out, has_bias)?;
             if unpermute(heads) {
                 w = rotary_rows(&w, heads)?;
@@ -639,34 +677,43 @@ impl Gguf {
         // The largest matrices first: the bytes read and the tensor made of them are both
         // held for a moment, and early on the rest of the model is not there beside them
         // (GPT-2 124M's q8_0 table is 41 MB; read last, it raised decoding's peak RSS).
-        let embd = Arc::new(self.qtensor("token_embd.weight", &[v, d], device)?);
-        // A quantized table stays one quantized copy: rows are dequantized on lookup, and a
-        // tied head multiplies by the same blocks (repacked for this CPU's kernels where it
-        // has them, the file's layout then freed).
-        let wte = match embd.dtype() {
-            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
-                Embedding::Dense(float_tensor(&embd, dtype, device)?)
+        let (wte, lm_head) = match self.packed("token_embd.weight", &[v, d], device)? {
+            // A q8_0/q4_0 table packed for this CPU: looked up row by row, and a tied head
+            // multiplies by the same tiles.
+            Some(packed) => {
+                let table = Arc::new(packed);
+                let head = match cfg.tie_word_embeddings {
+                    true => Proj::from_packed(table.clone(), None),
+                    false => proj("output".into(), (v, d), false, 0)?,
+                };
+                (Embedding::Packed { table, dtype }, head)
             }
-            _ => match Packed::new(&embd)? {
-                Some(packed) => Embedding::Packed {
-                    table: Arc::new(packed),
-                    dtype,
-                },
-                None => Embedding::Quantized {
-                    table: embd.clone(),
-                    dtype,
-                    device: device.clone(),
-                },
-            },
+            None => {
+                let embd = Arc::new(self.qtensor("token_embd.weight", &[v, d], device)?);
+                // A quantized table stays one quantized copy: rows are dequantized on
+                // lookup, and a tied head multiplies by the same blocks.
+                let wte = match embd.dtype() {
+                    GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                        Embedding::Dense(float_tensor(&embd, dtype, device)?)
+                    }
+                    _ => Embedding::Quantized {
+                        table: embd.clone(),
+                        dtype,
+                        device: device.clone(),
+                    },
+                };
+                let head = match (&wte, cfg.tie_word_embeddings) {
+                    // A dense table is the head's weight too (one copy, as for safetensors).
+                    (Embedding::Dense(t), true) => Proj::from_linear(t, None)?,
+                    (Embedding::Quantized { .. }, true) => Proj::from_qtensor(embd, None, dtype)?,
+                    (Embedding::Packed { table, .. }, true) => {
+                        Proj::from_packed(table.clone(), None)
+                    }
+                    (_, false) => proj("output".into(), (v, d), false, 0)?,
+                };
+                (wte, head)
+            }
         };
-        let lm_head = match (&wte, cfg.tie_word_embeddings) {
-            // A dense table is the head's weight too (one copy, as for safetensors).
-            (Embedding::Dense(t), true) => Proj::from_linear(t, None)?,
-            (Embedding::Quantized { .. }, true) => Proj::from_qtensor(embd.clone(), None, dtype)?,
-            (Embedding::Packed { table, .. }, true) => Proj::from_packed(table.clone(), None),
-            (_, false) => proj("output".into(), (v, d), false, 0)?,
-        };
-        drop(embd);
         // Grown block by block: a file claiming a billion blocks stops at the first missing.
         let mut blocks = Vec::new();
         for i in 0..cfg.n_layer {

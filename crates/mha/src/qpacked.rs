@@ -119,47 +119,81 @@ impl Packed {
 
     /// The packing alone, whatever the CPU (the tests' scalar path uses it everywhere).
     fn pack(w: &QTensor) -> Result<Option<Self>> {
-        let format = match w.dtype() {
-            GgmlDType::Q8_0 => Format::Q8_0,
-            GgmlDType::Q4_0 => Format::Q4_0,
-            _ => return Ok(None),
-        };
         if !w.device().is_cpu() {
             return Ok(None);
         }
         let (n, k) = w.shape().dims2()?;
         let data = w.data()?;
+        let mut at = 0;
+        Self::from_rows(w.dtype(), n, k, |chunk| {
+            let Some(src) = data.get(at..at + chunk.len()) else {
+                bail!(
+                    "a {:?} matrix [{n}, {k}] of {} bytes",
+                    w.dtype(),
+                    data.len()
+                )
+            };
+            chunk.copy_from_slice(src);
+            at += chunk.len();
+            Ok(())
+        })
+    }
+
+    /// A q8_0 or q4_0 matrix `[n, k]` (`None` for other formats) packed from its stored
+    /// rows, which `read` fills 16 at a time (fewer for the last tile), in order: a loader
+    /// can read them from a file with no buffer the size of the matrix. Packs whatever the
+    /// CPU; [`Self::available`] says whether the kernels will run.
+    pub fn from_rows(
+        dtype: GgmlDType,
+        n: usize,
+        k: usize,
+        mut read: impl FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<Option<Self>> {
+        let format = match dtype {
+            GgmlDType::Q8_0 => Format::Q8_0,
+            GgmlDType::Q4_0 => Format::Q4_0,
+            _ => return Ok(None),
+        };
+        if !k.is_multiple_of(QK) {
+            bail!("a {format:?} matrix [{n}, {k}]: rows are not whole blocks of {QK}")
+        }
         let nb = k / QK;
         let block = format.tile_bytes() / TILE;
-        if data.len() < n * nb * block {
-            bail!("a {format:?} matrix [{n}, {k}] of {} bytes", data.len())
-        }
         // Missing rows of the last tile: zero scales, and operands that stand for zero.
         let empty = match format {
             Format::Q8_0 => 128u8,
             Format::Q4_0 => 0x88,
         };
         let mut tiles = vec![empty; n.div_ceil(TILE) * nb * format.tile_bytes()];
-        for (i, tile) in tiles.chunks_exact_mut(format.tile_bytes()).enumerate() {
-            let (t, b) = (i / nb, i % nb);
-            tile[..SCALES].fill(0);
-            let (scales, q) = tile.split_at_mut(SCALES);
-            for r in 0..TILE.min(n - t * TILE) {
-                let src = &data[((t * TILE + r) * nb + b) * block..][..block];
-                scales[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
-                for v in 0..QK {
-                    let (at, high) = format.place(r, v);
-                    match format {
-                        Format::Q8_0 => q[at] = src[2 + v] ^ 0x80,
-                        Format::Q4_0 => {
-                            // Stored: value j in the low nibble of byte j, j + 16 in its high.
-                            let byte = src[2 + v % 16];
-                            let nib = if v < 16 { byte & 15 } else { byte >> 4 };
-                            q[at] = if high {
-                                (q[at] & 0x0f) | (nib << 4)
-                            } else {
-                                (q[at] & 0xf0) | nib
-                            };
+        let mut rows = vec![0u8; TILE * nb * block];
+        for (t, column) in tiles
+            .chunks_exact_mut(nb * format.tile_bytes().max(1))
+            .enumerate()
+        {
+            let count = TILE.min(n - t * TILE);
+            let rows = &mut rows[..count * nb * block];
+            read(rows)?;
+            for (b, tile) in column.chunks_exact_mut(format.tile_bytes()).enumerate() {
+                tile[..SCALES].fill(0);
+                let (scales, q) = tile.split_at_mut(SCALES);
+                for r in 0..count {
+                    let src = &rows[(r * nb + b) * block..][..block];
+                    scales[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
+                    for v in 0..QK {
+                        let (at, high) = format.place(r, v);
+                        match format {
+                            Format::Q8_0 => q[at] = src[2 + v] ^ 0x80,
+                            Format::Q4_0 => {
+                                // Stored: value j in the low nibble of byte j, j + 16 in
+                                // its high nibble.
+                                let byte = src[2 + v % 16];
+                                let nib = if v < 16 { byte & 15 } else { byte >> 4 };
+                                q[at] = if high {
+                                    (q[at] & 0x0f) | (nib << 4)
+                                } else {
+                                    (q[at] & 0xf0) | nib
+                                };
+                            }
                         }
                     }
                 }
