@@ -145,8 +145,8 @@ impl Proj {
         })
     }
 
-    /// From a repacked q8_0 or q4_0 matrix `[out, in]` (shared, e.g. with a tied embedding) and an
-    /// optional `[out]` bias.
+    /// From a repacked q8_0 or q4_0 matrix `[out, in]` (shared, e.g. with a tied
+    /// embedding) and an optional `[out]` bias.
     pub fn from_packed(w: Arc<Packed>, b: Option<Tensor>) -> Self {
         Self {
             w: Weight::Packed { w, cols: None },
