@@ -102,23 +102,18 @@ fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     })
 }
 
-/// Reads a CPU tensor's blocks straight into the vector that keeps them. Candle's reader
-/// reads the bytes into a buffer and copies them into the blocks, so each tensor is briefly
-/// held twice, and the freed buffers stayed resident: GPT-2 124M in q8_0 peaked at 209 MiB
-/// for 130 MiB of weights. `None` for a format whose block size this does not know (the
-/// caller then uses Candle's reader). The byte range was checked when the file was opened.
-fn read_in_place(
-    file: &mut File,
-    start: u64,
-    dtype: GgmlDType,
-    shape: &[usize],
-) -> Result<Option<QTensor>> {
+/// Reads a CPU tensor's blocks, from the file's current position, straight into the
+/// vector that keeps them. Candle's reader reads the bytes into a buffer and copies them
+/// into the blocks, so each tensor is briefly held twice, and the freed buffers stayed
+/// resident: GPT-2 124M in q8_0 peaked at 209 MiB for 130 MiB of weights. `None` for a
+/// format whose block size this does not know (the caller then uses Candle's reader). The
+/// byte range was checked when the file was opened.
+fn read_in_place(file: &mut File, dtype: GgmlDType, shape: &[usize]) -> Result<Option<QTensor>> {
     use candle_core::quantized::k_quants::*;
     use half::{bf16, f16};
 
     fn read<T: GgmlType + Send + Sync + 'static>(
         file: &mut File,
-        start: u64,
         dtype: GgmlDType,
         shape: &[usize],
     ) -> Result<Option<QTensor>> {
@@ -136,27 +131,26 @@ fn read_in_place(
                 std::mem::size_of_val(blocks.as_slice()),
             )
         };
-        file.seek(SeekFrom::Start(start))?;
         file.read_exact(bytes)?;
         QTensor::new(QStorage::Cpu(Box::new(blocks)), shape).map(Some)
     }
 
     match dtype {
-        GgmlDType::F32 => read::<f32>(file, start, dtype, shape),
-        GgmlDType::F16 => read::<f16>(file, start, dtype, shape),
-        GgmlDType::BF16 => read::<bf16>(file, start, dtype, shape),
-        GgmlDType::Q4_0 => read::<BlockQ4_0>(file, start, dtype, shape),
-        GgmlDType::Q4_1 => read::<BlockQ4_1>(file, start, dtype, shape),
-        GgmlDType::Q5_0 => read::<BlockQ5_0>(file, start, dtype, shape),
-        GgmlDType::Q5_1 => read::<BlockQ5_1>(file, start, dtype, shape),
-        GgmlDType::Q8_0 => read::<BlockQ8_0>(file, start, dtype, shape),
-        GgmlDType::Q8_1 => read::<BlockQ8_1>(file, start, dtype, shape),
-        GgmlDType::Q2K => read::<BlockQ2K>(file, start, dtype, shape),
-        GgmlDType::Q3K => read::<BlockQ3K>(file, start, dtype, shape),
-        GgmlDType::Q4K => read::<BlockQ4K>(file, start, dtype, shape),
-        GgmlDType::Q5K => read::<BlockQ5K>(file, start, dtype, shape),
-        GgmlDType::Q6K => read::<BlockQ6K>(file, start, dtype, shape),
-        GgmlDType::Q8K => read::<BlockQ8K>(file, start, dtype, shape),
+        GgmlDType::F32 => read::<f32>(file, dtype, shape),
+        GgmlDType::F16 => read::<f16>(file, dtype, shape),
+        GgmlDType::BF16 => read::<bf16>(file, dtype, shape),
+        GgmlDType::Q4_0 => read::<BlockQ4_0>(file, dtype, shape),
+        GgmlDType::Q4_1 => read::<BlockQ4_1>(file, dtype, shape),
+        GgmlDType::Q5_0 => read::<BlockQ5_0>(file, dtype, shape),
+        GgmlDType::Q5_1 => read::<BlockQ5_1>(file, dtype, shape),
+        GgmlDType::Q8_0 => read::<BlockQ8_0>(file, dtype, shape),
+        GgmlDType::Q8_1 => read::<BlockQ8_1>(file, dtype, shape),
+        GgmlDType::Q2K => read::<BlockQ2K>(file, dtype, shape),
+        GgmlDType::Q3K => read::<BlockQ3K>(file, dtype, shape),
+        GgmlDType::Q4K => read::<BlockQ4K>(file, dtype, shape),
+        GgmlDType::Q5K => read::<BlockQ5K>(file, dtype, shape),
+        GgmlDType::Q6K => read::<BlockQ6K>(file, dtype, shape),
+        GgmlDType::Q8K => read::<BlockQ8K>(file, dtype, shape),
     }
 }
 
@@ -570,8 +564,13 @@ impl Gguf {
         Ok(self.string("tokenizer.chat_template")?.map(str::to_string))
     }
 
-    /// Reads one tensor, checking its shape (PyTorch order).
-    fn qtensor(&self, name: &str, shape: &[usize], device: &Device) -> Result<QTensor> {
+    /// The tensor `name`, checked to have `shape` (PyTorch order) and marked as read, with
+    /// the file positioned at its first byte.
+    fn claim(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<(&gguf_file::TensorInfo, std::sync::MutexGuard<'_, File>)> {
         let Some(info) = self.content.tensor_infos.get(name) else {
             bail!("tensor {name} is missing")
         };
@@ -587,9 +586,17 @@ impl Gguf {
             .map_err(|_| poisoned())?
             .insert(name.to_string());
         let mut file = self.file.lock().map_err(|_| poisoned())?;
+        file.seek(SeekFrom::Start(
+            self.content.tensor_data_offset + info.offset,
+        ))?;
+        Ok((info, file))
+    }
+
+    /// Reads one tensor, checking its shape (PyTorch order).
+    fn qtensor(&self, name: &str, shape: &[usize], device: &Device) -> Result<QTensor> {
+        let (info, mut file) = self.claim(name, shape)?;
         if device.is_cpu() {
-            let start = self.content.tensor_data_offset + info.offset;
-            if let Some(q) = read_in_place(&mut file, start, info.ggml_dtype, shape)? {
+            if let Some(q) = read_in_place(&mut file, info.ggml_dtype, shape)? {
                 return Ok(q);
             }
         }
@@ -601,28 +608,15 @@ impl Gguf {
     /// `None` when the tensor is of another format, the device not the CPU or the CPU
     /// without the kernels (the caller then reads a `QTensor`). Checks as [`Self::qtensor`].
     fn packed(&self, name: &str, shape: &[usize], device: &Device) -> Result<Option<Packed>> {
-        let Some(info) = self.content.tensor_infos.get(name) else {
-            bail!("tensor {name} is missing")
-        };
-        let &[n, k] = shape else {
+        let packable = |dtype| matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_0);
+        let info = self.content.tensor_infos.get(name);
+        let (&[n, k], Some(info)) = (shape, info) else {
             return Ok(None);
         };
-        if !device.is_cpu()
-            || !Packed::available()
-            || !matches!(info.ggml_dtype, GgmlDType::Q8_0 | GgmlDType::Q4_0)
-            || info.shape.dims() != shape
-        {
+        if !device.is_cpu() || !Packed::available() || !packable(info.ggml_dtype) {
             return Ok(None);
         }
-        let poisoned = || candle_core::Error::Msg("the GGUF file's lock is poisoned".into());
-        self.read
-            .lock()
-            .map_err(|_| poisoned())?
-            .insert(name.to_string());
-        let mut file = self.file.lock().map_err(|_| poisoned())?;
-        file.seek(SeekFrom::Start(
-            self.content.tensor_data_offset + info.offset,
-        ))?;
+        let (info, mut file) = self.claim(name, shape)?;
         // The byte range was checked when the file was opened.
         Packed::from_rows(info.ggml_dtype, n, k, |rows| Ok(file.read_exact(rows)?))
     }
