@@ -340,29 +340,26 @@ impl Proj {
                     }
                     _ => None,
                 };
-                if let Some(ys) = own {
-                    let ys = ys.to_dtype(xs.dtype())?;
-                    let ys = match &self.b {
-                        Some(b) => ys.broadcast_add(b)?,
-                        None => ys,
-                    };
-                    return ys.reshape(out_dims(dims, len));
-                }
-                let xs32 = xs2.to_dtype(DType::F32)?.contiguous()?;
-                let ys = match w {
-                    QMatMul::QTensor(q)
-                        if rows >= DENSE_ROWS && !candle_repacks(q, *d_in, *d_out) =>
-                    {
-                        // [rows, in] x [in, out]
-                        xs32.matmul(&q.dequantize(&q.device())?.t()?)?
+                let ys = match own {
+                    Some(ys) => ys,
+                    None => {
+                        let xs32 = xs2.to_dtype(DType::F32)?.contiguous()?;
+                        let ys = match w {
+                            QMatMul::QTensor(q)
+                                if rows >= DENSE_ROWS && !candle_repacks(q, *d_in, *d_out) =>
+                            {
+                                // [rows, in] x [in, out]
+                                xs32.matmul(&q.dequantize(&q.device())?.t()?)?
+                            }
+                            _ => w.forward(&xs32)?,
+                        };
+                        // A view of a fused projection computes all of it (only
+                        // cross-attention on a fused layout takes this path).
+                        match cols {
+                            Some(_) => ys.narrow(1, start, len)?,
+                            None => ys,
+                        }
                     }
-                    _ => w.forward(&xs32)?,
-                };
-                let ys = match cols {
-                    // A view of a fused projection computes all of it (only cross-attention
-                    // on a fused layout takes this path).
-                    Some((start, len)) => ys.narrow(1, *start, *len)?,
-                    None => ys,
                 };
                 ys.to_dtype(xs.dtype())?
             }
@@ -732,5 +729,52 @@ fn load_layout(cfg: &MhaConfig, layout: &WeightLayout, vb: &VarBuilder) -> Resul
                 qkv: None,
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The stored-layout path (`mha::qmatvec`), which CPUs with AVX-512 VNNI never take
+    /// through `Proj::from_qtensor` (they pack): a whole projection and a narrowed view,
+    /// against the product with the dequantized weight, within `x`'s 8-bit rounding.
+    #[test]
+    fn unpacked_quantized_projections_match_the_dequantized_product() -> Result<()> {
+        let dev = Device::Cpu;
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+            let w = Tensor::randn(0f32, 1.0, (40, 64), &dev)?;
+            let q = Arc::new(QTensor::quantize(&w, dtype)?);
+            let dense = q.dequantize(&dev)?;
+            let b = Tensor::randn(0f32, 1.0, 40, &dev)?;
+            let proj = Proj {
+                w: Weight::Quantized {
+                    w: QMatMul::QTensor(q),
+                    d_in: 64,
+                    d_out: 40,
+                    cols: None,
+                },
+                b: Some(b.clone()),
+            };
+            let xs = Tensor::randn(0f32, 1.0, (3, 64), &dev)?;
+            let want = xs.matmul(&dense.t()?)?.broadcast_add(&b)?;
+            for (got, want) in [
+                (proj.forward(&xs)?, want.clone()),
+                (proj.narrow(8, 16)?.forward(&xs)?, want.narrow(1, 8, 16)?),
+            ] {
+                let err = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(
+                    err <= 0.02 * scale,
+                    "{dtype:?}: off by {err} (scale {scale})"
+                );
+                assert!(
+                    err > 0.0,
+                    "{dtype:?}: x was not quantized, so not this path"
+                );
+            }
+        }
+        Ok(())
     }
 }
