@@ -39,8 +39,8 @@ pub enum Embedding {
         /// Where the table lives.
         device: Device,
     },
-    /// A q8_0 or q4_0 table repacked for this CPU's kernels (shared with a tied head); looked-up
-    /// rows come out in `dtype`.
+    /// A q8_0 or q4_0 table repacked for this CPU's kernels (shared with a tied head);
+    /// looked-up rows come out in `dtype`.
     Packed {
         /// `[vocab, d]`.
         table: Arc<Packed>,
@@ -50,6 +50,14 @@ pub enum Embedding {
 }
 
 impl Embedding {
+    /// The dtype of the looked-up rows (the activations').
+    pub fn dtype(&self) -> DType {
+        match self {
+            Self::Dense(t) => t.dtype(),
+            Self::Quantized { dtype, .. } | Self::Packed { dtype, .. } => *dtype,
+        }
+    }
+
     /// `(vocab, d)`.
     pub fn dims(&self) -> Result<(usize, usize)> {
         match self {
@@ -97,16 +105,9 @@ fn shared_table(wte: Embedding, lm_head: &Proj, tied: bool) -> Embedding {
     match (tied, lm_head.packed()) {
         (true, Some(table)) => Embedding::Packed {
             table: table.clone(),
-            dtype: wte_dtype(&wte),
+            dtype: wte.dtype(),
         },
         _ => wte,
-    }
-}
-
-fn wte_dtype(wte: &Embedding) -> DType {
-    match wte {
-        Embedding::Dense(t) => t.dtype(),
-        Embedding::Quantized { dtype, .. } | Embedding::Packed { dtype, .. } => *dtype,
     }
 }
 
@@ -319,8 +320,9 @@ impl Gpt {
     }
 
     /// The model with every matrix product's weight quantized to `dtype` (e.g.
-    /// `GgmlDType::Q8_0`) for inference. Embeddings and LayerNorms stay as they are; a tied
-    /// head gets its own quantized copy of the token embedding.
+    /// `GgmlDType::Q8_0`) for inference. LayerNorms stay as they are; a tied head gets a
+    /// quantized copy of the token embedding, which becomes the embedding too where the
+    /// CPU's packed kernels take it (one copy), and stays beside the dense table elsewhere.
     pub fn quantize(&self, dtype: GgmlDType) -> Result<Self> {
         let lm_head = self.lm_head.quantize_or_keep(dtype)?;
         let tied = self.cfg.tie_word_embeddings;
@@ -394,10 +396,7 @@ impl Gpt {
 
     /// Dtype of the weights.
     pub fn dtype(&self) -> DType {
-        match &self.wte {
-            Embedding::Dense(t) => t.dtype(),
-            Embedding::Quantized { dtype, .. } | Embedding::Packed { dtype, .. } => *dtype,
-        }
+        self.wte.dtype()
     }
 
     /// Device of the weights.
