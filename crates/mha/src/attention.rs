@@ -66,9 +66,11 @@ fn check_heads(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(usize, usize, usiz
 
 /// Scaled dot-product attention on heads: `softmax(q·kᵀ·scale + mask)·v`.
 ///
-/// Picks the fused CPU kernel when it computes the same thing (f32 on CPU, no additive mask,
-/// no weights asked for, no dropout, no gradient needed) and the reference path
-/// [`sdpa_reference`] otherwise. Keys and values may have fewer heads than queries
+/// Picks a fused CPU kernel when it computes the same thing (f32 on CPU, no additive mask,
+/// no weights asked for): [`kernel::flash_attn_cpu`] for inference, and
+/// [`kernel::flash_attn_cpu_train`] when a gradient is needed or dropout is on (it keeps no
+/// `q_len × kv_len` matrix for the backward pass). Otherwise the reference path
+/// [`sdpa_reference`]. Keys and values may have fewer heads than queries
 /// (grouped-query attention): query head `i` reads key/value head `i / (h / h_kv)`.
 ///
 /// # Shapes
@@ -85,16 +87,20 @@ pub fn sdpa(
     p: &SdpaParams,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let (b, h, tq, tk) = check_heads(q, k, v)?;
-    let dropout_on = p.dropout.is_some_and(|d| d.is_active(p.train));
-    let fast = ![b, h, tq, tk].contains(&0)
+    let dropout = p.dropout.filter(|d| d.is_active(p.train));
+    let fused = ![b, h, tq, tk].contains(&0)
         && q.device().is_cpu()
         && q.dtype() == DType::F32
         && mask.is_structural()
-        && !p.need_weights
-        && !dropout_on
-        && !(q.track_op() || k.track_op() || v.track_op());
-    if fast {
-        return Ok((kernel::flash_attn_cpu(q, k, v, mask, p.scale)?, None));
+        && !p.need_weights;
+    if fused {
+        let grad = q.track_op() || k.track_op() || v.track_op();
+        let ys = if grad || dropout.is_some() {
+            kernel::flash_attn_cpu_train(q, k, v, mask, p.scale, dropout)?
+        } else {
+            kernel::flash_attn_cpu(q, k, v, mask, p.scale)?
+        };
+        return Ok((ys, None));
     }
     sdpa_reference(q, k, v, mask, p)
 }

@@ -55,23 +55,45 @@ impl Dropout {
         if !self.is_active(train) {
             return Ok(xs.clone());
         }
-        let call = self.calls.fetch_add(1, Ordering::Relaxed);
-        let stream = splitmix64(self.seed ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let keep_scale = 1.0 / (1.0 - self.p);
-        // 24 random bits give a uniform f32 in [0, 1) with every value exact.
-        let threshold = (self.p as f64 * (1u64 << 24) as f64) as u64;
+        let mask = self.draw();
         let mask: Vec<f32> = (0..xs.elem_count() as u64)
-            .map(|i| {
-                let r = splitmix64(stream.wrapping_add(i)) >> 40;
-                if r >= threshold {
-                    keep_scale
-                } else {
-                    0.0
-                }
-            })
+            .map(|i| mask.factor(i))
             .collect();
         let mask = Tensor::from_vec(mask, xs.shape(), xs.device())?.to_dtype(xs.dtype())?;
         xs * mask
+    }
+
+    /// The mask of the next call, which it consumes: what [`Dropout::forward`] would
+    /// multiply element `i` (row-major) of its input by is `draw().factor(i)`. The fused
+    /// attention kernel replays the reference path's masks this way.
+    pub(crate) fn draw(&self) -> DropMask {
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        DropMask {
+            stream: splitmix64(self.seed ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+            // 24 random bits give a uniform f32 in [0, 1) with every value exact.
+            threshold: (self.p as f64 * (1u64 << 24) as f64) as u64,
+            keep_scale: 1.0 / (1.0 - self.p),
+        }
+    }
+}
+
+/// One call's dropout mask, computed element by element from its index.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DropMask {
+    stream: u64,
+    threshold: u64,
+    keep_scale: f32,
+}
+
+impl DropMask {
+    /// `0` or `1 / (1 - p)` for element `i`.
+    #[inline]
+    pub(crate) fn factor(&self, i: u64) -> f32 {
+        if splitmix64(self.stream.wrapping_add(i)) >> 40 >= self.threshold {
+            self.keep_scale
+        } else {
+            0.0
+        }
     }
 }
 

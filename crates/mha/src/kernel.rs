@@ -10,19 +10,25 @@
 //! [`crate::sdpa`] or [`crate::MultiHeadAttention`], which pick this kernel when it applies.
 //! [`gelu_tanh`] lives here because it shares the SIMD code; the MLPs of `gpt-blocks` use it.
 
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use std::sync::Mutex;
+
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
+};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use crate::{simd, Mask};
+use crate::dropout::DropMask;
+use crate::{simd, Dropout, Mask};
 
 /// Query rows per block.
-const BR: usize = 64;
+pub(crate) const BR: usize = 64;
 /// Keys per block.
-const BC: usize = 128;
+pub(crate) const BC: usize = 128;
 
 /// Fused attention of `q [b, h, tq, d]` over `k [b, h_kv, tk, d]`, `v [b, h_kv, tk, dv]`
 /// with causal masking and key padding; additive masks go through the reference path.
+/// No gradient flows through it: [`flash_attn_cpu_train`] is the differentiable one.
 pub fn flash_attn_cpu(
     q: &Tensor,
     k: &Tensor,
@@ -30,57 +36,114 @@ pub fn flash_attn_cpu(
     mask: &Mask,
     scale: f64,
 ) -> Result<Tensor> {
-    if !mask.is_structural() {
-        bail!("flash_attn_cpu: additive and boolean masks go through sdpa_reference")
-    }
-    let (b, _, _, _) = q.dims4()?;
-    let tk = k.dim(2)?;
-    let keep = match mask.keep_keys(b, tk, q.device())? {
-        Some(keep) => Some(keep.flatten_all()?.to_vec1::<u8>()?),
-        None => None,
-    };
-    if mask.window == Some(0) {
-        bail!("attention window must be at least 1")
-    }
-    let op = FlashAttn {
-        scale: scale as f32,
-        causal: mask.causal,
-        window: mask.causal.and(mask.window),
-        keep,
-    };
-    // The kernel reads rows with unit stride; cache views (strided heads) are fine.
-    let unit = |t: &Tensor| -> Result<Tensor> {
-        if t.stride().last() == Some(&1) {
-            Ok(t.clone())
-        } else {
-            t.contiguous()
-        }
-    };
+    let op = FlashAttn::new(q, k, mask, scale, None)?;
     unit(q)?.apply_op3_no_bwd(&unit(k)?, &unit(v)?, &op)
 }
 
-struct FlashAttn {
-    scale: f32,
-    causal: Option<usize>,
+/// [`flash_attn_cpu`] for training: differentiable, with dropout on the attention weights.
+///
+/// The forward pass keeps only its inputs, its output and one log-sum-exp per query row;
+/// the backward pass recomputes the weights block by block (flash-attention style), so no
+/// `q_len × kv_len` matrix exists in either pass, and key blocks the mask hides are never
+/// visited. Dropout replays the masks [`Dropout::forward`] would draw on the weights
+/// `[b, h, tq, tk]` (the same call of `dropout`, the same elements), so this computes what
+/// [`crate::sdpa_reference`] computes, its gradients included; the tests hold it to that
+/// and to PyTorch.
+///
+/// # Shapes
+/// As [`flash_attn_cpu`]; gradients have their inputs' shapes (a key/value head shared by
+/// several query heads sums their gradients).
+pub fn flash_attn_cpu_train(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    scale: f64,
+    dropout: Option<&Dropout>,
+) -> Result<Tensor> {
+    let drop = dropout.filter(|d| d.is_active(true)).map(Dropout::draw);
+    let op = FlashAttn::new(q, k, mask, scale, drop)?;
+    unit(q)?.apply_op3(&unit(k)?, &unit(v)?, op)
+}
+
+/// The kernels read rows with unit stride; cache views (strided heads) are fine.
+fn unit(t: &Tensor) -> Result<Tensor> {
+    if t.stride().last() == Some(&1) {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
+pub(crate) struct FlashAttn {
+    pub(crate) scale: f32,
+    pub(crate) causal: Option<usize>,
     /// Keys visible to a query with `causal`, itself included (local attention).
-    window: Option<usize>,
+    pub(crate) window: Option<usize>,
     /// `[b · tk]`, 1 where the key is kept.
-    keep: Option<Vec<u8>>,
+    pub(crate) keep: Option<Vec<u8>>,
+    /// Dropout on the weights, element `((b·h + h)·tq + i)·tk + j`.
+    pub(crate) drop: Option<DropMask>,
+    /// `[b, h, tq]`: each query row's `max + ln(Σ exp(s - max))`, `+inf` for a row that
+    /// sees no key; written by the forward pass for the backward pass.
+    pub(crate) lse: Mutex<Vec<f32>>,
+}
+
+impl FlashAttn {
+    fn new(
+        q: &Tensor,
+        k: &Tensor,
+        mask: &Mask,
+        scale: f64,
+        drop: Option<DropMask>,
+    ) -> Result<Self> {
+        if !mask.is_structural() {
+            bail!("flash_attn_cpu: additive and boolean masks go through sdpa_reference")
+        }
+        let (b, _, _, _) = q.dims4()?;
+        let tk = k.dim(2)?;
+        let keep = match mask.keep_keys(b, tk, q.device())? {
+            Some(keep) => Some(keep.flatten_all()?.to_vec1::<u8>()?),
+            None => None,
+        };
+        if mask.window == Some(0) {
+            bail!("attention window must be at least 1")
+        }
+        Ok(Self {
+            scale: scale as f32,
+            causal: mask.causal,
+            window: mask.causal.and(mask.window),
+            keep,
+            drop,
+            lse: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// What query row `i0` onwards of batch `bi` may see.
+    pub(crate) fn visibility(&self, bi: usize, tk: usize, i0: usize) -> Visibility<'_> {
+        Visibility {
+            // An offset past the keys shows them all; clamped, it cannot overflow.
+            first_pos: self.causal.map(|o| o.min(tk) + i0),
+            window: self.window,
+            keep: self.keep.as_ref().map(|k| &k[bi * tk..(bi + 1) * tk]),
+            tk,
+        }
+    }
 }
 
 /// A `[b, h, t, d]` f32 tensor seen as rows of unit stride.
 #[derive(Clone, Copy)]
-struct Rows<'a> {
+pub(crate) struct Rows<'a> {
     data: &'a [f32],
     offset: usize,
     /// Strides of the batch, head and sequence dimensions.
     sb: usize,
     sh: usize,
-    st: usize,
+    pub(crate) st: usize,
 }
 
 impl<'a> Rows<'a> {
-    fn new(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<Self> {
+    pub(crate) fn new(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<Self> {
         let data = match s {
             CpuStorage::F32(d) => d.as_slice(),
             _ => bail!("flash_attn_cpu: {name} must be f32"),
@@ -98,11 +161,63 @@ impl<'a> Rows<'a> {
     }
 
     /// Pointer to row `t` of head `h` of batch `b`.
-    fn ptr(&self, b: usize, h: usize, t: usize) -> *const f32 {
+    pub(crate) fn ptr(&self, b: usize, h: usize, t: usize) -> *const f32 {
         let i = self.offset + b * self.sb + h * self.sh + t * self.st;
         debug_assert!(i <= self.data.len());
         // SAFETY: in bounds by the layout Candle handed us (checked in debug builds).
         unsafe { self.data.as_ptr().add(i) }
+    }
+}
+
+/// Which keys a block of query rows sees: the causal limit, the window, key padding.
+#[derive(Clone, Copy)]
+pub(crate) struct Visibility<'a> {
+    /// Absolute position of the block's first query row when causal.
+    first_pos: Option<usize>,
+    /// With `first_pos`: keys visible to a query, itself included.
+    window: Option<usize>,
+    keep: Option<&'a [u8]>,
+    tk: usize,
+}
+
+impl Visibility<'_> {
+    fn oldest(&self, pos: usize) -> usize {
+        match self.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
+
+    /// The keys any of `rows` rows may see: none before the first row's window, none past
+    /// the last row's causal limit.
+    pub(crate) fn key_range(&self, rows: usize) -> std::ops::Range<usize> {
+        match self.first_pos {
+            Some(p) => self.oldest(p)..(p + rows).min(self.tk),
+            None => 0..self.tk,
+        }
+    }
+
+    /// Sets the scores of row `r` for keys `j0..` that it may not see to `-inf`; returns
+    /// how many leading entries can be visible (the rest are all hidden).
+    pub(crate) fn mask_row(&self, row: &mut [f32], r: usize, j0: usize) -> usize {
+        let bc = row.len();
+        let visible = match self.first_pos {
+            Some(p) => (p + r + 1).saturating_sub(j0).min(bc),
+            None => bc,
+        };
+        row[visible..].fill(f32::NEG_INFINITY);
+        if let Some(p) = self.first_pos {
+            let hidden = self.oldest(p + r).saturating_sub(j0).min(visible);
+            row[..hidden].fill(f32::NEG_INFINITY);
+        }
+        if let Some(keep) = self.keep {
+            for (x, &kp) in row[..visible].iter_mut().zip(&keep[j0..j0 + visible]) {
+                if kp == 0 {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        visible
     }
 }
 
@@ -139,42 +254,58 @@ impl CustomOp3 for FlashAttn {
         }
         let n_rep = h / h_kv;
         let mut out = vec![0f32; b * h * tq * dv];
+        let mut lse = vec![f32::INFINITY; b * h * tq];
         if out.is_empty() {
             return Ok((CpuStorage::F32(out), Shape::from((b, h, tq, dv))));
         }
         out.par_chunks_mut(tq * dv)
+            .zip(lse.par_chunks_mut(tq))
             .enumerate()
-            .for_each(|(bh, out_head)| {
+            .for_each(|(bh, (out_head, lse_head))| {
                 let (bi, hi) = (bh / h, bh % h);
                 let hk = hi / n_rep;
-                let keep = self.keep.as_ref().map(|k| &k[bi * tk..(bi + 1) * tk]);
-                out_head.par_chunks_mut(BR * dv).enumerate().for_each_init(
-                    || vec![0f32; BR * BC],
-                    |scores, (blk, out_blk)| {
-                        let i0 = blk * BR;
-                        let rows = out_blk.len() / dv;
-                        let block = Block {
-                            q: q.ptr(bi, hi, i0),
-                            q_st: q.st,
-                            k: k.ptr(bi, hk, 0),
-                            k_st: k.st,
-                            v: v.ptr(bi, hk, 0),
-                            v_st: v.st,
-                            rows,
-                            d,
-                            dv,
-                            tk,
-                            // An offset past the keys shows them all; clamped, it cannot overflow.
-                            first_pos: self.causal.map(|o| o.min(tk) + i0),
-                            window: self.window,
-                            keep,
-                            scale: self.scale,
-                        };
-                        block.run(out_blk, scores);
-                    },
-                );
+                out_head
+                    .par_chunks_mut(BR * dv)
+                    .zip(lse_head.par_chunks_mut(BR))
+                    .enumerate()
+                    .for_each_init(
+                        || vec![0f32; BR * BC],
+                        |scores, (blk, (out_blk, lse_blk))| {
+                            let i0 = blk * BR;
+                            let block = Block {
+                                q: q.ptr(bi, hi, i0),
+                                q_st: q.st,
+                                k: k.ptr(bi, hk, 0),
+                                k_st: k.st,
+                                v: v.ptr(bi, hk, 0),
+                                v_st: v.st,
+                                rows: lse_blk.len(),
+                                d,
+                                dv,
+                                vis: self.visibility(bi, tk, i0),
+                                drop: self.drop.map(|m| (m, ((bh * tq + i0) * tk) as u64)),
+                                scale: self.scale,
+                            };
+                            block.run(out_blk, lse_blk, scores);
+                        },
+                    );
             });
+        if let Ok(mut slot) = self.lse.lock() {
+            *slot = lse;
+        }
         Ok((CpuStorage::F32(out), Shape::from((b, h, tq, dv))))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dq, dk, dv) = crate::flash_backward::backward(self, q, k, v, out, grad_out)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
 
@@ -189,35 +320,23 @@ struct Block<'a> {
     rows: usize,
     d: usize,
     dv: usize,
-    tk: usize,
-    /// Absolute position of the first query row when causal.
-    first_pos: Option<usize>,
-    /// With `first_pos`: keys visible to a query, itself included.
-    window: Option<usize>,
-    keep: Option<&'a [u8]>,
+    vis: Visibility<'a>,
+    /// The dropout mask and the index of the block's element `(0, 0)` in it.
+    drop: Option<(DropMask, u64)>,
     scale: f32,
 }
 
 impl Block<'_> {
-    /// Writes the block's `[rows, dv]` output into `out`; `scores` is `BR × BC` scratch.
-    fn run(&self, out: &mut [f32], scores: &mut [f32]) {
+    /// Writes the block's `[rows, dv]` output into `out` and each row's log-sum-exp into
+    /// `lse`; `scores` is `BR × BC` scratch.
+    fn run(&self, out: &mut [f32], lse: &mut [f32], scores: &mut [f32]) {
         let rows = self.rows;
-        // Keys past the last row's causal limit are never read.
-        let kv_end = match self.first_pos {
-            Some(p) => (p + rows).min(self.tk),
-            None => self.tk,
-        };
         let mut m = [f32::NEG_INFINITY; BR];
         let mut l = [0f32; BR];
         out.fill(0.0);
-        // Nor are keys before the first row's window.
-        let oldest = |pos: usize| match self.window {
-            Some(w) => (pos + 1).saturating_sub(w),
-            None => 0,
-        };
-        let mut j0 = self.first_pos.map_or(0, oldest);
-        while j0 < kv_end {
-            let bc = BC.min(kv_end - j0);
+        let keys = self.vis.key_range(rows);
+        for j0 in keys.clone().step_by(BC) {
+            let bc = BC.min(keys.end - j0);
             let s = &mut scores[..rows * bc];
             // S[rows, bc] = scale · Q[rows, d] · K[j0.., d]ᵀ
             // SAFETY: the pointers address `rows` query rows and `bc` key rows of length
@@ -247,23 +366,7 @@ impl Block<'_> {
             }
             for r in 0..rows {
                 let row = &mut s[r * bc..(r + 1) * bc];
-                // Keys this row may see: causal limit, then padding.
-                let visible = match self.first_pos {
-                    Some(p) => (p + r + 1).saturating_sub(j0).min(bc),
-                    None => bc,
-                };
-                row[visible..].fill(f32::NEG_INFINITY);
-                if let Some(p) = self.first_pos {
-                    let hidden = oldest(p + r).saturating_sub(j0).min(visible);
-                    row[..hidden].fill(f32::NEG_INFINITY);
-                }
-                if let Some(keep) = self.keep {
-                    for (x, &kp) in row[..visible].iter_mut().zip(&keep[j0..j0 + visible]) {
-                        if kp == 0 {
-                            *x = f32::NEG_INFINITY;
-                        }
-                    }
-                }
+                let visible = self.vis.mask_row(row, r, j0);
                 let row_max = simd::max(&row[..visible]);
                 let m_new = m[r].max(row_max);
                 if m_new == f32::NEG_INFINITY {
@@ -278,6 +381,13 @@ impl Block<'_> {
                 m[r] = m_new;
                 if corr != 1.0 {
                     simd::scale(&mut out[r * self.dv..(r + 1) * self.dv], corr);
+                }
+                // Dropout acts on the normalised weights; the sum above is before it.
+                if let Some((mask, base)) = self.drop {
+                    let first = base + (r * self.vis.tk + j0) as u64;
+                    for (c, x) in row[..visible].iter_mut().enumerate() {
+                        *x *= mask.factor(first + c as u64);
+                    }
                 }
             }
             // O[rows, dv] += P[rows, bc] · V[j0.., dv]
@@ -305,28 +415,37 @@ impl Block<'_> {
                     gemm::Parallelism::None,
                 );
             }
-            j0 += bc;
         }
         for r in 0..rows {
-            // A row that saw no key keeps its zeros.
-            let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
+            // A row that saw no key keeps its zeros, and its weights are all 0.
+            let (inv, row_lse) = if l[r] > 0.0 {
+                (1.0 / l[r], m[r] + l[r].ln())
+            } else {
+                (0.0, f32::INFINITY)
+            };
             simd::scale(&mut out[r * self.dv..(r + 1) * self.dv], inv);
+            lse[r] = row_lse;
         }
     }
 }
 
-/// GPT-2's tanh GELU on an f32, f16 or bf16 CPU tensor without gradient tracking, one
-/// vectorised pass split over the rayon pool (Candle's `gelu` evaluates `tanh` element by
-/// element and was measured at 2.8x the time of its erf GELU on [512, 3072]; in f16 and
-/// bf16 it also rounds after every step). Half-precision values are widened, computed in
-/// f32 and rounded once. Other tensors take Candle's `gelu`, which is differentiable and
-/// runs on every device.
+/// GPT-2's tanh GELU on an f32, f16 or bf16 CPU tensor, one vectorised pass split over the
+/// rayon pool (Candle's `gelu` evaluates `tanh` element by element and was measured at
+/// 2.8x the time of its erf GELU on [512, 3072]; in f16 and bf16 it also rounds after
+/// every step). Half-precision values are widened, computed in f32 and rounded once. On
+/// f32 it is differentiable, with a backward pass of the same kind (Candle's builds the
+/// derivative from a dozen tensor ops, each a pass over the activations on one thread).
+/// Other tensors, and half precision with gradients, take Candle's `gelu`.
 pub fn gelu_tanh(xs: &Tensor) -> Result<Tensor> {
     let dtype_ok = matches!(xs.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    if !xs.device().is_cpu() || !dtype_ok || xs.track_op() {
+    if !xs.device().is_cpu() || !dtype_ok {
         return xs.gelu();
     }
-    xs.contiguous()?.apply_op1_no_bwd(&GeluTanh)
+    match (xs.track_op(), xs.dtype()) {
+        (false, _) => xs.contiguous()?.apply_op1_no_bwd(&GeluTanh),
+        (true, DType::F32) => xs.contiguous()?.apply_op1(GeluTanh),
+        (true, _) => xs.gelu(),
+    }
 }
 
 struct GeluTanh;
@@ -354,6 +473,45 @@ impl CustomOp1 for GeluTanh {
             _ => bail!("gelu_tanh: expected f32, f16 or bf16 storage"),
         };
         Ok((ys, layout.shape().clone()))
+    }
+
+    fn bwd(&self, xs: &Tensor, _ys: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(
+            xs.apply_op2_no_bwd(&grad.contiguous()?, &GeluTanhGrad)?,
+        ))
+    }
+}
+
+/// `grad · gelu_tanh'(xs)`, both f32 and contiguous.
+struct GeluTanhGrad;
+
+impl CustomOp2 for GeluTanhGrad {
+    fn name(&self) -> &'static str {
+        "gelu-tanh-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sg: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (Some((x0, x1)), Some((g0, g1))) = (lx.contiguous_offsets(), lg.contiguous_offsets())
+        else {
+            bail!("gelu_tanh backward: expected contiguous tensors")
+        };
+        let (CpuStorage::F32(xs), CpuStorage::F32(gs)) = (sx, sg) else {
+            bail!("gelu_tanh backward: expected f32 tensors")
+        };
+        let mut out = gs[g0..g1].to_vec();
+        if out.len() != x1 - x0 {
+            bail!("gelu_tanh backward: gradient and input sizes differ")
+        }
+        out.par_chunks_mut(GELU_CHUNK)
+            .zip(xs[x0..x1].par_chunks(GELU_CHUNK))
+            .for_each(|(g, x)| simd::gelu_tanh_grad(x, g));
+        Ok((CpuStorage::F32(out), lx.shape().clone()))
     }
 }
 

@@ -321,6 +321,15 @@ impl Proj {
                         return ys.reshape(out_dims(dims, d_out));
                     }
                 }
+                // Training: product and bias in one op with a direct backward pass.
+                let grad = xs2.track_op() || w_t.track_op();
+                if let (Some(b), true) = (&self.b, grad) {
+                    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+                    if f32_cpu(&xs2) && f32_cpu(w_t) && f32_cpu(b) {
+                        let ys = crate::ops::linear(&xs2, w_t, b)?;
+                        return ys.reshape(out_dims(dims, d_out));
+                    }
+                }
                 xs2.matmul(w_t)?
             }
             Weight::Quantized {

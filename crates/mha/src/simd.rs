@@ -37,6 +37,25 @@ fn exp(x: f32) -> f32 {
 }
 
 #[inline(always)]
+fn sum_impl(xs: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for c in &mut chunks {
+        for i in 0..LANES {
+            acc[i] += c[i];
+        }
+    }
+    acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
+#[inline(always)]
+fn softmax_grad_impl(p: &[f32], dp: &mut [f32], delta: f32) {
+    for (g, &x) in dp.iter_mut().zip(p) {
+        *g = x * (*g - delta);
+    }
+}
+
+#[inline(always)]
 fn max_impl(xs: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let mut chunks = xs.chunks_exact(LANES);
@@ -87,6 +106,20 @@ fn gelu_tanh_impl(xs: &[f32], ys: &mut [f32]) {
     for (y, &x) in ys.iter_mut().zip(xs) {
         let u = C * (x + 0.044_715 * x * x * x);
         *y = x / (1.0 + exp(-2.0 * u));
+    }
+}
+
+/// `gs[i] *= d gelu_tanh(x) / dx` at `x = xs[i]`: with `s = 1 / (1 + exp(-2u))` the GELU
+/// is `x·s`, whose derivative is `s + 2·x·s·(1 - s)·u'`, again one `exp`.
+#[inline(always)]
+fn gelu_tanh_grad_impl(xs: &[f32], gs: &mut [f32]) {
+    const C: f32 = 0.797_884_6; // sqrt(2/π)
+    for (g, &x) in gs.iter_mut().zip(xs) {
+        let x2 = x * x;
+        let u = C * (x + 0.044_715 * x2 * x);
+        let s = 1.0 / (1.0 + exp(-2.0 * u));
+        let du = C * (1.0 + 3.0 * 0.044_715 * x2);
+        *g *= s + 2.0 * x * s * (1.0 - s) * du;
     }
 }
 
@@ -371,6 +404,10 @@ macro_rules! dispatch {
 }
 
 dispatch!(
+    /// The sum of the elements.
+    sum, sum_impl, (xs: &[f32]) -> f32
+);
+dispatch!(
     /// The largest element (`-inf` for an empty slice).
     max, max_impl, (xs: &[f32]) -> f32
 );
@@ -381,6 +418,10 @@ dispatch!(
 dispatch!(
     /// `ys[i] = gelu_tanh(xs[i])` over the shorter of the two slices.
     gelu_tanh, gelu_tanh_impl, (xs: &[f32], ys: &mut [f32]) -> ()
+);
+dispatch!(
+    /// `gs[i] *= gelu_tanh'(xs[i])` over the shorter of the two slices.
+    gelu_tanh_grad, gelu_tanh_grad_impl, (xs: &[f32], gs: &mut [f32]) -> ()
 );
 dispatch!(
     /// `y += Σ_j a[j]·w[j]` over four f32 rows, each at least as long as `y`.
@@ -409,6 +450,10 @@ dispatch!(
 dispatch!(
     /// Four dot products of `x` with bf16 rows at least as long as `x`.
     dot4_bf16, dot4_bf16_impl, (x: &[f32], w: [&[half::bf16]; 4]) -> [f32; 4]
+);
+dispatch!(
+    /// `dp[i] = p[i]·(dp[i] - delta)`: the softmax's backward for one row.
+    softmax_grad, softmax_grad_impl, (p: &[f32], dp: &mut [f32], delta: f32) -> ()
 );
 dispatch!(
     /// Multiplies every element by `s`.

@@ -672,6 +672,176 @@ fn fused_decode_rows_equal_reference() {
     }
 }
 
+/// The differentiable fused kernel (`flash_attn_cpu_train`, which training takes) gives
+/// the reference path's outputs and gradients of q, k and v: across query and key blocks,
+/// with causal offsets, windows, key padding (fully padded rows included), GQA, strided
+/// inputs and dropout replayed from the same seed.
+#[test]
+fn fused_training_kernel_gradients_equal_reference() -> Result<()> {
+    for (b, tq, tk, h_kv, rep, causal, padded, window, p) in [
+        (2, 5, 5, 1, 1, true, false, None, 0.0),
+        (2, 150, 150, 2, 2, true, false, None, 0.0),
+        (1, 70, 200, 1, 3, true, true, None, 0.0),
+        (2, 40, 260, 2, 1, false, true, None, 0.0),
+        (1, 130, 130, 1, 2, true, false, Some(33), 0.0),
+        (2, 150, 150, 2, 2, true, false, None, 0.25),
+        (1, 65, 140, 1, 2, false, true, Some(9), 0.5),
+    ] {
+        let (d, dv) = (16, 12);
+        let h = h_kv * rep;
+        let what = format!("b={b} tq={tq} tk={tk} h={h}/{h_kv} causal={causal} padded={padded} window={window:?} p={p}");
+        // q as a transposed view, as the attention layer hands it over.
+        let q = Var::from_tensor(&randn(&[b, tq, h, d]).transpose(1, 2)?)?;
+        let k = Var::from_tensor(&randn(&[b, h_kv, tk, d]))?;
+        let v = Var::from_tensor(&randn(&[b, h_kv, tk, dv]))?;
+        let weight = randn(&[b, h, tq, dv]);
+        let keep = keep_mask(b, tk, 0x0f0f_3355_00ff_ffff);
+        let mut mask = if causal {
+            Mask::causal(tk - tq)
+        } else {
+            Mask::NONE
+        };
+        if padded {
+            mask = mask.with_keep(&keep);
+        }
+        mask.window = window;
+        let scale = 1.0 / (d as f64).sqrt();
+        let run = |fused: bool| -> Result<(Tensor, Vec<Tensor>)> {
+            let dropout = Dropout::new(p, 11)?;
+            let ys = if fused {
+                mha::kernel::flash_attn_cpu_train(&q, &k, &v, &mask, scale, Some(&dropout))?
+            } else {
+                let params = SdpaParams {
+                    dropout: Some(&dropout),
+                    train: true,
+                    ..SdpaParams::inference(scale)
+                };
+                sdpa_reference(&q, &k, &v, &mask, &params)?.0
+            };
+            let grads = (&ys * &weight)?.sum_all()?.backward()?;
+            let g = [&q, &k, &v].map(|x| grads.get(x.as_tensor()).unwrap().clone());
+            Ok((ys, g.to_vec()))
+        };
+        let (fast, fast_g) = run(true)?;
+        let (slow, slow_g) = run(false)?;
+        assert_close(&fast, &slow, 1e-5, 1e-4, &format!("output, {what}"));
+        for (name, (a, r)) in ["dq", "dk", "dv"].iter().zip(fast_g.iter().zip(&slow_g)) {
+            assert_close(a, r, 1e-5, 1e-4, &format!("{name}, {what}"));
+        }
+    }
+    Ok(())
+}
+
+/// `sdpa` takes the differentiable fused kernel when a gradient is needed: its gradients
+/// are the reference path's, and its output carries no `q_len × kv_len` matrix for the
+/// backward pass (checked through the result, not the memory: equal gradients).
+#[test]
+fn sdpa_with_gradients_uses_a_kernel_that_keeps_them() -> Result<()> {
+    let q = Var::from_tensor(&randn(&[2, 4, 20, 8]))?;
+    let k = Var::from_tensor(&randn(&[2, 2, 20, 8]))?;
+    let v = Var::from_tensor(&randn(&[2, 2, 20, 8]))?;
+    let p = SdpaParams::inference(0.3);
+    let grad_of = |ys: Tensor| -> Result<Tensor> {
+        let g = ys.sqr()?.sum_all()?.backward()?;
+        Ok(g.get(q.as_tensor()).unwrap().clone())
+    };
+    let fused = grad_of(sdpa(&q, &k, &v, &Mask::causal(0), &p)?.0)?;
+    let reference = grad_of(sdpa_reference(&q, &k, &v, &Mask::causal(0), &p)?.0)?;
+    assert_close(&fused, &reference, 1e-5, 1e-4, "dq through sdpa");
+    Ok(())
+}
+
+/// The fused training ops equal Candle's op-by-op formulas, outputs and gradients, on
+/// shapes that span several of their tasks: LayerNorm over 150 rows of 192, a linear layer
+/// with a transposed weight, the tanh GELU, and next-token cross-entropy over 2 × 70 × 300.
+#[test]
+fn training_ops_equal_candle_composites() -> Result<()> {
+    fn compare(what: &str, fused: (Tensor, Vec<Tensor>), reference: (Tensor, Vec<Tensor>)) {
+        assert_close(
+            &fused.0,
+            &reference.0,
+            1e-5,
+            1e-4,
+            &format!("{what}: output"),
+        );
+        for (i, (a, b)) in fused.1.iter().zip(&reference.1).enumerate() {
+            assert_close(a, b, 1e-5, 1e-4, &format!("{what}: gradient {i}"));
+        }
+    }
+    // Gradients of `sum(f(inputs) * w)`, one random `w` for both sides.
+    let run = |what: &str, f: &dyn Fn(bool) -> Result<(Tensor, Vec<Var>)>| -> Result<()> {
+        let (fused, vars) = f(true)?;
+        let w = Tensor::randn(0f32, 1.0, fused.shape(), &DEV)?;
+        let g = (&fused * &w)?.sum_all()?.backward()?;
+        let gf: Vec<Tensor> = vars
+            .iter()
+            .map(|v| g.get(v.as_tensor()).unwrap().clone())
+            .collect();
+        let (reference, vars) = f(false)?;
+        let g = (&reference * &w)?.sum_all()?.backward()?;
+        let gr: Vec<Tensor> = vars
+            .iter()
+            .map(|v| g.get(v.as_tensor()).unwrap().clone())
+            .collect();
+        compare(what, (fused, gf), (reference, gr));
+        Ok(())
+    };
+
+    let x = Var::from_tensor(&((randn(&[3, 50, 192]) * 2.0)? + 1.0)?)?;
+    let (w, b) = (
+        Var::from_tensor(&randn(&[192]))?,
+        Var::from_tensor(&randn(&[192]))?,
+    );
+    run("layer_norm", &|fused| {
+        let ys = if fused {
+            mha::ops::layer_norm(&x, &w, &b, 1e-5)?
+        } else {
+            candle_nn::ops::layer_norm_slow(&x, &w, &b, 1e-5)?
+        };
+        Ok((ys, vec![x.clone(), w.clone(), b.clone()]))
+    })?;
+
+    let x = Var::from_tensor(&randn(&[130, 96]))?;
+    let (w, b) = (
+        Var::from_tensor(&randn(&[200, 96]))?,
+        Var::from_tensor(&randn(&[200]))?,
+    );
+    run("linear", &|fused| {
+        let w_t = w.t()?;
+        let ys = if fused {
+            mha::ops::linear(&x, &w_t, &b)?
+        } else {
+            x.matmul(&w_t)?.broadcast_add(&b)?
+        };
+        Ok((ys, vec![x.clone(), w.clone(), b.clone()]))
+    })?;
+
+    let x = Var::from_tensor(&(randn(&[7, 333]) * 3.0)?)?;
+    run("gelu_tanh", &|fused| {
+        let ys = if fused {
+            mha::kernel::gelu_tanh(&x)?
+        } else {
+            x.gelu()?
+        };
+        Ok((ys, vec![x.clone()]))
+    })?;
+
+    let logits = Var::from_tensor(&(randn(&[2, 70, 300]) * 2.0)?)?;
+    let ids: Vec<u32> = (0..140u32).map(|i| (i * 7919) % 300).collect();
+    let ids = Tensor::from_vec(ids, (2, 70), &DEV)?;
+    run("cross_entropy", &|fused| {
+        let loss = if fused {
+            mha::ops::next_token_cross_entropy(&logits, &ids)?
+        } else {
+            let inputs = logits.narrow(1, 0, 69)?.reshape((138, 300))?;
+            let targets = ids.narrow(1, 1, 69)?.flatten_all()?;
+            candle_nn::loss::cross_entropy(&inputs, &targets)?
+        };
+        Ok((loss, vec![logits.clone()]))
+    })?;
+    Ok(())
+}
+
 /// A projection with few rows (decoding: `mha::matvec` up to `MAX_ROWS` rows, `matmul`
 /// beyond) equals the f64 matrix product for both weight layouts and for narrowed views
 /// of a fused weight, with widths that are and are not multiples of the SIMD width.

@@ -1,6 +1,7 @@
 //! `mha` against PyTorch: `torch.nn.MultiheadAttention(batch_first=True)`, GPT-2's Conv1D
 //! with `F.scaled_dot_product_attention`, `nn.Linear` projections with grouped-query SDPA,
-//! and SDPA on heads directly. Fixtures: `scripts/mha_fixtures.py` (torch 2.15).
+//! and SDPA on heads directly. Fixtures: `scripts/mha_fixtures.py` (torch 2.15); the fused
+//! kernel's and the training ops' gradients against `torch.autograd`: `scripts/grad_fixtures.py`.
 //! Tolerance: f32, 1e-5 absolute + 1e-4 relative.
 
 mod common;
@@ -174,4 +175,105 @@ fn sdpa_matches_pytorch_on_both_paths() {
         checked += 1;
     }
     assert_eq!(checked, 4, "every functional case ran");
+}
+
+/// The differentiable fused kernel's output and gradients (`torch.autograd` of
+/// `sum(sdpa(q, k, v) * w)`, computed in f64) for GQA, cross-attention with key padding, a
+/// causal offset and a sliding window, with sizes that cross the kernel's blocks.
+#[test]
+fn fused_attention_gradients_match_pytorch() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
+    let t =
+        candle_core::safetensors::load(format!("{dir}/attention_grads.safetensors"), &Device::Cpu)
+            .unwrap();
+    // name, causal, window
+    for (name, causal, window) in [
+        ("causal_gqa", true, None),
+        ("cross_padded", false, None),
+        ("window", true, Some(20)),
+        ("offset_padded", true, None),
+    ] {
+        let get = |k: &str| t[&format!("{name}.{k}")].clone();
+        let (q, k, v) = (get("q"), get("k"), get("v"));
+        let (tq, tk) = (q.dim(2).unwrap(), k.dim(2).unwrap());
+        let keep = get("keep");
+        let mut mask = if causal {
+            Mask::causal(tk - tq)
+        } else {
+            Mask::NONE
+        }
+        .with_keep(&keep);
+        mask.window = window;
+        let vars = [&q, &k, &v].map(|x| candle_core::Var::from_tensor(x).unwrap());
+        let scale = 1.0 / (q.dim(3).unwrap() as f64).sqrt();
+        let out =
+            mha::kernel::flash_attn_cpu_train(&vars[0], &vars[1], &vars[2], &mask, scale, None)
+                .unwrap();
+        assert_close(&out, &get("out"), ATOL, RTOL, &format!("{name}: output"));
+        let grads = (&out * get("w"))
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for (var, key) in vars.iter().zip(["dq", "dk", "dv"]) {
+            let g = grads.get(var.as_tensor()).unwrap();
+            assert_close(g, &get(key), ATOL, RTOL, &format!("{name}: {key}"));
+        }
+    }
+}
+
+/// `mha::ops` (LayerNorm, linear with bias, next-token cross-entropy) and the tanh GELU:
+/// outputs and gradients of every input against `torch.autograd` (computed in f64).
+#[test]
+fn training_ops_match_pytorch() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
+    let t = candle_core::safetensors::load(format!("{dir}/op_grads.safetensors"), &Device::Cpu)
+        .unwrap();
+    let var = |k: &str| candle_core::Var::from_tensor(&t[k]).unwrap();
+    let check = |prefix: &str, out: &Tensor, inputs: &[(&str, &candle_core::Var)]| {
+        assert_close(
+            out,
+            &t[&format!("{prefix}.out")],
+            ATOL,
+            RTOL,
+            &format!("{prefix}: output"),
+        );
+        let grads = (out * &t[&format!("{prefix}.w")])
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for (name, v) in inputs {
+            let g = grads.get(v.as_tensor()).unwrap();
+            let key = format!("{prefix}.d{name}");
+            assert_close(g, &t[&key], ATOL, RTOL, &key);
+        }
+    };
+
+    let (x, w, b) = (
+        var("layer_norm.x"),
+        var("layer_norm.weight"),
+        var("layer_norm.bias"),
+    );
+    let out = mha::ops::layer_norm(&x, &w, &b, 1e-5).unwrap();
+    check(
+        "layer_norm",
+        &out,
+        &[("x", &x), ("weight", &w), ("bias", &b)],
+    );
+
+    // PyTorch's [out, in] weight, read transposed in place.
+    let (x, w, b) = (var("linear.x"), var("linear.weight"), var("linear.bias"));
+    let out = mha::ops::linear(&x, &w.t().unwrap(), &b).unwrap();
+    check("linear", &out, &[("x", &x), ("weight", &w), ("bias", &b)]);
+
+    let x = var("gelu.x");
+    let out = mha::kernel::gelu_tanh(&x).unwrap();
+    check("gelu", &out, &[("x", &x)]);
+
+    let logits = var("cross_entropy.logits");
+    let out = mha::ops::next_token_cross_entropy(&logits, &t["cross_entropy.ids"]).unwrap();
+    check("cross_entropy", &out, &[("logits", &logits)]);
 }
