@@ -785,6 +785,10 @@ pub fn next_token_loss(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
         bail!("the loss needs at least 2 tokens per row, got {t}")
     }
     check_targets(ids, b, t, v)?;
+    if logits.device().is_cpu() && logits.dtype() == DType::F32 {
+        // Fused: no copy of the logits, and a backward pass of one sweep.
+        return mha::ops::next_token_cross_entropy(logits, ids);
+    }
     let inputs = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?;
     let targets = ids
         .narrow(1, 1, t - 1)?

@@ -8,7 +8,8 @@ use crate::NormKind;
 /// LayerNorm over the last dimension, with `weight` and `bias` named as in checkpoints.
 ///
 /// Candle's fused `layer_norm` has no backward pass, so it runs only when nothing needs a
-/// gradient; otherwise the same formula is built from differentiable ops.
+/// gradient; training on the CPU in f32 takes [`mha::ops::layer_norm`], which has one, and
+/// other devices and dtypes the same formula built from differentiable ops.
 #[derive(Debug, Clone)]
 pub struct LayerNorm {
     weight: Tensor,
@@ -39,6 +40,10 @@ impl LayerNorm {
     /// `[.., dim]` to `[.., dim]`.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let needs_grad = xs.track_op() || self.weight.track_op() || self.bias.track_op();
+        if needs_grad && xs.device().is_cpu() && xs.dtype() == DType::F32 {
+            // One fused op whose backward recomputes the row statistics (training).
+            return mha::ops::layer_norm(xs, &self.weight, &self.bias, self.eps);
+        }
         if needs_grad || !xs.is_contiguous() {
             candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, self.eps as f32)
         } else {

@@ -344,6 +344,16 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
             ..Default::default()
         },
     )?;
+    // The same weights without gradient tracking (the tensors share storage with the
+    // variables, so they see every update): evaluating through the variables would build
+    // the autograd graph of a whole forward pass for nothing, and take the training paths.
+    let eval_model = {
+        let detached = named
+            .iter()
+            .map(|(name, var)| (name.clone(), var.as_detached_tensor()))
+            .collect();
+        Gpt::new(&cfg, VarBuilder::from_tensors(detached, DType::F32, &dev))?
+    };
     let (mut step, mut best_val, mut rng) = (0, f64::INFINITY, Rng(a.seed));
     init_weights(&named, &cfg, a.seed)?;
     if let Some((dir, state)) = &resume {
@@ -397,25 +407,33 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
     let mut smoothed = None::<f64>;
     let mut last_val = f64::NAN;
     let last_step = a.stop_after.unwrap_or(a.steps).min(a.steps);
+    // Seconds of each optimiser step (forward, backward, update), evaluations excluded.
+    let mut step_secs = Vec::new();
     while step < last_step {
         let t0 = Instant::now();
         let lr = lr_at(step, a);
         opt.set_lr(lr);
         let x = batch(train, a.batch_size, a.block_size, &mut rng, &dev)?;
-        let loss = model.loss(&x, true)?;
-        let loss_v = loss.to_scalar::<f32>()? as f64;
-        if !loss_v.is_finite() {
-            bail!("the training loss became {loss_v} at step {step}; try a lower --lr")
-        }
-        let mut grads = loss.backward()?;
-        opt.clip_grad_norm(&mut grads, a.grad_clip)?;
-        opt.step(&grads)?;
+        // The step's graph and gradients are dropped before an evaluation runs.
+        let loss_v = {
+            let loss = model.loss(&x, true)?;
+            let loss_v = loss.to_scalar::<f32>()? as f64;
+            if !loss_v.is_finite() {
+                bail!("the training loss became {loss_v} at step {step}; try a lower --lr")
+            }
+            let mut grads = loss.backward()?;
+            drop(loss);
+            opt.clip_grad_norm(&mut grads, a.grad_clip)?;
+            opt.step(&grads)?;
+            loss_v
+        };
         step += 1;
+        step_secs.push(t0.elapsed().as_secs_f64());
         let tok_s = tokens_per_step / t0.elapsed().as_secs_f64();
         smoothed = Some(smoothed.map_or(loss_v, |s| 0.9 * s + 0.1 * loss_v));
         let eval_now = step % a.eval_every == 0 || step == last_step;
         if eval_now {
-            last_val = val_loss(&model, val, a, &dev)?;
+            last_val = val_loss(&eval_model, val, a, &dev)?;
             writeln!(
                 csv,
                 "{step},{:.5},{last_val:.5},{lr:.6e},{tok_s:.0},{:.1}",
@@ -448,6 +466,15 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
         bar.set_position(step as u64);
     }
     bar.finish();
+    // The first step pays for first-touch page faults and the allocator's growth.
+    if step_secs.len() >= 2 {
+        let secs: f64 = step_secs[1..].iter().sum();
+        eprintln!(
+            "{} steps: {:.0} tokens/s on average (the first step excluded)",
+            step_secs.len(),
+            tokens_per_step * (step_secs.len() - 1) as f64 / secs
+        );
+    }
     let rows = read_loss_csv(&csv_path)?;
     plot::loss_curve(&rows, &a.out.join("loss.png"))?;
     write_atomic(&a.out.join("train_args.json"), |p| {
