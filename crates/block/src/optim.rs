@@ -3,7 +3,8 @@
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{bail, Result, Tensor, Var};
+use candle_core::{bail, CpuStorage, Result, Storage, Tensor, Var};
+use rayon::prelude::*;
 
 /// Hyper-parameters of [`AdamW`].
 #[derive(Debug, Clone, PartialEq)]
@@ -72,11 +73,15 @@ impl AdamW {
         let mut sq = 0f64;
         for (_, v, _, _) in &self.vars {
             if let Some(g) = grads.get(v.as_tensor()) {
-                sq += g
-                    .sqr()?
-                    .sum_all()?
-                    .to_dtype(candle_core::DType::F64)?
-                    .to_scalar::<f64>()?;
+                // f32 on the CPU: summed in f64 where it lies, without a squared copy.
+                sq += match with_f32(g, |x| x.iter().map(|&e| (e as f64) * (e as f64)).sum()) {
+                    Some(s) => s,
+                    None => g
+                        .sqr()?
+                        .sum_all()?
+                        .to_dtype(candle_core::DType::F64)?
+                        .to_scalar::<f64>()?,
+                };
             }
         }
         let norm = sq.sqrt();
@@ -101,15 +106,22 @@ impl AdamW {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
             };
-            *m = ((&*m * p.beta1)? + (g * (1.0 - p.beta1))?)?;
-            *v = ((&*v * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
-            let update = ((&*m / c1)? / ((&*v / c2)?.sqrt()? + p.eps)?)?;
             let decay = if var.rank() >= 2 { p.weight_decay } else { 0.0 };
-            let w = var.as_tensor();
-            let next = ((w * (1.0 - p.lr * decay))? - (update * p.lr)?)?;
-            var.set(&next.detach())?;
-            *m = m.detach();
-            *v = v.detach();
+            let k = Step {
+                beta1: p.beta1 as f32,
+                beta2: p.beta2 as f32,
+                c1: c1 as f32,
+                c2: c2 as f32,
+                eps: p.eps as f32,
+                lr: p.lr as f32,
+                shrink: (1.0 - p.lr * decay) as f32,
+            };
+            let (w, m_next, v_next) = match step_cpu(var.as_tensor(), g, m, v, &k)? {
+                Some(next) => next,
+                None => step_tensors(var.as_tensor(), g, m, v, &k)?,
+            };
+            var.set(&w)?;
+            (*m, *v) = (m_next, v_next);
         }
         Ok(())
     }
@@ -159,6 +171,170 @@ impl AdamW {
             }
             None => bail!("optimizer state lacks its step count"),
         }
+        Ok(())
+    }
+}
+
+/// The constants of one AdamW update of one variable.
+struct Step {
+    beta1: f32,
+    beta2: f32,
+    /// Bias corrections `1 - beta^t`.
+    c1: f32,
+    c2: f32,
+    eps: f32,
+    lr: f32,
+    /// `1 - lr · weight_decay`.
+    shrink: f32,
+}
+
+/// The update as tensor ops, on any device and dtype.
+fn step_tensors(
+    w: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    k: &Step,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b1, b2) = (k.beta1 as f64, k.beta2 as f64);
+    let m = ((m * b1)? + (g * (1.0 - b1))?)?;
+    let v = ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?;
+    let update = ((&m / k.c1 as f64)? / ((&v / k.c2 as f64)?.sqrt()? + k.eps as f64)?)?;
+    let w = ((w * k.shrink as f64)? - (update * k.lr as f64)?)?;
+    Ok((w.detach(), m.detach(), v.detach()))
+}
+
+/// The values of a contiguous f32 CPU tensor, read under its storage's lock.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
+    let (s, l) = t.storage_and_layout();
+    let (a, b) = l.contiguous_offsets()?;
+    match &*s {
+        Storage::Cpu(CpuStorage::F32(v)) => v.get(a..b).map(f),
+        _ => None,
+    }
+}
+
+/// One pass over `w`, `g` and the moments on the CPU (f32, contiguous), split over rayon's
+/// pool: the same arithmetic as the tensor ops of [`AdamW::step`] without their dozen
+/// temporaries per variable. `None` where the tensors are elsewhere or laid out otherwise.
+fn step_cpu(
+    w: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    k: &Step,
+) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+    let n = w.elem_count();
+    let (mut w1, mut m1, mut v1) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    let done = with_f32(w, |w0| {
+        with_f32(g, |g0| {
+            with_f32(m, |m0| {
+                with_f32(v, |v0| {
+                    if [w0.len(), g0.len(), m0.len(), v0.len()] != [n; 4] {
+                        return false;
+                    }
+                    update(k, (w0, g0, m0, v0), (&mut w1, &mut m1, &mut v1));
+                    true
+                })
+            })
+        })
+    });
+    if done != Some(Some(Some(Some(true)))) {
+        return Ok(None);
+    }
+    let (shape, dev) = (w.shape(), w.device());
+    Ok(Some((
+        Tensor::from_vec(w1, shape, dev)?,
+        Tensor::from_vec(m1, shape, dev)?,
+        Tensor::from_vec(v1, shape, dev)?,
+    )))
+}
+
+#[allow(clippy::type_complexity)]
+fn update(
+    k: &Step,
+    (w0, g0, m0, v0): (&[f32], &[f32], &[f32], &[f32]),
+    (w1, m1, v1): (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    const CHUNK: usize = 1 << 14;
+    w1.par_chunks_mut(CHUNK)
+        .zip(m1.par_chunks_mut(CHUNK))
+        .zip(v1.par_chunks_mut(CHUNK))
+        .enumerate()
+        .for_each(|(c, ((w1, m1), v1))| {
+            let r = c * CHUNK..c * CHUNK + w1.len();
+            let (w0, g0, m0, v0) = (&w0[r.clone()], &g0[r.clone()], &m0[r.clone()], &v0[r]);
+            for i in 0..w1.len() {
+                let g = g0[i];
+                let m = m0[i] * k.beta1 + g * (1.0 - k.beta1);
+                let v = v0[i] * k.beta2 + g * g * (1.0 - k.beta2);
+                let update = (m / k.c1) / ((v / k.c2).sqrt() + k.eps);
+                w1[i] = w0[i] * k.shrink - update * k.lr;
+                m1[i] = m;
+                v1[i] = v;
+            }
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, D};
+
+    /// The fused CPU update equals the tensor ops it replaces, with and without weight
+    /// decay, early (large bias corrections) and late, over several chunks.
+    #[test]
+    fn fused_step_equals_tensor_ops() -> Result<()> {
+        let dev = Device::Cpu;
+        let r = |seed: f64| -> Result<Tensor> {
+            Tensor::arange(0f32, 40_000.0, &dev)?
+                .reshape((200, 200))?
+                .affine(seed * 1e-3, seed)?
+                .sin()
+        };
+        let (w, g, m) = (r(1.0)?, r(2.0)?, (r(3.0)? * 0.1)?);
+        let v = (r(4.0)?.sqr()? * 0.01)?;
+        for (t, decay) in [(1, 0.1), (50, 0.0), (1000, 0.1)] {
+            let k = Step {
+                beta1: 0.9,
+                beta2: 0.95,
+                c1: 1.0 - 0.9f32.powi(t),
+                c2: 1.0 - 0.95f32.powi(t),
+                eps: 1e-8,
+                lr: 3e-3,
+                shrink: 1.0 - 3e-3 * decay,
+            };
+            let fused = step_cpu(&w, &g, &m, &v, &k)?.expect("f32 CPU tensors take the fused path");
+            let plain = step_tensors(&w, &g, &m, &v, &k)?;
+            for (a, b) in [
+                (&fused.0, &plain.0),
+                (&fused.1, &plain.1),
+                (&fused.2, &plain.2),
+            ] {
+                // Candle divides by multiplying with the reciprocal: a few ulps apart.
+                let excess = ((a - b)?.abs()? - (b.abs()? * 1e-5)?)?;
+                let worst = excess
+                    .max_keepdim(D::Minus1)?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
+                assert!(
+                    worst <= 1e-6,
+                    "step {t}: fused and tensor-op AdamW differ by {worst} beyond 1e-5 relative"
+                );
+            }
+        }
+        // Elsewhere than f32 on the CPU, the tensor ops run.
+        let w64 = w.to_dtype(DType::F64)?;
+        let k = Step {
+            beta1: 0.9,
+            beta2: 0.95,
+            c1: 0.1,
+            c2: 0.05,
+            eps: 1e-8,
+            lr: 1e-3,
+            shrink: 1.0,
+        };
+        assert!(step_cpu(&w64, &w64, &w64, &w64, &k)?.is_none());
         Ok(())
     }
 }
