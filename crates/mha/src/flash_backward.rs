@@ -206,6 +206,7 @@ impl Ctx<'_> {
                 &mut scratch.dp[..rows * bc],
                 &mut scratch.pz[..rows * bc],
             );
+            // SAFETY: key rows `j0 < tk` of head `g`, inside the storages.
             let (kj, vj) = unsafe { (k.add(j0 * self.k.st), v.add(j0 * self.v.st)) };
             // SAFETY (every gemm below): `rows` query rows from `i0` and `bc` key rows from
             // `j0` of the given widths lie inside the storages; the scratch buffers hold

@@ -13,7 +13,9 @@
 //!   local (sliding-window) attention, both understood by the fused kernel;
 //! - the weight layouts people have: separate q/k/v/o linears, GPT-2's fused `c_attn`
 //!   Conv1D, PyTorch's `in_proj_weight` ([`WeightLayout`]);
-//! - a fused CPU kernel for inference, held to the plain differentiable path.
+//! - fused CPU kernels for inference and for training (a flash-attention backward pass
+//!   that keeps no `q_len × kv_len` matrix), held to the plain differentiable path and to
+//!   PyTorch; [`ops`] adds fused LayerNorm, linear and cross-entropy for training.
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};

@@ -2,11 +2,12 @@
 //! a linear layer with bias, and next-token cross-entropy.
 //!
 //! Built from Candle's tensor ops, a LayerNorm keeps about ten activations of its input's
-//! size for the backward pass and a cross-entropy four copies of the logits; each of these
-//! keeps only its input (and recomputes the row statistics in the backward pass), and
-//! both passes are one vectorised sweep split over rayon's pool. f32 on the CPU; the
-//! crates built on this one fall back to Candle's ops elsewhere. The tests hold both to
-//! the op-by-op formulas and to PyTorch.
+//! size for the backward pass, a linear layer its product and the biased sum, and a
+//! cross-entropy four copies of the logits; these keep only their inputs (and recompute
+//! row statistics in the backward pass), and both passes are one vectorised sweep split
+//! over rayon's pool, with sums across tasks added in a fixed order (the same result
+//! whatever the threads do). f32 on the CPU; the crates built on this one fall back to
+//! Candle's ops elsewhere. The tests hold them to the op-by-op formulas and to PyTorch.
 
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
@@ -148,8 +149,11 @@ impl CustomOp3 for LayerNorm {
                 }
                 (dw, db)
             })
-            .reduce(
-                || (vec![0f32; dim], vec![0f32; dim]),
+            .collect::<Vec<_>>()
+            .into_iter()
+            // Added in task order: the same sums whatever the threads did.
+            .fold(
+                (vec![0f32; dim], vec![0f32; dim]),
                 |(mut aw, mut ab), (bw, bb)| {
                     simd::axpy(&mut aw, 1.0, &bw);
                     simd::axpy(&mut ab, 1.0, &bb);
@@ -236,6 +240,9 @@ impl CustomOp1 for CrossEntropy {
                     sum
                 },
             )
+            .collect::<Vec<f64>>()
+            .into_iter()
+            // In task order, so the loss does not depend on the threads' timing.
             .sum();
         let loss = (total / self.count() as f64) as f32;
         Ok((CpuStorage::F32(vec![loss]), Shape::from(())))
@@ -443,13 +450,13 @@ impl CustomOp3 for Linear {
                     }
                     acc
                 })
-                .reduce(
-                    || vec![0f32; d_out],
-                    |mut a, b| {
-                        simd::axpy(&mut a, 1.0, &b);
-                        a
-                    },
-                )
+                .collect::<Vec<_>>()
+                .into_iter()
+                // In task order: reproducible sums.
+                .fold(vec![0f32; d_out], |mut a, b| {
+                    simd::axpy(&mut a, 1.0, &b);
+                    a
+                })
         };
         let dev = xs.device();
         Ok((
