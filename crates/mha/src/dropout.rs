@@ -6,7 +6,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
 
 /// Inverted dropout: in training, zeroes each element with probability `p` and scales the
 /// rest by `1 / (1 - p)`; outside training, the identity.
@@ -56,6 +57,11 @@ impl Dropout {
             return Ok(xs.clone());
         }
         let mask = self.draw();
+        if xs.device().is_cpu() && xs.dtype() == DType::F32 {
+            // One parallel pass, and a backward pass that replays the mask instead of
+            // keeping it as a tensor.
+            return xs.contiguous()?.apply_op1(Apply(mask));
+        }
         let mask: Vec<f32> = (0..xs.elem_count() as u64)
             .map(|i| mask.factor(i))
             .collect();
@@ -94,6 +100,37 @@ impl DropMask {
         } else {
             0.0
         }
+    }
+}
+
+/// Multiplies a contiguous f32 CPU tensor by a mask, element `i` by `factor(i)`; its
+/// gradient is the incoming gradient times the same mask.
+struct Apply(DropMask);
+
+/// Elements per task.
+const CHUNK: usize = 1 << 14;
+
+impl CustomOp1 for Apply {
+    fn name(&self) -> &'static str {
+        "dropout"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(v), Some((a, b))) = (s, l.contiguous_offsets()) else {
+            bail!("dropout: expected a contiguous f32 tensor")
+        };
+        let mut ys = v[a..b].to_vec();
+        ys.par_chunks_mut(CHUNK).enumerate().for_each(|(c, ys)| {
+            let first = (c * CHUNK) as u64;
+            for (i, y) in ys.iter_mut().enumerate() {
+                *y *= self.0.factor(first + i as u64);
+            }
+        });
+        Ok((CpuStorage::F32(ys), l.shape().clone()))
+    }
+
+    fn bwd(&self, _xs: &Tensor, _ys: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&Apply(self.0))?))
     }
 }
 

@@ -258,6 +258,47 @@ fn fully_masked_rows_give_zero_weights_not_nan() -> Result<()> {
     Ok(())
 }
 
+/// Dropout on f32 CPU tensors (one fused op whose backward replays the mask) equals the
+/// mask-tensor path other dtypes take (here f64), forward and backward, call after call.
+#[test]
+fn fused_dropout_equals_the_mask_path() -> Result<()> {
+    let (fused, plain) = (Dropout::new(0.3, 5)?, Dropout::new(0.3, 5)?);
+    for call in 0..3 {
+        let x = Var::from_tensor(&randn(&[3, 70, 129]))?;
+        let x64 = Var::from_tensor(&x.to_dtype(DType::F64)?)?;
+        let w = randn(&[3, 70, 129]);
+        let y = fused.forward(&x, true)?;
+        let y64 = plain.forward(&x64, true)?;
+        assert_close(
+            &y,
+            &y64.to_dtype(DType::F32)?,
+            1e-6,
+            1e-6,
+            &format!("forward, call {call}"),
+        );
+        let g = (&y * &w)?.sum_all()?.backward()?;
+        let g64 = (&y64 * w.to_dtype(DType::F64)?)?.sum_all()?.backward()?;
+        let (g, g64) = (
+            g.get(x.as_tensor()).unwrap(),
+            g64.get(x64.as_tensor()).unwrap(),
+        );
+        assert_close(
+            g,
+            &g64.to_dtype(DType::F32)?,
+            1e-6,
+            1e-6,
+            &format!("gradient, call {call}"),
+        );
+        let dropped = y
+            .eq(0.0)?
+            .to_dtype(DType::F32)?
+            .mean_all()?
+            .to_scalar::<f32>()?;
+        assert!((dropped - 0.3).abs() < 0.02, "dropped share {dropped}");
+    }
+    Ok(())
+}
+
 #[test]
 fn dropout_is_identity_outside_training_and_repeatable_inside() -> Result<()> {
     let cfg = MhaConfig {
