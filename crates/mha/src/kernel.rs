@@ -53,6 +53,22 @@ pub fn flash_attn_cpu(
 /// # Shapes
 /// As [`flash_attn_cpu`]; gradients have their inputs' shapes (a key/value head shared by
 /// several query heads sums their gradients).
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// use mha::{kernel::flash_attn_cpu_train, Dropout, Mask};
+///
+/// let dev = Device::Cpu;
+/// // 4 query heads over 2 key/value heads, 10 positions, head_dim 8.
+/// let q = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, 4, 10, 8), &dev)?)?;
+/// let k = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, 2, 10, 8), &dev)?)?;
+/// let v = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, 2, 10, 8), &dev)?)?;
+/// let dropout = Dropout::new(0.1, 42)?;
+/// let ys = flash_attn_cpu_train(&q, &k, &v, &Mask::causal(0), 8f64.powf(-0.5), Some(&dropout))?;
+/// let grads = ys.sqr()?.sum_all()?.backward()?;
+/// assert_eq!(grads.get(k.as_tensor()).unwrap().dims(), &[1, 2, 10, 8]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 pub fn flash_attn_cpu_train(
     q: &Tensor,
     k: &Tensor,

@@ -8,6 +8,24 @@
 //! over rayon's pool, with sums across tasks added in a fixed order (the same result
 //! whatever the threads do). f32 on the CPU; the crates built on this one fall back to
 //! Candle's ops elsewhere. The tests hold them to the op-by-op formulas and to PyTorch.
+//!
+//! ```
+//! use candle_core::{Device, Tensor, Var};
+//! use mha::ops::{layer_norm, linear, next_token_cross_entropy};
+//!
+//! let dev = Device::Cpu;
+//! let ids = Tensor::new(&[[1u32, 4, 2, 3]], &dev)?; // [b, t]
+//! let xs = Var::from_tensor(&Tensor::randn(0f32, 1.0, (4, 16), &dev)?)?; // [b·t, d]
+//! let (g, b) = (Var::ones(16, candle_core::DType::F32, &dev)?, Var::zeros(16, candle_core::DType::F32, &dev)?);
+//! let w = Var::from_tensor(&Tensor::randn(0f32, 0.1, (5, 16), &dev)?)?; // [vocab, d] as nn.Linear stores it
+//! let bias = Var::zeros(5, candle_core::DType::F32, &dev)?;
+//! let h = layer_norm(&xs, &g, &b, 1e-5)?;
+//! let logits = linear(&h, &w.t()?, &bias)?.reshape((1, 4, 5))?; // [b, t, vocab]
+//! let loss = next_token_cross_entropy(&logits, &ids)?; // F.cross_entropy(logits[:, :-1], ids[:, 1:])
+//! let grads = loss.backward()?;
+//! assert_eq!(grads.get(w.as_tensor()).unwrap().dims(), &[5, 16]);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
 
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
