@@ -1,6 +1,6 @@
 """PyTorch references for the gradients of `mha`'s fused training ops: the attention
-kernel (`mha::kernel::flash_attn_cpu_train`) and LayerNorm, linear, tanh GELU and
-next-token cross-entropy (`mha::ops`, `mha::kernel::gelu_tanh`).
+kernel (`mha::kernel::flash_attn_cpu_train`) and LayerNorm, RMSNorm, linear, tanh GELU
+and next-token cross-entropy (`mha::ops`, `mha::kernel::gelu_tanh`).
 
 Writes crates/mha/tests/fixtures/attention_grads.safetensors and op_grads.safetensors,
 read by crates/mha/tests/torch_reference.rs.
@@ -115,6 +115,11 @@ ids = torch.randint(0, 50, (3, 9))
 loss = F.cross_entropy(logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1))
 record("cross_entropy", loss, torch.tensor(2.5, dtype=torch.float64), {"logits": logits})
 ops["cross_entropy.ids"] = ids.to(torch.int64)
+
+# RMSNorm over 48, 37 rows, eps 1e-6 (drawn last, so the cases above keep their values).
+x, weight = leaf(37, 48), leaf(48)
+out = F.rms_norm(x, (48,), weight, eps=1e-6)
+record("rms_norm", out, torch.randn(37, 48, dtype=torch.float64), {"x": x, "weight": weight})
 
 save_file(ops, os.path.join(FIXTURES, "op_grads.safetensors"))
 print("wrote op_grads.safetensors", os.path.getsize(os.path.join(FIXTURES, "op_grads.safetensors")), "bytes")

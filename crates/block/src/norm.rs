@@ -56,7 +56,8 @@ impl LayerNorm {
 /// weight`, the statistics in f32 whatever the input's dtype (as transformers computes it).
 ///
 /// Candle's fused `rms_norm` has no backward pass, so it runs only when nothing needs a
-/// gradient; otherwise the formula is built from differentiable ops.
+/// gradient; training on the CPU in f32 takes [`mha::ops::rms_norm`], and other devices
+/// and dtypes the formula built from differentiable ops.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     weight: Tensor,
@@ -82,6 +83,10 @@ impl RmsNorm {
         let needs_grad = xs.track_op() || self.weight.track_op();
         if !needs_grad && xs.is_contiguous() && xs.dtype() == DType::F32 {
             return candle_nn::ops::rms_norm(xs, &self.weight, self.eps as f32);
+        }
+        if needs_grad && xs.device().is_cpu() && xs.dtype() == DType::F32 {
+            // One fused op whose backward recomputes the row scale (training).
+            return mha::ops::rms_norm(xs, &self.weight, self.eps);
         }
         let dtype = xs.dtype();
         let x = xs.to_dtype(DType::F32)?;

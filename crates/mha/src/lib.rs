@@ -15,7 +15,7 @@
 //!   Conv1D, PyTorch's `in_proj_weight` ([`WeightLayout`]);
 //! - fused CPU kernels for inference and for training (a flash-attention backward pass
 //!   that keeps no `q_len × kv_len` matrix), held to the plain differentiable path and to
-//!   PyTorch; [`ops`] adds fused LayerNorm, linear and cross-entropy for training.
+//!   PyTorch; [`ops`] adds fused LayerNorm, RMSNorm, linear and cross-entropy for training.
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};

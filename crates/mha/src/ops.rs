@@ -1,5 +1,5 @@
 //! Fused, differentiable CPU ops for training the layers around attention: LayerNorm,
-//! a linear layer with bias, and next-token cross-entropy.
+//! RMSNorm, a linear layer with bias, and next-token cross-entropy.
 //!
 //! Built from Candle's tensor ops, a LayerNorm keeps about ten activations of its input's
 //! size for the backward pass, a linear layer its product and the biased sum, and a
@@ -27,7 +27,9 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor,
+};
 use rayon::prelude::*;
 
 use crate::simd;
@@ -183,6 +185,119 @@ impl CustomOp3 for LayerNorm {
             Some(Tensor::from_vec(dx, xs.shape(), dev)?),
             Some(Tensor::from_vec(dw, weight.shape(), dev)?),
             Some(Tensor::from_vec(db, bias.shape(), dev)?),
+        ))
+    }
+}
+
+/// `x / sqrt(mean(x²) + eps) · weight` over the last dimension (Llama's RMSNorm, as
+/// `torch.nn.functional.rms_norm`).
+///
+/// # Shapes
+/// `xs [.., dim]`, `weight [dim]`; returns `xs`'s shape.
+pub fn rms_norm(xs: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let dim = xs.dim(candle_core::D::Minus1)?;
+    if weight.dims() != [dim] {
+        bail!("rms_norm: weight {:?} must be [{dim}]", weight.dims())
+    }
+    xs.contiguous()?
+        .apply_op2(&weight.contiguous()?, RmsNorm { eps: eps as f32 })
+}
+
+struct RmsNorm {
+    eps: f32,
+}
+
+/// `1 / sqrt(mean(x²) + eps)` of a row.
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    1.0 / (simd::dot(x, x) / x.len() as f32 + eps).sqrt()
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm-fused"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let xs = values(sx, lx, "rms_norm input")?;
+        let w = values(sw, lw, "rms_norm weight")?;
+        let dim = w.len();
+        let mut ys = vec![0f32; xs.len()];
+        if dim > 0 {
+            ys.par_chunks_mut(ROWS * dim)
+                .zip(xs.par_chunks(ROWS * dim))
+                .for_each(|(ys, xs)| {
+                    for (y, x) in ys.chunks_mut(dim).zip(xs.chunks(dim)) {
+                        let r = rms_scale(x, self.eps);
+                        for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                            *y = x * r * w;
+                        }
+                    }
+                });
+        }
+        Ok((CpuStorage::F32(ys), lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        xs: &Tensor,
+        weight: &Tensor,
+        _ys: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let dim = weight.elem_count();
+        let (sx, lx) = xs.storage_and_layout();
+        let (sw, lw) = weight.storage_and_layout();
+        let (sg, lg) = grad.storage_and_layout();
+        let x = values(cpu(&sx, "rms_norm input")?, lx, "rms_norm input")?;
+        let w = values(cpu(&sw, "rms_norm weight")?, lw, "rms_norm weight")?;
+        let g = values(cpu(&sg, "rms_norm gradient")?, lg, "rms_norm gradient")?;
+        if g.len() != x.len() || dim == 0 {
+            bail!("rms_norm backward: gradient and input sizes differ")
+        }
+        let mut dx = vec![0f32; x.len()];
+        // dx = r·(g∘w - x̂·mean(g∘w∘x̂)) with x̂ = r·x; dweight = Σ_rows g∘x̂.
+        let dw = dx
+            .par_chunks_mut(ROWS * dim)
+            .zip(x.par_chunks(ROWS * dim).zip(g.par_chunks(ROWS * dim)))
+            .map(|(dx, (x, g))| {
+                let mut dw = vec![0f32; dim];
+                let (mut xhat, mut gw) = (vec![0f32; dim], vec![0f32; dim]);
+                for ((dx, x), g) in dx.chunks_mut(dim).zip(x.chunks(dim)).zip(g.chunks(dim)) {
+                    let r = rms_scale(x, self.eps);
+                    for ((((h, gw), &x), &g), &w) in
+                        xhat.iter_mut().zip(&mut gw).zip(x).zip(g).zip(w)
+                    {
+                        *h = x * r;
+                        *gw = g * w;
+                    }
+                    let mean_gx = simd::dot(&gw, &xhat) / dim as f32;
+                    for ((((dx, &gw), &h), dw), &g) in
+                        dx.iter_mut().zip(&gw).zip(&xhat).zip(dw.iter_mut()).zip(g)
+                    {
+                        *dx = r * (gw - h * mean_gx);
+                        *dw += g * h;
+                    }
+                }
+                dw
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            // Added in task order: reproducible sums.
+            .fold(vec![0f32; dim], |mut a, b| {
+                simd::axpy(&mut a, 1.0, &b);
+                a
+            });
+        let dev = xs.device();
+        Ok((
+            Some(Tensor::from_vec(dx, xs.shape(), dev)?),
+            Some(Tensor::from_vec(dw, weight.shape(), dev)?),
         ))
     }
 }

@@ -793,7 +793,7 @@ fn sdpa_with_gradients_uses_a_kernel_that_keeps_them() -> Result<()> {
 }
 
 /// The fused training ops equal Candle's op-by-op formulas, outputs and gradients, on
-/// shapes that span several of their tasks: LayerNorm over 150 rows of 192, a linear layer
+/// shapes that span several of their tasks: LayerNorm and RMSNorm over 150 rows of 192, a linear layer
 /// with a transposed weight, the tanh GELU, and next-token cross-entropy over 2 × 70 × 300.
 #[test]
 fn training_ops_equal_candle_composites() -> Result<()> {
@@ -840,6 +840,16 @@ fn training_ops_equal_candle_composites() -> Result<()> {
             candle_nn::ops::layer_norm_slow(&x, &w, &b, 1e-5)?
         };
         Ok((ys, vec![x.clone(), w.clone(), b.clone()]))
+    })?;
+
+    run("rms_norm", &|fused| {
+        let ys = if fused {
+            mha::ops::rms_norm(&x, &w, 1e-6)?
+        } else {
+            let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+            x.broadcast_div(&(ms + 1e-6)?.sqrt()?)?.broadcast_mul(&w)?
+        };
+        Ok((ys, vec![x.clone(), w.clone()]))
     })?;
 
     let x = Var::from_tensor(&randn(&[130, 96]))?;

@@ -223,7 +223,7 @@ fn fused_attention_gradients_match_pytorch() {
     }
 }
 
-/// `mha::ops` (LayerNorm, linear with bias, next-token cross-entropy) and the tanh GELU:
+/// `mha::ops` (LayerNorm, RMSNorm, linear with bias, next-token cross-entropy) and the tanh GELU:
 /// outputs and gradients of every input against `torch.autograd` (computed in f64).
 #[test]
 fn training_ops_match_pytorch() {
@@ -272,6 +272,10 @@ fn training_ops_match_pytorch() {
     let x = var("gelu.x");
     let out = mha::kernel::gelu_tanh(&x).unwrap();
     check("gelu", &out, &[("x", &x)]);
+
+    let (x, w) = (var("rms_norm.x"), var("rms_norm.weight"));
+    let out = mha::ops::rms_norm(&x, &w, 1e-6).unwrap();
+    check("rms_norm", &out, &[("x", &x), ("weight", &w)]);
 
     let logits = var("cross_entropy.logits");
     let out = mha::ops::next_token_cross_entropy(&logits, &t["cross_entropy.ids"]).unwrap();
