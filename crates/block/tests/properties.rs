@@ -471,15 +471,20 @@ fn quantized_model_tracks_the_f32_model() -> Result<()> {
         assert!(q.is_quantized() && !gpt.is_quantized());
         let logits = q.infer(&xs, None, None, Logits::All)?;
         errors.push(common::max_abs_diff(&logits, &dense) / spread);
-        // Decoding token by token through the cache gives the full pass's logits.
+        // Decoding token by token through the cache gives the full pass's logits, up to
+        // the rounding of activations to 8 bits: one query row and eight take different
+        // (equally exact) f32 arithmetic, and a last-bit difference can move an
+        // activation to the neighbouring int8 level (a 1.5e-3 difference, once in ~150
+        // runs). 0.5% of the logits' range is far above one such step and far below what
+        // decoding without the cache gives.
         let mut cache = GptCache::new(q.config(), 8);
         for t in 0..8 {
             let step = q.infer(&xs.narrow(1, t, 1)?, None, Some(&mut cache), Logits::All)?;
             assert_close(
                 &step,
                 &logits.narrow(1, t, 1)?,
-                1e-4,
-                1e-4,
+                5e-3 * spread,
+                0.0,
                 "quantized decode",
             );
         }
