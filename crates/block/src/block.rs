@@ -1,7 +1,7 @@
 //! One transformer block: attention and MLP, each with a norm, dropout and a residual
 //! connection, in sequence or in parallel.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 use mha::{Dropout, ForwardArgs, KvCache, Mask, MhaConfig, MultiHeadAttention, RopeTables};
 
@@ -97,6 +97,15 @@ impl Block {
         Ok(Self {
             attn: self.attn.quantize(dtype)?,
             mlp: self.mlp.quantize(dtype)?,
+            ..self.clone()
+        })
+    }
+
+    /// The block with its norms' weights in `dtype` (the projections as they are).
+    pub fn norms_to_dtype(&self, dtype: DType) -> Result<Self> {
+        Ok(Self {
+            ln_1: self.ln_1.to_dtype(dtype)?,
+            ln_2: self.ln_2.to_dtype(dtype)?,
             ..self.clone()
         })
     }

@@ -627,10 +627,14 @@ impl Gguf {
     }
 
     /// The model, with block-quantized matrices kept as they are stored and everything else
-    /// (f32/f16/bf16 matrices, norms, biases, embeddings) in `dtype`.
+    /// (f32/f16/bf16 matrices, norms, biases, embeddings) in `dtype`; except that with f32
+    /// on the CPU, f16 and bf16 matrices (the token table among them) stay as stored and are
+    /// widened as the products read them: the same results as f32 weights, at half the
+    /// memory and bytes read (see [`Gpt::with_f32_activations`]).
     pub fn load(&self, dtype: DType, device: &Device) -> Result<Gpt> {
         let cfg = self.config()?;
-        self.check_memory(&cfg, dtype)?;
+        self.check_memory(&cfg, dtype, device)?;
+        let matrix = |t: GgmlDType| matrix_dtype(t, dtype, device);
         let (v, d, inner) = (cfg.vocab_size, cfg.n_embd, cfg.inner_dim());
         let hd = d / cfg.n_head;
         let kv = cfg.kv_heads() * hd;
@@ -659,7 +663,7 @@ impl Gguf {
                 b = b.map(|b| select_rows(&b, &order)).transpose()?;
             }
             match stored_float(w.dtype()) {
-                Some(_) => Proj::from_linear(&float_tensor(&w, dtype, device)?, b),
+                Some(_) => Proj::from_linear(&float_tensor(&w, matrix(w.dtype()), device)?, b),
                 None => Proj::from_qtensor(Arc::new(w), b, dtype),
             }
         };
@@ -687,6 +691,12 @@ impl Gguf {
                 // A quantized table stays one quantized copy: rows are dequantized on
                 // lookup, and a tied head multiplies by the same blocks.
                 let wte = match embd.dtype() {
+                    t @ (GgmlDType::F16 | GgmlDType::BF16) if matrix(t) != dtype => {
+                        Embedding::Half {
+                            table: float_tensor(&embd, matrix(t), device)?,
+                            dtype,
+                        }
+                    }
                     GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
                         Embedding::Dense(float_tensor(&embd, dtype, device)?)
                     }
@@ -698,7 +708,9 @@ impl Gguf {
                 };
                 let head = match (&wte, cfg.tie_word_embeddings) {
                     // A dense table is the head's weight too (one copy, as for safetensors).
-                    (Embedding::Dense(t), true) => Proj::from_linear(t, None)?,
+                    (Embedding::Dense(t) | Embedding::Half { table: t, .. }, true) => {
+                        Proj::from_linear(t, None)?
+                    }
                     (Embedding::Quantized { .. }, true) => Proj::from_qtensor(embd, None, dtype)?,
                     (Embedding::Packed { table, .. }, true) => {
                         Proj::from_packed(table.clone(), None)
@@ -766,15 +778,19 @@ impl Gguf {
     }
 
     /// Refuses a model that cannot fit: the stored tensors, block-quantized ones as stored,
-    /// the others in `dtype`.
-    fn check_memory(&self, cfg: &GptConfig, dtype: DType) -> Result<()> {
+    /// the others as [`Self::load`] keeps them.
+    fn check_memory(&self, cfg: &GptConfig, dtype: DType, device: &Device) -> Result<()> {
         let mut need = 0u64;
         for (name, dims, ggml) in self.tensors() {
             let stored = tensor_bytes(name, ggml, dims)?;
             let elems: u64 = dims.iter().map(|&x| x as u64).product();
-            let dense = elems * dtype.size_in_bytes() as u64;
             need += match ggml {
-                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => dense,
+                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 if dims.len() == 2 => {
+                    elems * matrix_dtype(ggml, dtype, device).size_in_bytes() as u64
+                }
+                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                    elems * dtype.size_in_bytes() as u64
+                }
                 _ => stored,
             };
         }
@@ -789,6 +805,16 @@ impl Gguf {
             }
         }
         Ok(())
+    }
+}
+
+/// The dtype a float matrix stored as `t` is kept in when the model computes in `dtype`:
+/// half precision stays half on the CPU under f32 activations, anything else is `dtype`.
+fn matrix_dtype(t: GgmlDType, dtype: DType, device: &Device) -> DType {
+    match (t, dtype) {
+        (GgmlDType::F16, DType::F32) if device.is_cpu() => DType::F16,
+        (GgmlDType::BF16, DType::F32) if device.is_cpu() => DType::BF16,
+        _ => dtype,
     }
 }
 

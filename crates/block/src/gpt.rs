@@ -47,6 +47,14 @@ pub enum Embedding {
         /// The dtype of the activations.
         dtype: DType,
     },
+    /// A half-precision table (f16 or bf16, shared with a tied head) whose looked-up rows
+    /// are widened to `dtype`: a half-precision model running with f32 activations.
+    Half {
+        /// `[vocab, d]`.
+        table: Tensor,
+        /// The dtype of the activations.
+        dtype: DType,
+    },
 }
 
 impl Embedding {
@@ -54,14 +62,24 @@ impl Embedding {
     pub fn dtype(&self) -> DType {
         match self {
             Self::Dense(t) => t.dtype(),
-            Self::Quantized { dtype, .. } | Self::Packed { dtype, .. } => *dtype,
+            Self::Quantized { dtype, .. }
+            | Self::Packed { dtype, .. }
+            | Self::Half { dtype, .. } => *dtype,
+        }
+    }
+
+    /// The dtype the table is stored in (`None` when block-quantized).
+    pub fn stored_dtype(&self) -> Option<DType> {
+        match self {
+            Self::Dense(t) | Self::Half { table: t, .. } => Some(t.dtype()),
+            Self::Quantized { .. } | Self::Packed { .. } => None,
         }
     }
 
     /// `(vocab, d)`.
     pub fn dims(&self) -> Result<(usize, usize)> {
         match self {
-            Self::Dense(t) => t.dims2(),
+            Self::Dense(t) | Self::Half { table: t, .. } => t.dims2(),
             Self::Quantized { table, .. } => table.shape().dims2(),
             Self::Packed { table, .. } => Ok(table.dims()),
         }
@@ -79,6 +97,7 @@ impl Embedding {
             Self::Packed { table, dtype } => {
                 Tensor::from_vec(table.dequantize()?, table.dims(), &Device::Cpu)?.to_dtype(*dtype)
             }
+            Self::Half { table, dtype } => table.to_dtype(*dtype),
         }
     }
 
@@ -94,6 +113,7 @@ impl Embedding {
                 let ids = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
                 Tensor::from_vec(table.rows(&ids)?, shape, &Device::Cpu)?.to_dtype(*dtype)
             }
+            Self::Half { table, dtype } => table.embedding_rows(ids)?.to_dtype(*dtype),
         }
     }
 }
@@ -338,6 +358,54 @@ impl Gpt {
         })
     }
 
+    /// The model with its matrices as they are and everything else (norms, position table)
+    /// in f32, computing in f32: a half-precision model as llama.cpp runs one on the CPU.
+    /// The products widen f16/bf16 weights as they read them (`mha::matvec`), or widen
+    /// slabs of a weight for the f32 GEMM when there are many rows; the token table stays
+    /// half precision (shared with a tied head) and its rows are widened on lookup.
+    /// Elementwise work in f32 instead of f16 is also what makes this fast: Candle's CPU
+    /// kernels convert every f16 element to f32 and back. A model already in f32 is
+    /// returned as it is.
+    pub fn with_f32_activations(&self) -> Result<Self> {
+        if self.dtype() == DType::F32 {
+            return Ok(self.clone());
+        }
+        let wte = match &self.wte {
+            Embedding::Dense(t) | Embedding::Half { table: t, .. } => Embedding::Half {
+                table: t.clone(),
+                dtype: DType::F32,
+            },
+            Embedding::Quantized { table, device, .. } => Embedding::Quantized {
+                table: table.clone(),
+                dtype: DType::F32,
+                device: device.clone(),
+            },
+            Embedding::Packed { table, .. } => Embedding::Packed {
+                table: table.clone(),
+                dtype: DType::F32,
+            },
+        };
+        Ok(Self {
+            wte,
+            wpe: self
+                .wpe
+                .as_ref()
+                .map(|p| p.to_dtype(DType::F32))
+                .transpose()?,
+            h: self
+                .h
+                .iter()
+                .map(|b| b.norms_to_dtype(DType::F32))
+                .collect::<Result<_>>()?,
+            ln_f: self
+                .ln_f
+                .as_ref()
+                .map(|n| n.to_dtype(DType::F32))
+                .transpose()?,
+            ..self.clone()
+        })
+    }
+
     /// Whether any matrix product uses quantized weights.
     pub fn is_quantized(&self) -> bool {
         self.lm_head.is_quantized()
@@ -402,7 +470,7 @@ impl Gpt {
     /// Device of the weights.
     pub fn device(&self) -> &Device {
         match &self.wte {
-            Embedding::Dense(t) => t.device(),
+            Embedding::Dense(t) | Embedding::Half { table: t, .. } => t.device(),
             Embedding::Quantized { device, .. } => device,
             Embedding::Packed { .. } => &Device::Cpu,
         }

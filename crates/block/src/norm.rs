@@ -137,6 +137,21 @@ impl Norm {
         }
     }
 
+    /// The norm with its weights in `dtype`.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        Ok(match self {
+            Self::LayerNorm(n) => Self::LayerNorm(LayerNorm {
+                weight: n.weight.to_dtype(dtype)?,
+                bias: n.bias.to_dtype(dtype)?,
+                eps: n.eps,
+            }),
+            Self::RmsNorm(n) => Self::RmsNorm(RmsNorm {
+                weight: n.weight.to_dtype(dtype)?,
+                eps: n.eps,
+            }),
+        })
+    }
+
     /// `[.., dim]` to `[.., dim]`.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match self {

@@ -312,6 +312,51 @@ fn written_files_load_back_as_the_same_model() {
     }
 }
 
+/// An f16 file on the CPU keeps its matrices and token table in f16 and computes in f32:
+/// the logits of the f32 file holding the same values, to f32 rounding, for every family
+/// (full pass and cached decoding).
+#[test]
+fn half_precision_files_compute_in_f32_with_half_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["gpt2", "llama", "qwen2", "neox", "llama3"] {
+        let ids = batch(&expected(name)["input_ids"])
+            .narrow(1, 0, 12)
+            .unwrap();
+        let model = load(&format!("{name}.f32.gguf"));
+        let f16 = dir.path().join(format!("{name}.f16.gguf"));
+        gpt_blocks::save_gguf(&model, &f16, GgmlDType::F16, None, None).unwrap();
+        let mixed = gpt_blocks::load_gguf(&f16, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(mixed.embedding().stored_dtype(), Some(DType::F16), "{name}");
+        // The same values in f32: the f16 model written back as an f32 file.
+        let f32 = dir.path().join(format!("{name}.f32.gguf"));
+        gpt_blocks::save_gguf(&mixed, &f32, GgmlDType::F32, None, None).unwrap();
+        let exact = gpt_blocks::load_gguf(&f32, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(exact.embedding().stored_dtype(), Some(DType::F32), "{name}");
+        let want = exact.infer(&ids, None, None, Logits::All).unwrap();
+        let full = mixed.infer(&ids, None, None, Logits::All).unwrap();
+        assert_close(&full, &want, 1e-5, 1e-4, &format!("{name}, full pass"));
+        let mut cache = GptCache::new(mixed.config(), 4);
+        let mut steps = vec![mixed
+            .infer(
+                &ids.narrow(1, 0, 3).unwrap(),
+                None,
+                Some(&mut cache),
+                Logits::All,
+            )
+            .unwrap()];
+        for i in 3..12 {
+            let step = ids.narrow(1, i, 1).unwrap();
+            steps.push(
+                mixed
+                    .infer(&step, None, Some(&mut cache), Logits::All)
+                    .unwrap(),
+            );
+        }
+        let cached = Tensor::cat(&steps, 1).unwrap();
+        assert_close(&cached, &want, 1e-5, 1e-4, &format!("{name}, decoding"));
+    }
+}
+
 #[test]
 fn families_llama_cpp_cannot_run_are_refused() {
     let dir = tempfile::tempdir().unwrap();

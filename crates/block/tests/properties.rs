@@ -517,6 +517,52 @@ fn quantized_model_tracks_the_f32_model() -> Result<()> {
     Ok(())
 }
 
+/// A half-precision checkpoint run with f32 activations (how `gpt` runs one on the CPU)
+/// gives the logits of the f32 model holding the same rounded values, to f32 rounding: the
+/// full pass (the f32 GEMM on widened weights), and decoding through the cache (the
+/// few-rows kernels reading half-precision weights). Its matrices and token table stay in
+/// half precision.
+#[test]
+fn half_weights_with_f32_activations_equal_f32_on_the_same_values() -> Result<()> {
+    // Pre-norm: the layout Hugging Face's GPT-2 files have, which `save_dir_as` writes.
+    let placement = NormPlacement::Pre;
+    let cfg = GptConfig {
+        n_embd: 64,
+        ..tiny(placement)
+    };
+    let (_vm, gpt) = model(&cfg, DType::F32);
+    let dir = tempfile::tempdir().unwrap();
+    for half in [DType::F16, DType::BF16] {
+        gpt_blocks::save_dir_as(&gpt, dir.path(), half)?;
+        let exact = gpt_blocks::load_dir(dir.path(), DType::F32, &DEV)?;
+        let mixed = gpt_blocks::load_dir(dir.path(), half, &DEV)?.with_f32_activations()?;
+        let what = format!("{placement:?} {half:?}");
+        assert_eq!(mixed.dtype(), DType::F32, "{what}");
+        assert_eq!(mixed.embedding().stored_dtype(), Some(half), "{what}");
+        let (projections, _) = mixed.blocks()[0].parts().3.projections();
+        for (name, p) in projections {
+            assert_eq!(p.weight_t()?.dtype(), half, "{what}: {name}");
+        }
+        let seq = ids(&[
+            &[3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 2, 4],
+            &[2, 7, 18, 28, 18, 28, 45, 9, 0, 4, 1, 1],
+        ]);
+        let want = exact.infer(&seq, None, None, Logits::All)?;
+        let full = mixed.infer(&seq, None, None, Logits::All)?;
+        assert_eq!(full.dtype(), DType::F32);
+        assert_close(&full, &want, 1e-5, 1e-4, &format!("{what}, full pass"));
+        let mut cache = GptCache::new(&cfg, 4);
+        let mut parts =
+            vec![mixed.infer(&seq.narrow(1, 0, 3)?, None, Some(&mut cache), Logits::All)?];
+        for t in 3..12 {
+            parts.push(mixed.infer(&seq.narrow(1, t, 1)?, None, Some(&mut cache), Logits::All)?);
+        }
+        let cached = Tensor::cat(&parts, 1)?;
+        assert_close(&cached, &want, 1e-5, 1e-4, &format!("{what}, decoding"));
+    }
+    Ok(())
+}
+
 /// Quantizing while loading (block by block) gives exactly the model that loading in
 /// full precision and quantizing afterwards gives.
 #[test]

@@ -215,6 +215,12 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     if let Some(q) = args.quantize.filter(|_| !loaded.model.is_quantized()) {
         loaded.model = loaded.model.quantize(q.into())?;
     }
+    // On the CPU a half-precision model computes in f32, its matrices kept in half precision
+    // and widened as they are read (llama.cpp's way): Candle's CPU kernels convert each f16
+    // element to f32 and back, and its f16 GEMM is several times slower than the f32 one.
+    if loaded.model.device().is_cpu() && matches!(loaded.model.dtype(), DType::F16 | DType::BF16) {
+        loaded.model = loaded.model.with_f32_activations()?;
+    }
     Ok(loaded)
 }
 
@@ -281,14 +287,19 @@ fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs) -> Result<Loade
 
 /// A GGUF file's model, the tokenizer its metadata describes, and its chat template.
 /// Quantized matrices stay as stored; `--quantize` applies to those stored in full precision.
-/// Without `--dtype`, the rest loads in the precision the file's float matrices have.
+/// Without `--dtype`, the rest loads in the precision the file's float matrices have (on the
+/// CPU: f32, with f16/bf16 matrices kept as stored; see [`gpt_blocks::Gguf::load`]).
 fn load_gguf(
     path: &Path,
     dtype: Option<DType>,
     dev: &Device,
 ) -> Result<(Gpt, Option<Tokenizer>, ChatTemplate)> {
     let mut gguf = gpt_blocks::Gguf::open(path)?;
-    let dtype = dtype.unwrap_or_else(|| gguf.float_dtype());
+    let dtype = match dtype {
+        Some(dtype) => dtype,
+        None if dev.is_cpu() => DType::F32,
+        None => gguf.float_dtype(),
+    };
     let name =
         |id: Option<u32>, tokens: &[String]| id.and_then(|i| tokens.get(i as usize).cloned());
     let vocab = match gguf.vocab() {

@@ -107,23 +107,27 @@ pub fn preferred(xs: &Tensor, w_t: &Tensor) -> bool {
 
 /// `xs [m, in] · w_t [in, out] (+ b [out])` for `m <= MAX_ROWS` (`MAX_ROWS_IN_OUT` when
 /// `w_t` is stored `[in, out]`), or `None` when the operands are not f32, bf16 or (on
-/// AVX-512 CPUs) f16 CPU tensors of one dtype in a layout this handles, or a gradient is
-/// needed: the caller then uses `matmul`.
+/// AVX-512 CPUs) f16 CPU tensors in a layout this handles, or a gradient is needed: the
+/// caller then uses `matmul`. `xs` and `b` are in the weight's dtype, or f32 with a
+/// half-precision weight (f32 activations, as llama.cpp runs f16 models); the result is
+/// in `xs`'s dtype.
 pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
     let (m, d_in) = xs.dims2()?;
     let (w_in, d_out) = w_t.dims2()?;
     let dtype = xs.dtype();
-    let usable = |t: &Tensor| t.dtype() == dtype && t.device().is_cpu() && !t.track_op();
+    let w_dtype = w_t.dtype();
+    let on_cpu = |t: &Tensor| t.device().is_cpu() && !t.track_op();
+    let activation = |t: &Tensor| on_cpu(t) && (t.dtype() == w_dtype || t.dtype() == DType::F32);
     if m == 0
         || m > MAX_ROWS
         || d_in == 0
         || d_out == 0
         || w_in != d_in
-        || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
-        || (dtype == DType::F16 && !simd::f16_kernels())
-        || !usable(xs)
-        || !usable(w_t)
-        || !b.is_none_or(|b| usable(b) && b.dims() == [d_out])
+        || !matches!(w_dtype, DType::F32 | DType::F16 | DType::BF16)
+        || (w_dtype == DType::F16 && !simd::f16_kernels())
+        || !activation(xs)
+        || !on_cpu(w_t)
+        || !b.is_none_or(|b| activation(b) && b.dims() == [d_out])
     {
         return Ok(None);
     }
@@ -147,6 +151,59 @@ pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<
     Tensor::from_vec(ys, (m, d_out), xs.device())?
         .to_dtype(dtype)
         .map(Some)
+}
+
+/// `w` (f16 or bf16 on the CPU) widened to f32, same shape: a contiguous tensor or a
+/// transposed one (an `[in, out]` view of an `[out, in]` weight) converted in parallel
+/// chunks with the CPU's conversion instructions; any other layout, device, or a tensor
+/// that needs a gradient through `to_dtype` (Candle's conversion runs on one thread).
+///
+/// Prefills with half-precision weights and f32 activations multiply by the widened copy
+/// with the f32 GEMM: reading 2-byte weights and writing 4-byte ones costs a few percent
+/// of a product with hundreds of rows, and the f32 GEMM is several times Candle's f16 one
+/// on CPUs without AVX-512 FP16.
+pub fn widen(w: &Tensor) -> Result<Tensor> {
+    let dims = w.dims().to_vec();
+    let n = w.elem_count();
+    if !matches!(w.dtype(), DType::F16 | DType::BF16) || !w.device().is_cpu() || w.track_op() {
+        return w.to_dtype(DType::F32);
+    }
+    let (storage, layout) = w.storage_and_layout();
+    let start = layout.start_offset();
+    let transposed = dims.len() == 2 && layout.stride() == [1, dims[0]];
+    let mut out = vec![0f32; n];
+    let done = match &*storage {
+        _ if !(layout.is_contiguous() || transposed) => false,
+        Storage::Cpu(CpuStorage::F16(d)) => widen_into(d.get(start..start + n), &mut out),
+        Storage::Cpu(CpuStorage::BF16(d)) => widen_into(d.get(start..start + n), &mut out),
+        _ => false,
+    };
+    drop(storage);
+    match (done, transposed && !layout.is_contiguous()) {
+        (false, _) => w.to_dtype(DType::F32),
+        (true, false) => Tensor::from_vec(out, dims, w.device()),
+        (true, true) => Tensor::from_vec(out, (dims[1], dims[0]), w.device())?.t(),
+    }
+}
+
+/// `out = src` widened, in parallel chunks when it is large; false when `src` is `None`.
+fn widen_into<H>(src: Option<&[H]>, out: &mut [f32]) -> bool
+where
+    H: Sync,
+    [H]: half::slice::HalfFloatSliceExt,
+{
+    use half::slice::HalfFloatSliceExt;
+    let Some(src) = src else { return false };
+    if src.len() < PARALLEL_MIN {
+        src.convert_to_f32_slice(out);
+    } else {
+        // 64 KiB of source per task: enough work to pay for the hand-off, and enough tasks
+        // to balance.
+        out.par_chunks_mut(1 << 15)
+            .zip(src.par_chunks(1 << 15))
+            .for_each(|(o, s)| s.convert_to_f32_slice(o));
+    }
+    true
 }
 
 /// `ys += x · w` with `w` the `[in, out]` view at `start` with `stride` into `data`;

@@ -980,6 +980,94 @@ fn few_rows_case(d_in: usize, d_out: usize) -> Result<()> {
     Ok(())
 }
 
+/// Half-precision weights with f32 activations (how `gpt` runs an f16 model on the CPU):
+/// every row count, both stored layouts, a view into a fused projection and a weight wide
+/// enough to be widened in slabs give the f64 product of the same rounded weights to f32
+/// precision, in f32. `widen` itself is exact, and the few-rows kernel takes f32 rows.
+#[test]
+fn half_weights_with_f32_activations_equal_the_product_of_their_values() -> Result<()> {
+    use mha::matvec::{few_rows_matmul, widen};
+    use mha::Proj;
+    let f16_kernels = {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    };
+    let f64 = |t: &Tensor| t.to_dtype(DType::F64);
+    // (64, 70_000): an `[out, in]` weight over the 4 M elements widened at a time.
+    for (d_in, d_out) in [(96, 600), (99, 37), (1101, 1000), (64, 70_000)] {
+        for half in [DType::F16, DType::BF16] {
+            let w_t = randn(&[d_in, d_out]).to_dtype(half)?; // Conv1D: [in, out]
+            let linear = randn(&[d_out, d_in]).to_dtype(half)?; // nn.Linear: [out, in]
+            let b = randn(&[d_out]).to_dtype(half)?;
+            // Widening is exact, in every layout (the narrowed one takes `to_dtype`).
+            for (what, w) in [
+                ("contiguous", w_t.clone()),
+                ("transposed", linear.t()?),
+                ("narrowed", w_t.narrow(1, d_out / 3, d_out / 2)?),
+            ] {
+                let got = widen(&w)?;
+                assert_eq!(got.dtype(), DType::F32);
+                assert_eq!(
+                    got.flatten_all()?.to_vec1::<f32>()?,
+                    w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+                    "widen, {what} {half:?} [{d_in}, {d_out}]"
+                );
+            }
+            let (lo, len) = (d_out / 3, d_out / 2);
+            let conv = Proj::new(w_t.clone(), Some(b.clone()));
+            let lin = Proj::from_linear(&linear, Some(b.clone()))?;
+            let cases = [
+                ("conv1d", conv.clone(), w_t.clone(), b.clone()),
+                ("linear", lin, linear.t()?, b.clone()),
+                (
+                    "narrowed view",
+                    conv.narrow(lo, len)?,
+                    w_t.narrow(1, lo, len)?,
+                    b.narrow(0, lo, len)?,
+                ),
+            ];
+            let rows_list: &[usize] = if d_out > 10_000 {
+                &[1, 40]
+            } else {
+                &[1, 2, 5, 9, 40]
+            };
+            for &rows in rows_list {
+                let xs = randn(&[rows, 1, d_in]);
+                for (name, proj, dense, b) in &cases {
+                    let n = dense.dim(1)?;
+                    let want = f64(&xs)?
+                        .reshape((rows, d_in))?
+                        .matmul(&f64(dense)?)?
+                        .broadcast_add(&f64(b)?)?
+                        .reshape((rows, 1, n))?;
+                    let what = format!("{name} {half:?} [{d_in}, {d_out}], {rows} rows");
+                    let got = proj.forward(&xs)?;
+                    assert_eq!(got.dtype(), DType::F32, "{what}");
+                    assert_close(&got, &want, 1e-4, 1e-4, &what);
+                    let direct = few_rows_matmul(&xs.reshape((rows, d_in))?, dense, Some(b))?;
+                    let takes = match *name {
+                        "linear" => rows <= mha::matvec::MAX_ROWS,
+                        _ => rows <= mha::matvec::MAX_ROWS_IN_OUT,
+                    };
+                    let takes = takes && (half == DType::BF16 || f16_kernels);
+                    assert_eq!(direct.is_some(), takes, "{what}, matvec");
+                    if let Some(direct) = direct {
+                        let direct = direct.reshape((rows, 1, n))?;
+                        assert_close(&direct, &want, 1e-4, 1e-4, &format!("{what}, matvec"));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `xs [rows, 1, in]` against `w_t [in, out]` and `linear [out, in]` in `half`.
 fn half_case(xs: &Tensor, w_t: &Tensor, linear: &Tensor, b: &Tensor, half: DType) -> Result<()> {
     use mha::Proj;
