@@ -332,7 +332,11 @@ impl Proj {
                 }
                 match w_t.dtype() == xs2.dtype() {
                     true => xs2.matmul(w_t)?,
-                    false => mixed_matmul(&xs2, w_t)?,
+                    // Half-precision weights with f32 activations (a prefill).
+                    false => match crate::matvec::half_weight_matmul(&xs2, w_t)? {
+                        Some(ys) => ys,
+                        None => xs2.matmul(&w_t.to_dtype(xs2.dtype())?)?,
+                    },
                 }
             }
             Weight::Quantized {
@@ -391,28 +395,6 @@ impl Proj {
         };
         ys.reshape(out_dims(dims, d_out))
     }
-}
-
-/// Weights widened at a time by [`mixed_matmul`]: 16 MiB of f32.
-const SLAB: usize = 1 << 22;
-
-/// `xs [m, in] · w_t [in, out]` for a weight in another dtype than `xs` (half-precision
-/// weights with f32 activations, as llama.cpp runs f16 models on the CPU): the weight
-/// widened ([`crate::matvec::widen`]) and multiplied by `xs`'s GEMM. A weight stored
-/// `[out, in]` is widened in slabs of output columns (each slab contiguous), so the copy
-/// stays small: a tied head (GPT-2's 50257 × 768) would be 154 MB in f32.
-fn mixed_matmul(xs: &Tensor, w_t: &Tensor) -> Result<Tensor> {
-    let (d_in, d_out) = w_t.dims2()?;
-    let widened = |w: &Tensor| crate::matvec::widen(w)?.to_dtype(xs.dtype());
-    let cols = (SLAB / d_in.max(1)).max(16);
-    if d_out <= cols || w_t.stride()[0] != 1 {
-        return xs.matmul(&widened(w_t)?);
-    }
-    let parts = (0..d_out)
-        .step_by(cols)
-        .map(|c0| xs.matmul(&widened(&w_t.narrow(1, c0, cols.min(d_out - c0))?)?))
-        .collect::<Result<Vec<_>>>()?;
-    Tensor::cat(&parts, 1)
 }
 
 /// From this many rows on (a prefill), a quantized matrix that Candle would multiply with

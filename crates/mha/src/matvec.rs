@@ -153,56 +153,155 @@ pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<
         .map(Some)
 }
 
-/// `w` (f16 or bf16 on the CPU) widened to f32, same shape: a contiguous tensor or a
-/// transposed one (an `[in, out]` view of an `[out, in]` weight) converted in parallel
-/// chunks with the CPU's conversion instructions; any other layout, device, or a tensor
-/// that needs a gradient through `to_dtype` (Candle's conversion runs on one thread).
-///
-/// Prefills with half-precision weights and f32 activations multiply by the widened copy
-/// with the f32 GEMM: reading 2-byte weights and writing 4-byte ones costs a few percent
-/// of a product with hundreds of rows, and the f32 GEMM is several times Candle's f16 one
-/// on CPUs without AVX-512 FP16.
-pub fn widen(w: &Tensor) -> Result<Tensor> {
-    let dims = w.dims().to_vec();
-    let n = w.elem_count();
-    if !matches!(w.dtype(), DType::F16 | DType::BF16) || !w.device().is_cpu() || w.track_op() {
-        return w.to_dtype(DType::F32);
+/// Weights widened at a time by [`half_weight_matmul`]: 4 MiB of f32, in a buffer each
+/// thread keeps.
+const SLAB: usize = 1 << 20;
+
+thread_local! {
+    static SLAB_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `xs [m, in] · w_t [in, out]` for f32 rows and an f16 or bf16 weight on the CPU, any
+/// number of rows (a prefill): slabs of output columns are widened to f32, in parallel,
+/// into a buffer the calling thread reuses, and multiplied by the f32 GEMM. Widening
+/// costs a few percent of a product with hundreds of rows; the f32 GEMM is several times
+/// Candle's f16 one on CPUs without AVX-512 FP16, and the reused buffer keeps the widened
+/// copy from costing memory or fresh pages (a tied head, GPT-2's 50257 × 768, would be
+/// 154 MB in f32). `None` when the operands are not such tensors, a gradient is needed, or
+/// the weight has neither unit-stride rows nor columns: the caller then converts it.
+pub fn half_weight_matmul(xs: &Tensor, w_t: &Tensor) -> Result<Option<Tensor>> {
+    let (m, d_in) = xs.dims2()?;
+    let (w_in, d_out) = w_t.dims2()?;
+    let plain = |t: &Tensor| t.device().is_cpu() && !t.track_op();
+    if m == 0
+        || d_in == 0
+        || d_out == 0
+        || w_in != d_in
+        || xs.dtype() != DType::F32
+        || !matches!(w_t.dtype(), DType::F16 | DType::BF16)
+        || !plain(xs)
+        || !plain(w_t)
+    {
+        return Ok(None);
     }
-    let (storage, layout) = w.storage_and_layout();
-    let start = layout.start_offset();
-    let transposed = dims.len() == 2 && layout.stride() == [1, dims[0]];
-    let mut out = vec![0f32; n];
-    let done = match &*storage {
-        _ if !(layout.is_contiguous() || transposed) => false,
-        Storage::Cpu(CpuStorage::F16(d)) => widen_into(d.get(start..start + n), &mut out),
-        Storage::Cpu(CpuStorage::BF16(d)) => widen_into(d.get(start..start + n), &mut out),
+    let xs = xs.contiguous()?;
+    let (x_storage, x_layout) = xs.storage_and_layout();
+    let Storage::Cpu(CpuStorage::F32(x)) = &*x_storage else {
+        return Ok(None);
+    };
+    let Some(x) = x.get(x_layout.start_offset()..x_layout.start_offset() + m * d_in) else {
+        return Ok(None);
+    };
+    let (w_storage, w_layout) = w_t.storage_and_layout();
+    let view = View {
+        start: w_layout.start_offset(),
+        s0: w_layout.stride()[0],
+        s1: w_layout.stride()[1],
+        d_in,
+        d_out,
+    };
+    let mut ys = vec![0f32; m * d_out];
+    let done = match &*w_storage {
+        Storage::Cpu(CpuStorage::F16(w)) => slab_products(x, m, w, view, &mut ys),
+        Storage::Cpu(CpuStorage::BF16(w)) => slab_products(x, m, w, view, &mut ys),
         _ => false,
     };
-    drop(storage);
-    match (done, transposed && !layout.is_contiguous()) {
-        (false, _) => w.to_dtype(DType::F32),
-        (true, false) => Tensor::from_vec(out, dims, w.device()),
-        (true, true) => Tensor::from_vec(out, (dims[1], dims[0]), w.device())?.t(),
+    drop((x_storage, w_storage));
+    match done {
+        true => Tensor::from_vec(ys, (m, d_out), xs.device()).map(Some),
+        false => Ok(None),
     }
 }
 
-/// `out = src` widened, in parallel chunks when it is large; false when `src` is `None`.
-fn widen_into<H>(src: Option<&[H]>, out: &mut [f32]) -> bool
+/// An `[in, out]` view into a weight's storage.
+#[derive(Clone, Copy)]
+struct View {
+    start: usize,
+    s0: usize,
+    s1: usize,
+    d_in: usize,
+    d_out: usize,
+}
+
+/// `ys [m, out] = x [m, in] · w` slab by slab; false (nothing done) when the view has
+/// neither unit-stride rows nor columns or does not lie in `data`.
+fn slab_products<'a, H>(x: &[f32], m: usize, data: &'a [H], v: View, ys: &mut [f32]) -> bool
 where
     H: Sync,
     [H]: half::slice::HalfFloatSliceExt,
 {
     use half::slice::HalfFloatSliceExt;
-    let Some(src) = src else { return false };
-    if src.len() < PARALLEL_MIN {
-        src.convert_to_f32_slice(out);
-    } else {
-        // 64 KiB of source per task: enough work to pay for the hand-off, and enough tasks
-        // to balance.
-        out.par_chunks_mut(1 << 15)
-            .zip(src.par_chunks(1 << 15))
-            .for_each(|(o, s)| s.convert_to_f32_slice(o));
+    let View {
+        start,
+        s0,
+        s1,
+        d_in,
+        d_out,
+    } = v;
+    let fits = |n: usize, s: usize, len: usize| start + (n - 1) * s + len <= data.len();
+    // `[out, in]` stored, seen transposed: column o is data[start + o·s1..][..in].
+    let by_columns = s0 == 1 && s1 >= d_in && fits(d_out, s1, d_in);
+    // `[in, out]` stored (Conv1D, or a view into it): row i is data[start + i·s0..][..out].
+    let by_rows = s1 == 1 && s0 >= d_out && fits(d_in, s0, d_out);
+    if !by_columns && !by_rows {
+        return false;
     }
+    let cols = (SLAB / d_in).clamp(16, d_out);
+    let parallel = d_in * cols >= PARALLEL_MIN;
+    SLAB_BUF.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        if buf.len() < d_in * cols {
+            buf.resize(d_in * cols, 0.0);
+        }
+        for c0 in (0..d_out).step_by(cols) {
+            let n = cols.min(d_out - c0);
+            let slab = &mut buf[..d_in * n];
+            // The slab as `[n, in]` (by columns) or `[in, n]` (by rows), widened.
+            let (len, src): (usize, &(dyn Fn(usize) -> &'a [H] + Sync)) = match by_columns {
+                true => (d_in, &|j| &data[start + (c0 + j) * s1..][..d_in]),
+                false => (n, &|i| &data[start + i * s0 + c0..][..n]),
+            };
+            let widen = |(i, dst): (usize, &mut [f32])| src(i).convert_to_f32_slice(dst);
+            match parallel {
+                true => slab
+                    .par_chunks_mut(len)
+                    .with_min_len(16)
+                    .enumerate()
+                    .for_each(widen),
+                false => slab.chunks_mut(len).enumerate().for_each(widen),
+            }
+            // Element (k, j) of the slab's `[in, n]` matrix.
+            let (rhs_rs, rhs_cs) = match by_columns {
+                true => (1, d_in as isize),
+                false => (n as isize, 1),
+            };
+            // SAFETY: `ys` holds m × out f32 and the product writes its columns
+            // c0..c0 + n (row stride out); `x` holds m × in and `slab` in × n.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    d_in,
+                    ys.as_mut_ptr().add(c0),
+                    1,
+                    d_out as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    d_in as isize,
+                    slab.as_ptr(),
+                    rhs_cs,
+                    rhs_rs,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::Rayon(rayon::current_num_threads()),
+                )
+            }
+        }
+    });
     true
 }
 
