@@ -152,9 +152,14 @@ pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<
         .map(Some)
 }
 
-/// Weights widened at a time by [`half_weight_matmul`]: 4 MiB of f32, in a buffer each
-/// thread keeps.
+/// Weights widened at a time by [`half_weight_matmul`], in a buffer each thread keeps:
+/// 4 MiB of f32 for a few rows, 16 MiB from `WIDE_SLAB_ROWS` rows on. Fewer, wider slabs
+/// pack `x` fewer times and split the product less: GPT-2 124M f16 prefill (512 tokens)
+/// 1427 → 1572 tok/s (medians of 5, alternating); a short prompt keeps the small buffer,
+/// which a decoding run's peak memory would otherwise carry (+12–26 MiB measured).
 const SLAB: usize = 1 << 20;
+const WIDE_SLAB: usize = 1 << 22;
+const WIDE_SLAB_ROWS: usize = 64;
 
 thread_local! {
     static SLAB_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -245,7 +250,8 @@ where
     if !by_columns && !by_rows {
         return false;
     }
-    let cols = (SLAB / d_in).clamp(16, d_out);
+    let slab = if m >= WIDE_SLAB_ROWS { WIDE_SLAB } else { SLAB };
+    let cols = (slab / d_in).clamp(16, d_out);
     let parallel = d_in * cols >= PARALLEL_MIN;
     SLAB_BUF.with(|buf| {
         let mut buf = buf.borrow_mut();

@@ -999,7 +999,8 @@ fn half_weights_with_f32_activations_equal_the_product_of_their_values() -> Resu
         }
     };
     let f64 = |t: &Tensor| t.to_dtype(DType::F64);
-    // (64, 70_000): five slabs of 1 M elements; (1101, 1000): two, in both layouts.
+    // (64, 70_000): five slabs of 1 M elements below 64 rows, two of 4 M from 64 rows on;
+    // (1101, 1000): two slabs in both layouts below 64 rows.
     for (d_in, d_out) in [(96, 600), (99, 37), (1101, 1000), (64, 70_000)] {
         for half in [DType::F16, DType::BF16] {
             let w_t = randn(&[d_in, d_out]).to_dtype(half)?; // Conv1D: [in, out]
