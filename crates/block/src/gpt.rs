@@ -731,7 +731,12 @@ impl Gpt {
         let mut put = |name: String, t: &Tensor| {
             out.insert(name, t.clone());
         };
-        put(format!("{}.weight", names.embed), &self.wte.to_dense()?);
+        // A half-precision table as it is stored; a block-quantized one dequantized.
+        let wte = match &self.wte {
+            Embedding::Half { table, .. } => table.clone(),
+            other => other.to_dense()?,
+        };
+        put(format!("{}.weight", names.embed), &wte);
         if let Some(wpe) = &self.wpe {
             put(format!("{}.weight", names.positions), wpe);
         }

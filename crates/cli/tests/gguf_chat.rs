@@ -271,28 +271,43 @@ fn chat_reports_a_conversation_the_template_refuses() {
     assert_eq!(stdout.matches("(not sent: ").count(), 2, "{stdout}");
 }
 
-/// A GGUF file whose matrices are f16 loads in f16 unless `--dtype` says otherwise.
+/// A GGUF file whose matrices are f16 keeps them (and the token table) in f16 on the CPU
+/// and computes in f32: its norms, biases and position table (stored f32) load in f32.
+/// `--dtype bf16` converts the matrices.
 #[test]
-fn half_precision_files_load_as_stored() {
+fn half_precision_files_keep_half_matrices_on_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("builtin.f16.gguf");
     let out = out.to_str().unwrap();
     assert!(gpt(&["convert", "--out", out, "--type", "f16"], "")
         .status
         .success());
+    // (dtypes of the matrices, dtypes of the vectors)
     let dtypes = |extra: &[&str]| {
         let mut args = vec!["--model", out, "inspect", "--format", "json"];
         args.extend_from_slice(extra);
         let tensors = json(&ok(&args))["tensors"].clone();
-        let mut d: Vec<String> = tensors
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t["dtype"].as_str().unwrap().to_string())
-            .collect();
-        d.dedup();
-        d
+        let mut by_rank = (Vec::new(), Vec::new());
+        for t in tensors.as_array().unwrap() {
+            let dtype = t["dtype"].as_str().unwrap().to_string();
+            let table = t["name"].as_str().unwrap().contains("wpe");
+            let list = match t["shape"].as_array().unwrap().len() {
+                2 if !table => &mut by_rank.0,
+                _ => &mut by_rank.1,
+            };
+            if !list.contains(&dtype) {
+                list.push(dtype);
+            }
+        }
+        by_rank
     };
-    assert_eq!(dtypes(&[]), ["f16"]);
-    assert_eq!(dtypes(&["--dtype", "f32"]), ["f32"]);
+    let f = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(dtypes(&[]), (f(&["f16"]), f(&["f32"])));
+    assert_eq!(dtypes(&["--dtype", "f32"]), (f(&["f16"]), f(&["f32"])));
+    // Everything loads in bf16, then the norms and the position table go to f32 (biases
+    // stay bf16 and are widened when added).
+    assert_eq!(
+        dtypes(&["--dtype", "bf16"]),
+        (f(&["bf16"]), f(&["bf16", "f32"]))
+    );
 }
