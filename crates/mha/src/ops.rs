@@ -68,6 +68,21 @@ fn values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     }
 }
 
+/// `ys` computed row by row from `xs` (rows of `dim`), `ROWS` rows per task.
+fn per_row(xs: &[f32], dim: usize, f: impl Fn(&mut [f32], &[f32]) + Sync) -> Vec<f32> {
+    let mut ys = vec![0f32; xs.len()];
+    if dim > 0 {
+        ys.par_chunks_mut(ROWS * dim)
+            .zip(xs.par_chunks(ROWS * dim))
+            .for_each(|(ys, xs)| {
+                for (y, x) in ys.chunks_mut(dim).zip(xs.chunks(dim)) {
+                    f(y, x)
+                }
+            });
+    }
+    ys
+}
+
 /// Mean and `1 / sqrt(var + eps)` of a row, two passes (no cancellation).
 fn row_stats(x: &[f32], eps: f32, centred: &mut [f32]) -> (f32, f32) {
     let n = x.len() as f32;
@@ -98,20 +113,12 @@ impl CustomOp3 for LayerNorm {
             values(sw, lw, "layer_norm weight")?,
             values(sb, lb, "layer_norm bias")?,
         );
-        let dim = w.len();
-        let mut ys = vec![0f32; xs.len()];
-        if dim > 0 {
-            ys.par_chunks_mut(ROWS * dim)
-                .zip(xs.par_chunks(ROWS * dim))
-                .for_each(|(ys, xs)| {
-                    for (y, x) in ys.chunks_mut(dim).zip(xs.chunks(dim)) {
-                        let (_, rstd) = row_stats(x, self.eps, y);
-                        for ((y, &w), &b) in y.iter_mut().zip(w).zip(b) {
-                            *y = *y * rstd * w + b;
-                        }
-                    }
-                });
-        }
+        let ys = per_row(xs, w.len(), |y, x| {
+            let (_, rstd) = row_stats(x, self.eps, y);
+            for ((y, &w), &b) in y.iter_mut().zip(w).zip(b) {
+                *y = *y * rstd * w + b;
+            }
+        });
         Ok((CpuStorage::F32(ys), lx.shape().clone()))
     }
 
@@ -226,20 +233,12 @@ impl CustomOp2 for RmsNorm {
     ) -> Result<(CpuStorage, Shape)> {
         let xs = values(sx, lx, "rms_norm input")?;
         let w = values(sw, lw, "rms_norm weight")?;
-        let dim = w.len();
-        let mut ys = vec![0f32; xs.len()];
-        if dim > 0 {
-            ys.par_chunks_mut(ROWS * dim)
-                .zip(xs.par_chunks(ROWS * dim))
-                .for_each(|(ys, xs)| {
-                    for (y, x) in ys.chunks_mut(dim).zip(xs.chunks(dim)) {
-                        let r = rms_scale(x, self.eps);
-                        for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
-                            *y = x * r * w;
-                        }
-                    }
-                });
-        }
+        let ys = per_row(xs, w.len(), |y, x| {
+            let r = rms_scale(x, self.eps);
+            for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                *y = x * r * w;
+            }
+        });
         Ok((CpuStorage::F32(ys), lx.shape().clone()))
     }
 
