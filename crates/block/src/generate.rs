@@ -2,7 +2,7 @@
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 
-use crate::{Gpt, GptCache, Logits};
+use crate::{Gpt, Logits};
 
 /// How the next token is chosen.
 #[derive(Debug, Clone, PartialEq)]
@@ -253,7 +253,7 @@ pub fn generate(
     let mut samplers = vec![Sampler::new(opts.sampling.clone())?; b];
     let (mut input, mut keep_t) = left_padded(prompts, dev)?;
     let padded = prompts.iter().any(|p| p.len() != longest);
-    let mut cache = GptCache::new(cfg, longest + opts.max_new_tokens);
+    let mut cache = model.new_cache(longest + opts.max_new_tokens);
     let mut history: Vec<Vec<u32>> = prompts.to_vec();
     let mut out = vec![Vec::new(); b];
     let mut done = vec![false; b];

@@ -140,9 +140,22 @@ pub struct GptCache {
 impl GptCache {
     /// An empty cache for `cfg`'s blocks, pre-allocated for `capacity` positions.
     pub fn new(cfg: &GptConfig, capacity: usize) -> Self {
+        Self::with_dtype(cfg, capacity, None)
+    }
+
+    /// As [`GptCache::new`], keys and values stored as `dtype` (`None`: the activations'),
+    /// e.g. f16 beside f32 activations: half the memory ([`KvCache::with_dtype`]).
+    pub fn with_dtype(cfg: &GptConfig, capacity: usize, dtype: Option<DType>) -> Self {
         Self {
-            layers: (0..cfg.n_layer).map(|_| KvCache::new(capacity)).collect(),
+            layers: (0..cfg.n_layer)
+                .map(|_| KvCache::with_dtype(capacity, dtype))
+                .collect(),
         }
+    }
+
+    /// The dtype keys and values are stored in, when fixed.
+    pub fn dtype(&self) -> Option<DType> {
+        self.layers.first().and_then(KvCache::dtype)
     }
 
     /// Number of cached positions.
@@ -173,7 +186,9 @@ impl GptCache {
         let mut rows: Vec<GptCache> = capacity
             .iter()
             .map(|&c| GptCache {
-                layers: (0..self.layers.len()).map(|_| KvCache::new(c)).collect(),
+                layers: (0..self.layers.len())
+                    .map(|_| KvCache::with_dtype(c, self.dtype()))
+                    .collect(),
             })
             .collect();
         for (l, layer) in self.layers.iter().enumerate() {
@@ -213,6 +228,8 @@ pub struct Gpt {
     ln_f: Option<Norm>,
     lm_head: Proj,
     lm_head_weight: Option<Tensor>,
+    /// The dtype of the caches [`Gpt::new_cache`] makes (`None`: the activations').
+    kv_dtype: Option<DType>,
 }
 
 impl Gpt {
@@ -336,6 +353,7 @@ impl Gpt {
             ln_f,
             lm_head,
             lm_head_weight: None,
+            kv_dtype: None,
         })
     }
 
@@ -386,6 +404,8 @@ impl Gpt {
             },
         };
         Ok(Self {
+            // Keys and values stay in the weights' precision (llama.cpp's f16 cache).
+            kv_dtype: self.kv_dtype.or(Some(self.dtype())),
             wte,
             wpe: self
                 .wpe
@@ -404,6 +424,27 @@ impl Gpt {
                 .transpose()?,
             ..self.clone()
         })
+    }
+
+    /// The model whose caches ([`Gpt::new_cache`]) store keys and values as `dtype`
+    /// (`None`: in the activations' dtype). f16 beside f32 activations halves the cache;
+    /// the fused CPU attention kernel reads it directly.
+    pub fn with_kv_dtype(&self, dtype: Option<DType>) -> Self {
+        Self {
+            kv_dtype: dtype,
+            ..self.clone()
+        }
+    }
+
+    /// The dtype [`Gpt::new_cache`]'s caches store keys and values in, when fixed.
+    pub fn kv_dtype(&self) -> Option<DType> {
+        self.kv_dtype
+    }
+
+    /// An empty cache for this model, pre-allocated for `capacity` positions, keys and
+    /// values stored as [`Gpt::kv_dtype`] says.
+    pub fn new_cache(&self, capacity: usize) -> GptCache {
+        GptCache::with_dtype(&self.cfg, capacity, self.kv_dtype)
     }
 
     /// Whether any matrix product uses quantized weights.

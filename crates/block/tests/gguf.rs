@@ -354,6 +354,31 @@ fn half_precision_files_compute_in_f32_with_half_weights() {
         }
         let cached = Tensor::cat(&steps, 1).unwrap();
         assert_close(&cached, &want, 1e-5, 1e-4, &format!("{name}, decoding"));
+        // The model's own cache keeps keys and values in f16, as llama.cpp's does: the
+        // logits move by the rounding of keys and values to f16 (2^-11 relative).
+        assert_eq!(mixed.kv_dtype(), Some(DType::F16), "{name}");
+        let mut cache = mixed.new_cache(4);
+        let mut steps = Vec::new();
+        for i in 0..12 {
+            let step = ids.narrow(1, i, 1).unwrap();
+            steps.push(
+                mixed
+                    .infer(&step, None, Some(&mut cache), Logits::All)
+                    .unwrap(),
+            );
+        }
+        let half_cache = Tensor::cat(&steps, 1).unwrap();
+        let spread = common::flat(&want)
+            .unwrap()
+            .iter()
+            .fold(0f32, |m, x| m.max(x.abs()));
+        let diff = max_abs_diff(&half_cache, &want);
+        println!("{name}: f16 cache, max |logit diff| {diff:e} of {spread:e}");
+        assert!(diff > 0.0, "{name}: the f16 cache changed nothing");
+        assert!(
+            diff < 1e-3 * spread,
+            "{name}: f16 cache off by {diff} of {spread}"
+        );
     }
 }
 

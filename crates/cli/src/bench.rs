@@ -5,7 +5,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use clap::Args;
-use gpt_blocks::{argmax, GptCache, Logits};
+use gpt_blocks::{argmax, Logits};
 
 use crate::common::{self, Format, Loaded, ModelArgs};
 
@@ -67,7 +67,7 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
     let mut decode = Vec::new();
     // One untimed run warms caches and the thread pool.
     for run in 0..=a.runs {
-        let mut cache = GptCache::new(cfg, a.prompt_len + a.new_tokens);
+        let mut cache = model.new_cache(a.prompt_len + a.new_tokens);
         let t0 = Instant::now();
         let logits = model.infer(&prompt, None, Some(&mut cache), Logits::Last)?;
         let mut rows = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;

@@ -95,9 +95,13 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value = "auto", global = true)]
     pub device: DeviceArg,
     /// Weight precision (default: f32; a GGUF file whose matrices are stored in f16 or bf16
-    /// loads in that precision).
+    /// keeps them so). On the CPU, f16 and bf16 models compute in f32.
     #[arg(long, value_enum, global = true)]
     pub dtype: Option<DtypeArg>,
+    /// Precision of the KV cache (default: a half-precision model's own, else the
+    /// activations').
+    #[arg(long, value_enum, global = true)]
+    pub kv_dtype: Option<DtypeArg>,
     /// Check every weight for NaN and Inf after loading.
     #[arg(long, global = true)]
     pub check_weights: bool,
@@ -220,6 +224,9 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     // element to f32 and back, and its f16 GEMM is several times slower than the f32 one.
     if loaded.model.device().is_cpu() && matches!(loaded.model.dtype(), DType::F16 | DType::BF16) {
         loaded.model = loaded.model.with_f32_activations()?;
+    }
+    if let Some(kv) = args.kv_dtype {
+        loaded.model = loaded.model.with_kv_dtype(Some(kv.into()));
     }
     Ok(loaded)
 }

@@ -53,7 +53,11 @@ fn check_heads(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(usize, usize, usiz
     if hkv == 0 || h % hkv != 0 {
         bail!("attention: {hkv} key/value heads do not divide {h} query heads")
     }
-    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+    // Keys and values may be kept in half precision beside f32 queries (a half-precision
+    // KV cache, [`crate::KvCache::with_dtype`]); otherwise one dtype.
+    let half = |t: &Tensor| matches!(t.dtype(), DType::F16 | DType::BF16);
+    let kv_ok = |t: &Tensor| t.dtype() == q.dtype() || (q.dtype() == DType::F32 && half(t));
+    if !kv_ok(k) || !kv_ok(v) {
         bail!(
             "attention: query, key and value dtypes differ: {:?}, {:?}, {:?}",
             q.dtype(),
@@ -93,8 +97,9 @@ pub fn sdpa(
         && q.dtype() == DType::F32
         && mask.is_structural()
         && !p.need_weights;
-    if fused {
-        let grad = q.track_op() || k.track_op() || v.track_op();
+    let grad = q.track_op() || k.track_op() || v.track_op();
+    let mixed = k.dtype() != q.dtype() || v.dtype() != q.dtype();
+    if fused && !(mixed && (grad || dropout.is_some())) {
         let ys = if grad || dropout.is_some() {
             kernel::flash_attn_cpu_train(q, k, v, mask, p.scale, dropout)?
         } else {
@@ -129,8 +134,9 @@ pub fn sdpa_reference(
         return Ok((ys, weights));
     }
     let n_rep = h / k.dim(1)?;
-    let k = repeat_kv(k, n_rep)?;
-    let v = repeat_kv(v, n_rep)?;
+    // Half-precision keys and values beside f32 queries (a half-precision cache).
+    let k = repeat_kv(&k.to_dtype(q.dtype())?, n_rep)?;
+    let v = repeat_kv(&v.to_dtype(q.dtype())?, n_rep)?;
     // Scores in f32 at least (f64 stays f64, for gradient checks).
     let compute = match q.dtype() {
         DType::F64 => DType::F64,

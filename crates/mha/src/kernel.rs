@@ -16,6 +16,7 @@ use candle_core::{
     bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
 };
 use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::dropout::DropMask;
@@ -147,10 +148,10 @@ impl FlashAttn {
     }
 }
 
-/// A `[b, h, t, d]` f32 tensor seen as rows of unit stride.
+/// A `[b, h, t, d]` tensor (f32 unless said otherwise) seen as rows of unit stride.
 #[derive(Clone, Copy)]
-pub(crate) struct Rows<'a> {
-    data: &'a [f32],
+pub(crate) struct Rows<'a, T = f32> {
+    data: &'a [T],
     offset: usize,
     /// Strides of the batch, head and sequence dimensions.
     sb: usize,
@@ -160,10 +161,15 @@ pub(crate) struct Rows<'a> {
 
 impl<'a> Rows<'a> {
     pub(crate) fn new(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<Self> {
-        let data = match s {
-            CpuStorage::F32(d) => d.as_slice(),
+        match s {
+            CpuStorage::F32(d) => Rows::of(d, l, name),
             _ => bail!("flash_attn_cpu: {name} must be f32"),
-        };
+        }
+    }
+}
+
+impl<'a, T> Rows<'a, T> {
+    fn of(data: &'a [T], l: &Layout, name: &str) -> Result<Self> {
         match *l.stride() {
             [sb, sh, st, 1] => Ok(Self {
                 data,
@@ -177,11 +183,101 @@ impl<'a> Rows<'a> {
     }
 
     /// Pointer to row `t` of head `h` of batch `b`.
-    pub(crate) fn ptr(&self, b: usize, h: usize, t: usize) -> *const f32 {
+    pub(crate) fn ptr(&self, b: usize, h: usize, t: usize) -> *const T {
         let i = self.offset + b * self.sb + h * self.sh + t * self.st;
         debug_assert!(i <= self.data.len());
         // SAFETY: in bounds by the layout Candle handed us (checked in debug builds).
         unsafe { self.data.as_ptr().add(i) }
+    }
+}
+
+/// Keys or values: f32 rows read in place, or f16/bf16 rows (a half-precision KV cache)
+/// widened block by block into a task's scratch.
+#[derive(Clone, Copy)]
+enum KvRows<'a> {
+    F32(Rows<'a>),
+    F16(Rows<'a, f16>),
+    BF16(Rows<'a, bf16>),
+}
+
+impl<'a> KvRows<'a> {
+    fn new(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<Self> {
+        Ok(match s {
+            CpuStorage::F32(d) => Self::F32(Rows::of(d, l, name)?),
+            CpuStorage::F16(d) => Self::F16(Rows::of(d, l, name)?),
+            CpuStorage::BF16(d) => Self::BF16(Rows::of(d, l, name)?),
+            _ => bail!("flash_attn_cpu: {name} must be f32, f16 or bf16"),
+        })
+    }
+
+    fn st(&self) -> usize {
+        match self {
+            Self::F32(r) => r.st,
+            Self::F16(r) => r.st,
+            Self::BF16(r) => r.st,
+        }
+    }
+
+    fn ptr(&self, b: usize, h: usize, t: usize) -> KvPtr {
+        match self {
+            Self::F32(r) => KvPtr::F32(r.ptr(b, h, t)),
+            Self::F16(r) => KvPtr::F16(r.ptr(b, h, t)),
+            Self::BF16(r) => KvPtr::BF16(r.ptr(b, h, t)),
+        }
+    }
+
+    fn is_half(&self) -> bool {
+        !matches!(self, Self::F32(_))
+    }
+}
+
+/// The first row of one head's keys or values.
+#[derive(Clone, Copy)]
+enum KvPtr {
+    F32(*const f32),
+    F16(*const f16),
+    BF16(*const bf16),
+}
+
+impl KvPtr {
+    /// Rows `j0..j0 + n` (each `width` long, `st` apart) as f32: a pointer and a row stride,
+    /// into the storage itself or, for half precision, into `buf` after widening them.
+    ///
+    /// # Safety
+    /// The rows must lie inside the storage the pointer came from.
+    unsafe fn rows(
+        self,
+        j0: usize,
+        n: usize,
+        st: usize,
+        width: usize,
+        buf: &mut [f32],
+    ) -> (*const f32, usize) {
+        unsafe fn widen<H>(
+            p: *const H,
+            j0: usize,
+            n: usize,
+            st: usize,
+            width: usize,
+            buf: &mut [f32],
+        ) where
+            [H]: HalfFloatSliceExt,
+        {
+            for (r, dst) in buf[..n * width].chunks_mut(width).enumerate() {
+                std::slice::from_raw_parts(p.add((j0 + r) * st), width).convert_to_f32_slice(dst);
+            }
+        }
+        match self {
+            Self::F32(p) => (p.add(j0 * st), st),
+            Self::F16(p) => {
+                widen(p, j0, n, st, width, buf);
+                (buf.as_ptr(), width)
+            }
+            Self::BF16(p) => {
+                widen(p, j0, n, st, width, buf);
+                (buf.as_ptr(), width)
+            }
+        }
     }
 }
 
@@ -256,9 +352,15 @@ impl CustomOp3 for FlashAttn {
         let dv = lv.shape().dims4()?.3;
         let (q, k, v) = (
             Rows::new(sq, lq, "q")?,
-            Rows::new(sk, lk, "k")?,
-            Rows::new(sv, lv, "v")?,
+            KvRows::new(sk, lk, "k")?,
+            KvRows::new(sv, lv, "v")?,
         );
+        if (k.is_half() || v.is_half()) && self.drop.is_some() {
+            bail!("flash_attn_cpu: half-precision keys and values are for inference")
+        }
+        // Scratch for a block of widened keys and values (none when they are f32).
+        let half = |kv: &KvRows, width: usize| if kv.is_half() { BC * width } else { 0 };
+        let (k_buf, v_buf) = (half(&k, d), half(&v, dv));
         if let Some(keep) = &self.keep {
             if keep.len() != b * tk {
                 bail!(
@@ -285,16 +387,20 @@ impl CustomOp3 for FlashAttn {
                     .zip(lse_head.par_chunks_mut(BR))
                     .enumerate()
                     .for_each_init(
-                        || vec![0f32; BR * BC],
-                        |scores, (blk, (out_blk, lse_blk))| {
+                        || Scratch {
+                            scores: vec![0f32; BR * BC],
+                            k: vec![0f32; k_buf],
+                            v: vec![0f32; v_buf],
+                        },
+                        |scratch, (blk, (out_blk, lse_blk))| {
                             let i0 = blk * BR;
                             let block = Block {
                                 q: q.ptr(bi, hi, i0),
                                 q_st: q.st,
                                 k: k.ptr(bi, hk, 0),
-                                k_st: k.st,
+                                k_st: k.st(),
                                 v: v.ptr(bi, hk, 0),
-                                v_st: v.st,
+                                v_st: v.st(),
                                 rows: lse_blk.len(),
                                 d,
                                 dv,
@@ -302,7 +408,7 @@ impl CustomOp3 for FlashAttn {
                                 drop: self.drop.map(|m| (m, ((bh * tq + i0) * tk) as u64)),
                                 scale: self.scale,
                             };
-                            block.run(out_blk, lse_blk, scores);
+                            block.run(out_blk, lse_blk, scratch);
                         },
                     );
             });
@@ -325,13 +431,20 @@ impl CustomOp3 for FlashAttn {
     }
 }
 
+/// A task's scratch: a block of scores, and widened keys and values (half precision).
+struct Scratch {
+    scores: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
 /// One block of query rows of one head.
 struct Block<'a> {
     q: *const f32,
     q_st: usize,
-    k: *const f32,
+    k: KvPtr,
     k_st: usize,
-    v: *const f32,
+    v: KvPtr,
     v_st: usize,
     rows: usize,
     d: usize,
@@ -344,8 +457,13 @@ struct Block<'a> {
 
 impl Block<'_> {
     /// Writes the block's `[rows, dv]` output into `out` and each row's log-sum-exp into
-    /// `lse`; `scores` is `BR × BC` scratch.
-    fn run(&self, out: &mut [f32], lse: &mut [f32], scores: &mut [f32]) {
+    /// `lse`.
+    fn run(&self, out: &mut [f32], lse: &mut [f32], scratch: &mut Scratch) {
+        let Scratch {
+            scores,
+            k: k_buf,
+            v: v_buf,
+        } = scratch;
         let rows = self.rows;
         let mut m = [f32::NEG_INFINITY; BR];
         let mut l = [0f32; BR];
@@ -354,9 +472,12 @@ impl Block<'_> {
         for j0 in keys.clone().step_by(BC) {
             let bc = BC.min(keys.end - j0);
             let s = &mut scores[..rows * bc];
+            // SAFETY: key rows j0..j0 + bc lie in the storage (see `Rows::ptr`).
+            let (k, k_st) = unsafe { self.k.rows(j0, bc, self.k_st, self.d, k_buf) };
             // S[rows, bc] = scale · Q[rows, d] · K[j0.., d]ᵀ
             // SAFETY: the pointers address `rows` query rows and `bc` key rows of length
-            // `d` with the given strides, all inside the storages (see `Rows::ptr`).
+            // `d` with the given strides, all inside the storages (see `Rows::ptr`) or the
+            // scratch.
             unsafe {
                 gemm::gemm(
                     rows,
@@ -369,8 +490,8 @@ impl Block<'_> {
                     self.q,
                     1,
                     self.q_st as isize,
-                    self.k.add(j0 * self.k_st),
-                    self.k_st as isize,
+                    k,
+                    k_st as isize,
                     1,
                     0.0,
                     self.scale,
@@ -406,6 +527,8 @@ impl Block<'_> {
                     }
                 }
             }
+            // SAFETY: value rows j0..j0 + bc lie in the storage.
+            let (v, v_st) = unsafe { self.v.rows(j0, bc, self.v_st, self.dv, v_buf) };
             // O[rows, dv] += P[rows, bc] · V[j0.., dv]
             // SAFETY: as above, for `bc` value rows of length `dv`.
             unsafe {
@@ -420,9 +543,9 @@ impl Block<'_> {
                     s.as_ptr(),
                     1,
                     bc as isize,
-                    self.v.add(j0 * self.v_st),
+                    v,
                     1,
-                    self.v_st as isize,
+                    v_st as isize,
                     1.0,
                     1.0,
                     false,

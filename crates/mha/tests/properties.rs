@@ -639,6 +639,7 @@ proptest! {
         window in proptest::option::of(1usize..200),
         bits in any::<u64>(),
         seed in any::<u64>(),
+        kv_dtype in prop::sample::select(vec![DType::F32, DType::F16, DType::BF16]),
     ) {
         let tk = tq + extra;
         let h = h_kv * rep;
@@ -663,9 +664,19 @@ proptest! {
         }
         mask.window = window;
         let p = SdpaParams::inference(1.0 / (d as f64).sqrt());
+        // Keys and values in half precision (a half-precision cache) beside f32 queries:
+        // the kernel widens them as it reads them; the reference gets the same values.
+        let (k, v) = (k.to_dtype(kv_dtype).unwrap(), v.to_dtype(kv_dtype).unwrap());
         let fast = mha::kernel::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
-        let (slow, _) = sdpa_reference(&q, &k, &v, &mask, &p).unwrap();
-        assert_close(&fast, &slow, 1e-5, 1e-4, "fused vs reference");
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let (slow, _) = sdpa_reference(&q, &f32(&k), &f32(&v), &mask, &p).unwrap();
+        assert_eq!(fast.dtype(), DType::F32);
+        assert_close(&fast, &slow, 1e-5, 1e-4, &format!("fused vs reference, {kv_dtype:?} keys"));
+        // `sdpa` takes the kernel for them, and the reference takes them too.
+        let (routed, _) = mha::sdpa(&q, &k, &v, &mask, &p).unwrap();
+        assert_close(&routed, &fast, 0.0, 0.0, "sdpa");
+        let (mixed, _) = sdpa_reference(&q, &k, &v, &mask, &p).unwrap();
+        assert_close(&mixed, &slow, 0.0, 0.0, "reference, mixed dtypes");
     }
 }
 

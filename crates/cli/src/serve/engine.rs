@@ -230,7 +230,7 @@ fn prefill(model: &Gpt, jobs: Vec<Job>, metrics: &Metrics) -> Result<Vec<Seq>> {
     let capacity: Vec<usize> = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).collect();
     // One prompt keeps the batch's cache: give it its whole room at once.
     let room = if n == 1 { capacity[0] } else { longest };
-    let mut batch = GptCache::new(model.config(), room);
+    let mut batch = model.new_cache(room);
     // (n, 1, vocab)
     let logits = model.infer(
         &ids,
