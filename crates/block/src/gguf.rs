@@ -754,11 +754,7 @@ impl Gguf {
             }
         };
         let ln_f = Some(norm("output_norm")?);
-        let mut model = Gpt::from_parts(&cfg, wte, wpe, blocks, ln_f, lm_head)?;
-        if let Embedding::Half { table, .. } = model.embedding() {
-            // Half-precision weights keep a cache of their precision, as llama.cpp's does.
-            model = model.with_kv_dtype(Some(table.dtype()));
-        }
+        let model = Gpt::from_parts(&cfg, wte, wpe, blocks, ln_f, lm_head)?;
         let read = self
             .read
             .lock()

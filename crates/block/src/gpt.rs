@@ -228,7 +228,7 @@ pub struct Gpt {
     ln_f: Option<Norm>,
     lm_head: Proj,
     lm_head_weight: Option<Tensor>,
-    /// The dtype of the caches [`Gpt::new_cache`] makes (`None`: the activations').
+    /// The dtype of the caches [`Gpt::new_cache`] makes, when set ([`Gpt::kv_dtype`]).
     kv_dtype: Option<DType>,
 }
 
@@ -404,8 +404,6 @@ impl Gpt {
             },
         };
         Ok(Self {
-            // Keys and values stay in the weights' precision (llama.cpp's f16 cache).
-            kv_dtype: self.kv_dtype.or(Some(self.dtype())),
             wte,
             wpe: self
                 .wpe
@@ -436,15 +434,20 @@ impl Gpt {
         }
     }
 
-    /// The dtype [`Gpt::new_cache`]'s caches store keys and values in, when fixed.
+    /// The dtype [`Gpt::new_cache`]'s caches store keys and values in: as set by
+    /// [`Gpt::with_kv_dtype`], else a half-precision table's own (a half-precision model
+    /// keeps its cache in its precision, as llama.cpp does), else `None` (the activations').
     pub fn kv_dtype(&self) -> Option<DType> {
-        self.kv_dtype
+        self.kv_dtype.or(match &self.wte {
+            Embedding::Half { table, .. } => Some(table.dtype()),
+            _ => None,
+        })
     }
 
     /// An empty cache for this model, pre-allocated for `capacity` positions, keys and
     /// values stored as [`Gpt::kv_dtype`] says.
     pub fn new_cache(&self, capacity: usize) -> GptCache {
-        GptCache::with_dtype(&self.cfg, capacity, self.kv_dtype)
+        GptCache::with_dtype(&self.cfg, capacity, self.kv_dtype())
     }
 
     /// Whether any matrix product uses quantized weights.
