@@ -14,9 +14,15 @@ scripts/gguf_fixtures.py), with `llama-bench` and `llama-quantize` built by CMak
 The GGUF files come from llama.cpp's own converter (f32) and quantizer, made once from the
 random-weight checkpoints bench/compare.py uses (GPT-2 124M, or SmolLM-135M's Llama
 geometry), so both programs read the very same bytes. llama-bench keeps its defaults (f16
-KV cache, flash attention); `gpt bench` keeps its own (f32 KV cache). Peak RSS of each run
-comes from `gpt bench` itself and from `/usr/bin/time -f %M` for llama-bench. Medians over
-the rounds and the ratio gpt / llama.cpp (tokens/s, higher is better for gpt) are printed.
+KV cache, flash attention); `gpt bench` gets the same cache precision (`--kv-dtype f16`,
+`--gpt-kv-dtype` to change it). Peak RSS of each run comes from `gpt bench` itself and from
+`/usr/bin/time -f %M` for llama-bench. Medians over the rounds and the ratio gpt / llama.cpp
+(tokens/s, higher is better for gpt) are printed.
+
+Decoding reads every weight once per token, so its ceiling is the memory read bandwidth
+over the file's tensor bytes: the read floor, measured (torch summing 1 GiB with the same
+threads) just before and after each decoding pair, their mean. "of floor" is tokens/s x
+tensor bytes / bandwidth: 1.0 would be decoding as fast as the weights can be read.
 """
 import argparse
 import json
@@ -24,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 p = argparse.ArgumentParser()
@@ -32,6 +39,7 @@ p.add_argument("--kinds", nargs="+", default=["q8_0", "q4_k_m"])
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--llama-build", default="/tmp/lcp/build/bin")
+p.add_argument("--gpt-kv-dtype", default="f16", choices=["f32", "f16", "bf16"])
 args = p.parse_args()
 
 hf = {"gpt2": "/tmp/gpt2-124m-random", "llama": "/tmp/smollm-135m-random"}[args.arch]
@@ -39,6 +47,30 @@ if not os.path.exists(os.path.join(hf, "config.json")):
     sys.exit(f"{hf} is missing: run bench/compare.py --arch {args.arch} once, which makes it")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gguf_fixtures  # noqa: E402  (llama.cpp's converter, in this process)
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(gguf_fixtures.LLAMA_CPP, "gguf-py"))
+from gguf import GGUFReader  # noqa: E402  (llama.cpp's own reader)
+
+torch.set_num_threads(args.threads)
+
+
+@torch.inference_mode()
+def read_floor():
+    """Memory read bandwidth with these threads: summing 1 GiB of f32, far beyond the
+    caches (median of 5), in bytes/s."""
+    x = torch.ones(2**28)
+    x.sum()
+    reads = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        reads.append(x.numel() * 4 / (time.perf_counter() - t0))
+    return statistics.median(reads)
+
+
+def tensor_bytes(path):
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
 
 
 def with_tokenizer():
@@ -77,7 +109,7 @@ def gguf(kind):
 def ours(path, n, new):
     cmd = [os.path.join(ROOT, "target", "release", "gpt"), "bench", "--model", path,
            "--prompt-len", str(n), "--new-tokens", str(new), "--runs", "1",
-           "--threads", str(args.threads), "--format", "json"]
+           "--threads", str(args.threads), "--kv-dtype", args.gpt_kv_dtype, "--format", "json"]
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     rate = out["decode_tokens_per_s"] if new else out["prefill_tokens_per_s"]
     return rate, out["peak_rss_bytes"] / 2**20
@@ -96,23 +128,37 @@ def theirs(path, n, new):
 workloads = [(f"{kind}: {name}", gguf(kind), n, new)
              for kind in args.kinds
              for name, n, new in [("decode 128 after 16", 16, 128), ("prefill 512", 512, 0)]]
-results = {w[0]: {"gpt": [], "llama.cpp": [], "gpt rss": [], "llama.cpp rss": []}
-           for w in workloads}
+results = {w[0]: {"gpt": [], "llama.cpp": [], "gpt rss": [], "llama.cpp rss": [], "gpt floor": [],
+                  "llama.cpp floor": []} for w in workloads}
 for r in range(args.rounds):
     for name, path, n, new in workloads:
+        before = read_floor() if new else None
         o, t = ours(path, n, new), theirs(path, n, new)
         res = results[name]
         res["gpt"].append(o[0])
         res["gpt rss"].append(o[1])
         res["llama.cpp"].append(t[0])
         res["llama.cpp rss"].append(t[1])
-        print(f"round {r + 1} {name}: gpt {o[0]:.1f} tok/s, llama.cpp {t[0]:.1f} tok/s, "
+        floor = ""
+        if new:
+            per_token = (before + read_floor()) / 2 / tensor_bytes(path)
+            res["gpt floor"].append(o[0] / per_token)
+            res["llama.cpp floor"].append(t[0] / per_token)
+            floor = f" (floor {per_token:.1f} tok/s)"
+        print(f"round {r + 1} {name}: gpt {o[0]:.1f} tok/s, llama.cpp {t[0]:.1f} tok/s{floor}, "
               f"ratio {o[0] / t[0]:.2f}; RSS {o[1]:.0f} / {t[1]:.0f} MiB", flush=True)
 
-print(f"\n{args.arch}, {args.threads} threads, median of {args.rounds} rounds")
-print("| workload | gpt tok/s | llama.cpp tok/s | gpt / llama.cpp | peak RSS gpt / llama.cpp |")
-print("|---|---|---|---|---|")
+print(f"\n{args.arch}, {args.threads} threads, median of {args.rounds} rounds, "
+      f"gpt with a {args.gpt_kv_dtype} KV cache")
+print("| workload | gpt tok/s | llama.cpp tok/s | gpt / llama.cpp | of floor gpt / llama.cpp "
+      "| peak RSS gpt / llama.cpp |")
+print("|---|---|---|---|---|---|")
 for name, res in results.items():
     g, l = statistics.median(res["gpt"]), statistics.median(res["llama.cpp"])
-    print(f"| {name} | {g:.1f} | {l:.1f} | {g / l:.2f} | "
-          f"{statistics.median(res['gpt rss']):.0f} / {statistics.median(res['llama.cpp rss']):.0f} MiB |")
+    floor = " "
+    if res["gpt floor"]:
+        floor = (f"{statistics.median(res['gpt floor']):.2f} / "
+                 f"{statistics.median(res['llama.cpp floor']):.2f}")
+    rss = (statistics.median(res["gpt rss"]), statistics.median(res["llama.cpp rss"]))
+    print(f"| {name} | {g:.1f} | {l:.1f} | {g / l:.2f} | {floor} | "
+          f"{rss[0]:.0f} / {rss[1]:.0f} MiB ({rss[0] / rss[1]:.2f}) |")

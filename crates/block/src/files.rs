@@ -39,6 +39,34 @@ pub(crate) fn model_dtype(name: &str, stored: safetensors::Dtype) -> Result<DTyp
     })
 }
 
+/// A CPU tensor of `shape` whose elements, stored as `dtype` (f32, f16, bf16 or f64), are
+/// read from `file`'s position straight into the vector the tensor keeps (a
+/// [`mha::memory::weight_vec`]): no buffer of bytes beside it, which Candle's
+/// `from_raw_buffer` would copy (a moment at twice the tensor, and memory the allocator
+/// keeps).
+pub(crate) fn read_floats(file: &mut impl Read, dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    fn read<T: candle_core::WithDType>(file: &mut impl Read, shape: &[usize]) -> Result<Tensor> {
+        let mut data = mha::memory::weight_vec(shape.iter().product(), T::from_f64(0.0));
+        // SAFETY: the float types are plain data: any bytes are valid values, and the
+        // slice covers exactly the vector's memory.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(
+                data.as_mut_ptr().cast::<u8>(),
+                std::mem::size_of_val(data.as_slice()),
+            )
+        };
+        file.read_exact(bytes)?;
+        Tensor::from_vec(data, shape, &Device::Cpu)
+    }
+    match dtype {
+        DType::F32 => read::<f32>(file, shape),
+        DType::F16 => read::<half::f16>(file, shape),
+        DType::BF16 => read::<half::bf16>(file, shape),
+        DType::F64 => read::<f64>(file, shape),
+        other => bail!("{other:?} is not a float format weights are read in"),
+    }
+}
+
 impl FileTensors {
     /// Opens the files and checks their headers against their lengths: the header fits,
     /// every tensor's byte range matches its shape and dtype, the ranges tile the data
@@ -96,17 +124,15 @@ impl FileTensors {
         let stored = model_dtype(name, info.dtype)?;
         let (path, file) = &self.files[*i];
         let (start, end) = info.data_offsets;
-        let mut bytes = vec![0u8; end - start];
-        {
+        let t = {
             let mut file = file
                 .lock()
                 .map_err(|_| path_err(path, "file lock poisoned"))?;
             file.seek(SeekFrom::Start(base + start as u64))
                 .map_err(|e| path_err(path, e))?;
-            file.read_exact(&mut bytes).map_err(|e| path_err(path, e))?;
-        }
-        let t = Tensor::from_raw_buffer(&bytes, stored, &info.shape, &Device::Cpu)?;
-        drop(bytes);
+            read_floats(&mut *file, stored, &info.shape).map_err(|e| path_err(path, e))?
+        };
+        debug_assert_eq!(t.elem_count() * stored.size_in_bytes(), end - start);
         t.to_dtype(dtype)?.to_device(dev)
     }
 }

@@ -621,9 +621,36 @@ impl Gguf {
         Packed::from_rows(info.ggml_dtype, n, k, |rows| Ok(file.read_exact(rows)?))
     }
 
+    /// The format `name` is stored in, if the file has it.
+    fn stored(&self, name: &str) -> Option<GgmlDType> {
+        self.content.tensor_infos.get(name).map(|i| i.ggml_dtype)
+    }
+
     /// A norm weight, bias or embedding, dequantized to `dtype`.
     fn dense(&self, name: &str, shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        if let Some(t) = self.float_in_place(name, shape, dtype, device)? {
+            return Ok(t);
+        }
         float_tensor(&self.qtensor(name, shape, device)?, dtype, device)
+    }
+
+    /// A CPU tensor stored as f32, f16 or bf16 and wanted in that precision, read straight
+    /// into the vector the tensor keeps; `None` otherwise (the caller goes through a
+    /// `QTensor`, which a float tensor would copy: GPT-2's f16 table, 74 MiB, was held
+    /// twice for a moment, and the allocator keeps what it once held).
+    fn float_in_place(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Option<Tensor>> {
+        if !device.is_cpu() || self.stored(name).and_then(stored_float) != Some(dtype) {
+            return Ok(None);
+        }
+        let (_, mut file) = self.claim(name, shape)?;
+        // The byte range was checked when the file was opened.
+        crate::files::read_floats(&mut *file, dtype, shape).map(Some)
     }
 
     /// The model, with block-quantized matrices kept as they are stored and everything else
@@ -655,17 +682,26 @@ impl Gguf {
                     return Ok(Proj::from_packed(Arc::new(packed), b));
                 }
             }
-            let mut w = self.qtensor(&name, &[d_out, d_in], device)?;
             let mut b = bias(format!("{stem}.bias"), d_out, has_bias)?;
-            if unpermute(heads) {
+            let order = match unpermute(heads) {
+                true => Some(rotary_order(d_out, heads, false)?),
+                false => None,
+            };
+            if let Some(order) = &order {
+                b = b.map(|b| select_rows(&b, order)).transpose()?;
+            }
+            if let Some(t) = self.stored(&name).filter(|&t| stored_float(t).is_some()) {
+                let mut w = self.dense(&name, &[d_out, d_in], matrix(t), device)?;
+                if let Some(order) = &order {
+                    w = select_rows(&w, order)?;
+                }
+                return Proj::from_linear(&w, b);
+            }
+            let mut w = self.qtensor(&name, &[d_out, d_in], device)?;
+            if order.is_some() {
                 w = rotary_rows(&w, heads)?;
-                let order = rotary_order(d_out, heads, false)?;
-                b = b.map(|b| select_rows(&b, &order)).transpose()?;
             }
-            match stored_float(w.dtype()) {
-                Some(_) => Proj::from_linear(&float_tensor(&w, matrix(w.dtype()), device)?, b),
-                None => Proj::from_qtensor(Arc::new(w), b, dtype),
-            }
+            Proj::from_qtensor(Arc::new(w), b, dtype)
         };
         let norm = |name: &str| -> Result<Norm> {
             let w = self.dense(&format!("{name}.weight"), &[d], dtype, device)?;
@@ -687,21 +723,20 @@ impl Gguf {
                 (Embedding::Packed { table, dtype }, head)
             }
             None => {
-                let embd = Arc::new(self.qtensor("token_embd.weight", &[v, d], device)?);
-                // A quantized table stays one quantized copy: rows are dequantized on
-                // lookup, and a tied head multiplies by the same blocks.
-                let wte = match embd.dtype() {
-                    t @ (GgmlDType::F16 | GgmlDType::BF16) if matrix(t) != dtype => {
-                        Embedding::Half {
-                            table: float_tensor(&embd, matrix(t), device)?,
-                            dtype,
+                const TABLE: &str = "token_embd.weight";
+                let wte = match self.stored(TABLE).filter(|&t| stored_float(t).is_some()) {
+                    // A float table; in half precision under f32 activations.
+                    Some(t) => {
+                        let table = self.dense(TABLE, &[v, d], matrix(t), device)?;
+                        match table.dtype() == dtype {
+                            true => Embedding::Dense(table),
+                            false => Embedding::Half { table, dtype },
                         }
                     }
-                    GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
-                        Embedding::Dense(float_tensor(&embd, dtype, device)?)
-                    }
-                    _ => Embedding::Quantized {
-                        table: embd.clone(),
+                    // A quantized table stays one quantized copy: rows are dequantized on
+                    // lookup, and a tied head multiplies by the same blocks.
+                    None => Embedding::Quantized {
+                        table: Arc::new(self.qtensor(TABLE, &[v, d], device)?),
                         dtype,
                         device: device.clone(),
                     },
@@ -711,7 +746,9 @@ impl Gguf {
                     (Embedding::Dense(t) | Embedding::Half { table: t, .. }, true) => {
                         Proj::from_linear(t, None)?
                     }
-                    (Embedding::Quantized { .. }, true) => Proj::from_qtensor(embd, None, dtype)?,
+                    (Embedding::Quantized { table, .. }, true) => {
+                        Proj::from_qtensor(table.clone(), None, dtype)?
+                    }
                     (Embedding::Packed { table, .. }, true) => {
                         Proj::from_packed(table.clone(), None)
                     }

@@ -81,6 +81,36 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// mimalloc's `mi_option_arena_eager_commit` (its place in `mi_option_e`, the same in
+/// mimalloc 2 and 3).
+#[cfg(target_os = "linux")]
+const MI_OPTION_ARENA_EAGER_COMMIT: libmimalloc_sys::mi_option_t = 4;
+
+/// Commits mimalloc's arenas page by page as they are used. By default it commits each
+/// arena whole where the OS overcommits, and marks it for transparent huge pages: every
+/// 2 MiB region the heap touches then takes 2 MiB of memory. Measured (alternating runs,
+/// medians of 5–8; 2 threads): `gpt --help` 13.1 → 7.5 MiB, GPT-2 124M q8_0 decoding
+/// 187 → 162 MiB and prefill 270 → 249 MiB, f16 decoding 310 → 279 MiB, speed unchanged
+/// once the weights ask for huge pages themselves (`mha::memory::weight_vec`). Runs from
+/// `.init_array`, before Rust's runtime allocates anything: the first arena is reserved
+/// by the first allocation, with the setting of that moment.
+/// MIMALLOC_ARENA_EAGER_COMMIT in the environment still wins.
+#[cfg(target_os = "linux")]
+#[used]
+#[link_section = ".init_array"]
+static LAZY_ARENAS: extern "C" fn() = {
+    extern "C" fn lazy_arenas() {
+        // SAFETY: `getenv` with a NUL-terminated name (no allocation, nothing else runs
+        // yet), then a plain call on mimalloc's option table.
+        unsafe {
+            if libc::getenv(c"MIMALLOC_ARENA_EAGER_COMMIT".as_ptr()).is_null() {
+                libmimalloc_sys::mi_option_set(MI_OPTION_ARENA_EAGER_COMMIT, 0);
+            }
+        }
+    }
+    lazy_arenas
+};
+
 /// mimalloc's `mi_option_purge_delay` (its place in `mi_option_e`, the same in mimalloc 2
 /// and 3; libmimalloc-sys does not name it) and its documented default, 10 ms.
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;

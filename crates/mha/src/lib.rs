@@ -79,6 +79,7 @@ pub mod kernel;
 mod layout;
 mod mask;
 pub mod matvec;
+pub mod memory;
 pub mod ops;
 pub mod qmatvec;
 pub mod qpacked;

@@ -165,7 +165,8 @@ impl Packed {
             Format::Q8_0 => 128u8,
             Format::Q4_0 => 0x88,
         };
-        let mut tiles = vec![empty; n.div_ceil(TILE) * nb * format.tile_bytes()];
+        let mut tiles =
+            crate::memory::weight_vec(n.div_ceil(TILE) * nb * format.tile_bytes(), empty);
         let mut rows = vec![0u8; TILE * nb * block];
         for (t, column) in tiles
             .chunks_exact_mut(nb * format.tile_bytes().max(1))
