@@ -383,9 +383,24 @@ impl Proj {
                 // Every row count: decoding reads each tile once, a prefill reuses it from
                 // L1 for four rows of `x` at a time.
                 let (start, len) = cols.unwrap_or((0, w.dims().0));
-                let x = xs2.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                let ys = w.matmul(&x, rows, start..start + len)?;
-                Tensor::from_vec(ys, (rows, len), xs.device())?.to_dtype(xs.dtype())?
+                let mut ys = crate::matvec::with_f32_values(&xs2, |x| {
+                    w.matmul(x, rows, start..start + len)
+                })?;
+                // The bias goes into the product's own buffer (the same sums as a
+                // broadcast add, without a second `[rows, out]` tensor).
+                if let Some(b) = &self.b {
+                    crate::matvec::with_f32_values(b, |b| {
+                        if b.len() != len {
+                            bail!("a bias of {} for {len} outputs", b.len())
+                        }
+                        for row in ys.chunks_exact_mut(len) {
+                            row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+                        }
+                        Ok(())
+                    })?;
+                }
+                let ys = Tensor::from_vec(ys, (rows, len), xs.device())?.to_dtype(xs.dtype())?;
+                return ys.reshape(out_dims(dims, d_out));
             }
         };
         let ys = match &self.b {
@@ -790,6 +805,48 @@ mod tests {
                     err > 0.0,
                     "{dtype:?}: x was not quantized, so not this path"
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// A packed projection adds its bias into the product's buffer: the same sums as the
+    /// packed product followed by a broadcast add, to the bit, for the whole projection
+    /// and a narrowed view, f32 and f16 inputs and a bias in either precision.
+    #[test]
+    fn packed_projections_add_their_bias_exactly() -> Result<()> {
+        let dev = Device::Cpu;
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+            let w = Tensor::randn(0f32, 1.0, (40, 64), &dev)?;
+            let q = QTensor::quantize(&w, dtype)?;
+            let bytes = q.data()?;
+            let mut at = 0;
+            let packed = Packed::from_rows(dtype, 40, 64, |rows| {
+                rows.copy_from_slice(&bytes[at..at + rows.len()]);
+                at += rows.len();
+                Ok(())
+            })?
+            .expect("q8_0 and q4_0 pack");
+            let packed = Arc::new(packed);
+            for b_dtype in [DType::F32, DType::F16] {
+                let b = Tensor::randn(0f32, 1.0, 40, &dev)?.to_dtype(b_dtype)?;
+                let proj = Proj::from_packed(packed.clone(), Some(b.clone()));
+                let xs = Tensor::randn(0f32, 1.0, (2, 3, 64), &dev)?;
+                let x = xs.flatten_all()?.to_vec1::<f32>()?;
+                let b32 = b.to_dtype(DType::F32)?;
+                for (start, len) in [(0, 40), (8, 16)] {
+                    let ys = packed.matmul(&x, 6, start..start + len)?;
+                    let want = Tensor::from_vec(ys, (6, len), &dev)?
+                        .broadcast_add(&b32.narrow(0, start, len)?)?
+                        .reshape((2, 3, len))?;
+                    let got = match len {
+                        40 => proj.forward(&xs)?,
+                        _ => proj.narrow(start, len)?.forward(&xs)?,
+                    };
+                    assert_eq!(got.to_vec3::<f32>()?, want.to_vec3::<f32>()?);
+                    let half = proj.forward(&xs.to_dtype(DType::F16)?)?;
+                    assert_eq!(half.dtype(), DType::F16);
+                }
             }
         }
         Ok(())

@@ -152,6 +152,22 @@ pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<
         .map(Some)
 }
 
+/// `f` on the values of `xs` as f32, row-major: borrowed from the tensor's storage when it
+/// holds them contiguous in f32 on the CPU (a prefill's activations: GPT-2's MLP output at
+/// 512 tokens is 6 MiB, and a copy is a moment at twice that), else converted once.
+pub(crate) fn with_f32_values<T>(xs: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
+    let xs = xs.to_dtype(DType::F32)?.contiguous()?;
+    let (storage, layout) = xs.storage_and_layout();
+    if let Storage::Cpu(CpuStorage::F32(all)) = &*storage {
+        let at = layout.start_offset();
+        if let Some(x) = all.get(at..at + xs.elem_count()) {
+            return f(x);
+        }
+    }
+    drop(storage);
+    f(&xs.flatten_all()?.to_vec1::<f32>()?)
+}
+
 /// Weights widened at a time by [`half_weight_matmul`], in a buffer each thread keeps:
 /// 4 MiB of f32 for a few rows, 16 MiB from `WIDE_SLAB_ROWS` rows on. Fewer, wider slabs
 /// pack `x` fewer times and split the product less: GPT-2 124M f16 prefill (512 tokens)

@@ -21,7 +21,7 @@ use std::ops::Range;
 use std::sync::OnceLock;
 
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, Result, Tensor};
 use half::f16;
 
 use crate::matvec::{map_ranges, ranges};
@@ -93,8 +93,7 @@ pub fn qmatmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Te
             data.len()
         )
     }
-    let x = xs.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let x = QRows::new(&x, k);
+    let x = crate::matvec::with_f32_values(xs, |x| Ok(QRows::new(x, k)))?;
     let n = rows.len();
     let weights = &data[rows.start * row_bytes..rows.end * row_bytes];
     let ys = product(level(), format, weights, row_bytes, &x);
@@ -539,7 +538,7 @@ mod x86 {
 mod tests {
     use super::*;
     use candle_core::quantized::QMatMul;
-    use candle_core::{Device, Module};
+    use candle_core::{DType, Device, Module};
 
     fn levels() -> Vec<Level> {
         [Level::Scalar, Level::Avx2, Level::Avx512Vnni]
