@@ -277,12 +277,18 @@ impl Packed {
             return vec![0.0; m * width];
         }
         let size = self.format.tile_bytes();
+        let mut ys = vec![0f32; m * width];
+        let out = SharedOut(ys.as_mut_ptr());
         // Each thread takes a contiguous range of tiles: one stream through memory.
         let parts = ranges(t1 - t0, 4, (t1 - t0) * TILE * self.k);
-        let blocks = map_ranges(&parts, |lo, hi| {
-            let mut out = vec![0f32; m * (hi - lo) * TILE];
+        map_ranges(&parts, |lo, hi| {
+            let out = &out;
             for t in lo..hi {
                 let tiles = &self.data[(t0 + t) * nb * size..][..nb * size];
+                // The tile's outputs are rows first..first + 16 of W; the asked-for ones
+                // land in columns c0..c1 of `ys`.
+                let first = (t0 + t) * TILE;
+                let (c0, c1) = (first.max(cols.start), (first + TILE).min(cols.end));
                 let mut r = 0;
                 while r < m {
                     // Up to four rows of `x` per pass over the tile's blocks (from L1): four
@@ -292,29 +298,30 @@ impl Packed {
                     let mut y = [[0f32; TILE]; 4];
                     tile_rows(self.format, tiles, x, r, rows, &mut y, simd);
                     for (j, y) in y.iter().enumerate().take(rows) {
-                        let at = (r + j) * (hi - lo) * TILE + (t - lo) * TILE;
-                        out[at..at + TILE].copy_from_slice(y);
+                        let at = (r + j) * width + c0 - cols.start;
+                        // SAFETY: `at..at + c1 - c0` lies in row r + j of `ys` (m rows of
+                        // `width`), and only the thread holding tile t writes its columns.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                y[c0 - first..].as_ptr(),
+                                out.0.add(at),
+                                c1 - c0,
+                            )
+                        };
                     }
                     r += rows;
                 }
             }
-            out
         });
-        // Gather each thread's tiles, keeping the asked-for columns.
-        let mut ys = vec![0f32; m * width];
-        for (&(lo, hi), block) in parts.iter().zip(&blocks) {
-            let span = (hi - lo) * TILE;
-            // This part's columns start at row (t0 + lo)·16 of W.
-            let first = (t0 + lo) * TILE;
-            let (c0, c1) = (first.max(cols.start), (first + span).min(cols.end));
-            for r in 0..m {
-                ys[r * width + c0 - cols.start..r * width + c1 - cols.start]
-                    .copy_from_slice(&block[r * span + c0 - first..r * span + c1 - first]);
-            }
-        }
         ys
     }
 }
+
+/// The product's output, written by several threads at disjoint columns.
+struct SharedOut(*mut f32);
+// SAFETY: the threads write disjoint elements (see `Packed::product`), and the vector
+// outlives them (`map_ranges` returns when they are done).
+unsafe impl Sync for SharedOut {}
 
 /// `y[j] += x row r + j · tile rows`, for `rows` (1–4) rows of `x` and one column of tiles.
 fn tile_rows(
@@ -502,6 +509,8 @@ mod tests {
                 (3, 300, 768, 0..300),
                 (6, 64, 128, 17..40),
                 (9, 33, 32, 5..33),
+                // Split across threads, a partial tile at either end.
+                (5, 200, 512, 23..190),
             ]
             .map(|s| (d, s))
         }) {
