@@ -112,16 +112,21 @@ static LAZY_ARENAS: extern "C" fn() = {
 };
 
 /// mimalloc's `mi_option_purge_delay` (its place in `mi_option_e`, the same in mimalloc 2
-/// and 3; libmimalloc-sys does not name it) and its documented default, 10 ms.
+/// and 3; libmimalloc-sys does not name it) and its documented defaults: 10 ms in
+/// mimalloc 2, 1000 ms in mimalloc 3 (what libmimalloc-sys 0.1.49 builds).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-const MI_DEFAULT_PURGE_DELAY: std::os::raw::c_long = 10;
+const MI_DEFAULT_PURGE_DELAYS: [std::os::raw::c_long; 2] = [10, 1000];
 
-/// Keeps freed memory for reuse instead of returning it to the OS 10 ms later. Training
-/// frees and reallocates hundreds of large temporaries per step; returning them made each
-/// one fault in again: a 6-step training trial ran at 1206–1652 tokens/s with the default
-/// and 1925–2345 with this (2534–2842 with MIMALLOC_PURGE_DELAY=-1 set before start),
-/// alternated in one session (docs/PERFORMANCE.md). The cost is that the process keeps its
-/// peak memory until it exits. MIMALLOC_PURGE_DELAY in the environment still wins.
+/// Training keeps freed memory for reuse instead of returning it to the OS once it has
+/// been free for the purge delay: a step frees and reallocates hundreds of large
+/// temporaries, and returned ones fault in again. With mimalloc 2's 10 ms a 6-step trial
+/// ran at 1206–1652 tokens/s against 1925–2345 with this (docs/PERFORMANCE.md); with
+/// mimalloc 3's 1000 ms, 12 steps of the same trial, 5 rounds alternating, medians: 13147
+/// against 14076 tokens/s (13549 against 13945 with eagerly committed arenas). The cost is
+/// that the process keeps its peak memory until it exits, which inference need not pay: a
+/// `gpt bench` of two 512-token prefills grew from 208 to 224 MiB (GPT-2 124M q8_0) when
+/// freed pages were never returned, at the same speed. MIMALLOC_PURGE_DELAY in the
+/// environment still wins.
 fn keep_freed_memory() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
         return;
@@ -129,7 +134,8 @@ fn keep_freed_memory() {
     // SAFETY: plain FFI calls on mimalloc's option table. The default is checked first, so
     // a future mimalloc that numbers its options differently is left alone.
     unsafe {
-        if libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) == MI_DEFAULT_PURGE_DELAY {
+        let delay = libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY);
+        if MI_DEFAULT_PURGE_DELAYS.contains(&delay) {
             libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1);
         }
     }
@@ -143,7 +149,6 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    keep_freed_memory();
     // Candle attaches a backtrace to every error when RUST_BACKTRACE is set, and messages
     // that quote an error would carry it along. Errors here are for users: keep library
     // backtraces off unless asked for explicitly (RUST_LIB_BACKTRACE=1). Set before any
@@ -185,6 +190,9 @@ fn main() -> ExitCode {
         // pool serves our kernels.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
+    }
+    if matches!(cli.command, Command::Train(_)) {
+        keep_freed_memory();
     }
     // The main thread's stack size for the pool's threads (the command runs on one).
     let _ = rayon::ThreadPoolBuilder::new()
