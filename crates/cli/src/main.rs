@@ -124,8 +124,8 @@ const MI_DEFAULT_PURGE_DELAYS: [std::os::raw::c_long; 2] = [10, 1000];
 /// mimalloc 3's 1000 ms, 12 steps of the same trial, 5 rounds alternating, medians: 13147
 /// against 14076 tokens/s (13549 against 13945 with eagerly committed arenas). The cost is
 /// that the process keeps its peak memory until it exits, which inference need not pay: a
-/// `gpt bench` of two 512-token prefills grew from 208 to 224 MiB (GPT-2 124M q8_0) when
-/// freed pages were never returned, at the same speed. MIMALLOC_PURGE_DELAY in the
+/// `gpt bench` of three 512-token prefills grew from 208 to 224 MiB (GPT-2 124M q8_0)
+/// when freed pages were never returned, at the same speed. MIMALLOC_PURGE_DELAY in the
 /// environment still wins.
 fn keep_freed_memory() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
