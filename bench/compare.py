@@ -22,6 +22,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig
 
+from floors import read_floor  # bench/floors.py, beside this script
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 p = argparse.ArgumentParser()
 p.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
@@ -91,20 +93,6 @@ def ours(b, n, new, extra):
            "--threads", str(args.threads), "--format", "json", *extra]
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     return out["prefill_tokens_per_s"], out["decode_tokens_per_s"], out["peak_rss_bytes"]
-
-
-@torch.inference_mode()
-def read_floor():
-    """Memory read bandwidth with these threads: summing 1 GiB of f32, far beyond the
-    caches (median of 5)."""
-    x = torch.ones(2**28)
-    x.sum()
-    reads = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        reads.append(x.numel() * 4 / (time.perf_counter() - t0))
-    return statistics.median(reads)
 
 
 @torch.inference_mode()

@@ -30,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 p = argparse.ArgumentParser()
@@ -48,25 +47,12 @@ if not os.path.exists(os.path.join(hf, "config.json")):
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gguf_fixtures  # noqa: E402  (llama.cpp's converter, in this process)
 import torch  # noqa: E402
+from floors import read_floor  # noqa: E402  (bench/floors.py, beside this script)
 
 sys.path.insert(0, os.path.join(gguf_fixtures.LLAMA_CPP, "gguf-py"))
 from gguf import GGUFReader  # noqa: E402  (llama.cpp's own reader)
 
 torch.set_num_threads(args.threads)
-
-
-@torch.inference_mode()
-def read_floor():
-    """Memory read bandwidth with these threads: summing 1 GiB of f32, far beyond the
-    caches (median of 5), in bytes/s."""
-    x = torch.ones(2**28)
-    x.sum()
-    reads = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        reads.append(x.numel() * 4 / (time.perf_counter() - t0))
-    return statistics.median(reads)
 
 
 def tensor_bytes(path):

@@ -909,18 +909,13 @@ impl Stages {
     }
 }
 
-/// Whether every value of `t` is finite; f32 on the CPU is read where it lies.
+/// Whether every value of `t` is finite: read on the CPU (f32 where it lies), reduced on
+/// other devices.
 fn all_finite(t: &Tensor) -> Result<bool> {
-    if t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() {
-        let (storage, layout) = t.storage_and_layout();
-        if let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) = &*storage {
-            let at = layout.start_offset();
-            if let Some(x) = all.get(at..at + t.elem_count()) {
-                // Branch-free within a chunk, so the compiler vectorizes it.
-                let finite = |c: &[f32]| c.iter().fold(true, |ok, v| ok & v.is_finite());
-                return Ok(x.chunks(1024).all(finite));
-            }
-        }
+    if t.device().is_cpu() {
+        // Branch-free within a chunk, so the compiler vectorizes it.
+        let finite = |c: &[f32]| c.iter().fold(true, |ok, v| ok & v.is_finite());
+        return mha::matvec::with_f32_values(t, |x| Ok(x.chunks(1024).all(finite)));
     }
     all_finite_on_device(t)
 }

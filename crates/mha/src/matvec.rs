@@ -155,7 +155,7 @@ pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<
 /// `f` on the values of `xs` as f32, row-major: borrowed from the tensor's storage when it
 /// holds them contiguous in f32 on the CPU (a prefill's activations: GPT-2's MLP output at
 /// 512 tokens is 6 MiB, and a copy is a moment at twice that), else converted once.
-pub(crate) fn with_f32_values<T>(xs: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
+pub fn with_f32_values<T>(xs: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
     let xs = xs.to_dtype(DType::F32)?.contiguous()?;
     let (storage, layout) = xs.storage_and_layout();
     if let Storage::Cpu(CpuStorage::F32(all)) = &*storage {
