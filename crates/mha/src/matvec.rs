@@ -41,7 +41,7 @@ pub const MAX_ROWS_IN_OUT: usize = 2;
 const TILE: usize = 6144;
 
 /// A weight dtype with product kernels.
-trait Elem: Widen {
+pub(crate) trait Elem: Widen {
     const ZERO: Self;
     fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[Self]; 4]);
     fn dot4(x: &[f32], w: [&[Self]; 4]) -> [f32; 4];

@@ -680,16 +680,23 @@ proptest! {
     }
 }
 
-/// The decode path of the fused kernel (one query row: dot products instead of GEMMs),
-/// taken by a single query and by the last block of a prompt of 65 rows, equals the
-/// reference with and without causal offsets, padding and GQA, across key blocks.
+/// Decoding rows of the fused kernel (a single query, and the last block of a prompt of
+/// 65 rows) equal the reference with and without causal offsets, padding and GQA, across
+/// key blocks, for f32 keys and values and for a half-precision cache (read by dot
+/// products and row updates, not the GEMM: blocks of 1 to 3 keys past a multiple of four
+/// take its remainder paths).
 #[test]
 fn fused_decode_rows_equal_reference() {
     for (tq, tk, h_kv, rep, causal, padded, window) in [
         (1, 1, 1, 1, false, false, None),
+        (1, 2, 1, 2, false, false, None),
+        (1, 3, 1, 1, true, false, None),
         (1, 300, 2, 3, true, false, None),
         (1, 257, 1, 4, false, true, None),
         (1, 129, 2, 1, true, true, None),
+        (1, 130, 2, 3, true, false, None),
+        (1, 131, 1, 2, false, false, None),
+        (3, 131, 1, 2, true, false, Some(9)),
         (65, 65, 2, 2, true, false, None),
         (65, 200, 1, 3, true, true, None),
         // Windows that end inside a key block, span several, or hold one key.
@@ -712,15 +719,20 @@ fn fused_decode_rows_equal_reference() {
         }
         mask.window = window;
         let p = SdpaParams::inference(1.0 / (d as f64).sqrt());
-        let fast = mha::kernel::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
-        let (slow, _) = sdpa_reference(&q, &k, &v, &mask, &p).unwrap();
-        assert_close(
-            &fast,
-            &slow,
-            1e-5,
-            1e-4,
-            &format!("decode rows tq={tq} tk={tk} window={window:?}"),
-        );
+        for kv_dtype in [DType::F32, DType::F16, DType::BF16] {
+            // The reference gets the same rounded values in f32.
+            let (k, v) = (k.to_dtype(kv_dtype).unwrap(), v.to_dtype(kv_dtype).unwrap());
+            let fast = mha::kernel::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let (slow, _) = sdpa_reference(&q, &f32(&k), &f32(&v), &mask, &p).unwrap();
+            assert_close(
+                &fast,
+                &slow,
+                1e-5,
+                1e-4,
+                &format!("decode rows tq={tq} tk={tk} window={window:?} {kv_dtype:?}"),
+            );
+        }
     }
 }
 
