@@ -168,26 +168,28 @@ pub fn with_f32_values<T>(xs: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> R
     f(&xs.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// Weights widened at a time by [`half_weight_matmul`], in a buffer each thread keeps:
-/// 4 MiB of f32 for a few rows, 16 MiB from `WIDE_SLAB_ROWS` rows on. Fewer, wider slabs
-/// pack `x` fewer times and split the product less: GPT-2 124M f16 prefill (512 tokens)
-/// 1427 → 1572 tok/s (medians of 5, alternating); a short prompt keeps the small buffer,
-/// which a decoding run's peak memory would otherwise carry (+12–26 MiB measured).
-const SLAB: usize = 1 << 20;
-const WIDE_SLAB: usize = 1 << 22;
-const WIDE_SLAB_ROWS: usize = 64;
+/// Weights (f32 elements) a task of [`half_weight_matmul`] widens at a time: 384 KiB,
+/// which stay in this CPU generation's 1 MiB L2 beside the GEMM's packed rows while it
+/// reads them once per block of rows. The tasks run single-threaded GEMMs side by side;
+/// they replaced slabs of 4–16 MiB widened in parallel and multiplied by a parallel GEMM:
+/// f16 prefill of 512 tokens, medians of 6 alternating, GPT-2 124M 1634 -> 1943 tok/s,
+/// SmolLM-135M 1361 -> 1347 (of 4: 64 tokens, 658 -> 1036 and 780 -> 942). 256 KiB
+/// tasks: GPT-2 9% slower, SmolLM 4% faster.
+const TASK_SLAB: usize = 96 << 10;
+/// The fewest output columns of a task.
+const MIN_COLS: usize = 48;
 
 thread_local! {
     static SLAB_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `xs [m, in] · w_t [in, out]` for f32 rows and an f16 or bf16 weight on the CPU, any
-/// number of rows (a prefill): slabs of output columns are widened to f32, in parallel,
-/// into a buffer the calling thread reuses, and multiplied by the f32 GEMM. Widening
-/// costs a few percent of a product with hundreds of rows; the f32 GEMM is several times
-/// Candle's f16 one on CPUs without AVX-512 FP16, and the reused buffer keeps the widened
-/// copy from costing memory or fresh pages (a tied head, GPT-2's 50257 × 768, would be
-/// 154 MB in f32). `None` when the operands are not such tensors, a gradient is needed, or
+/// number of rows (a prefill): tasks on the pool each widen a slab of output columns to
+/// f32, into a buffer their thread reuses, and multiply it by the f32 GEMM on that
+/// thread. Widening costs a few percent of a product with hundreds of rows; the f32 GEMM
+/// is several times Candle's f16 one on CPUs without AVX-512 FP16, and the small reused
+/// buffers keep the widened copy from costing memory or fresh pages (a tied head, GPT-2's
+/// 50257 × 768, would be 154 MB in f32). `None` when the operands are not such tensors, a gradient is needed, or
 /// the weight has neither unit-stride rows nor columns: the caller then converts it.
 pub fn half_weight_matmul(xs: &Tensor, w_t: &Tensor) -> Result<Option<Tensor>> {
     let (m, d_in) = xs.dims2()?;
@@ -266,44 +268,68 @@ where
     if !by_columns && !by_rows {
         return false;
     }
-    let slab = if m >= WIDE_SLAB_ROWS { WIDE_SLAB } else { SLAB };
-    let cols = (slab / d_in).clamp(16, d_out);
-    let parallel = d_in * cols >= PARALLEL_MIN;
-    SLAB_BUF.with(|buf| {
-        let mut buf = buf.borrow_mut();
-        if buf.len() < d_in * cols {
-            buf.resize(d_in * cols, 0.0);
-        }
-        for c0 in (0..d_out).step_by(cols) {
-            let n = cols.min(d_out - c0);
-            let slab = &mut buf[..d_in * n];
-            // The slab as `[n, in]` (by columns) or `[in, n]` (by rows), widened.
-            let (len, src): (usize, &(dyn Fn(usize) -> &'a [H] + Sync)) = match by_columns {
-                true => (d_in, &|j| &data[start + (c0 + j) * s1..][..d_in]),
-                false => (n, &|i| &data[start + i * s0 + c0..][..n]),
-            };
-            let widen = |(i, dst): (usize, &mut [f32])| src(i).convert_to_f32_slice(dst);
-            match parallel {
-                true => slab
-                    .par_chunks_mut(len)
-                    .with_min_len(16)
-                    .enumerate()
-                    .for_each(widen),
-                false => slab.chunks_mut(len).enumerate().for_each(widen),
+    // Tasks of about TASK_SLAB weights, as many as a multiple of the threads (a GQA
+    // model's k and v projections are small: one task would leave a thread idle), of at
+    // least MIN_COLS columns (the GEMM packs `x` again for every task).
+    let parallel = d_in * d_out >= PARALLEL_MIN;
+    let threads = if parallel {
+        rayon::current_num_threads().max(1)
+    } else {
+        1
+    };
+    let most = (d_out / MIN_COLS).max(1);
+    let mut tasks = (d_in * d_out).div_ceil(TASK_SLAB).next_multiple_of(threads);
+    if tasks > most {
+        tasks = if most >= threads {
+            most / threads * threads
+        } else {
+            most
+        };
+    }
+    // Column spans in whole groups of 16, as even as that allows.
+    let units = d_out.div_ceil(16);
+    let tasks = tasks.min(units);
+    let spans: Vec<(usize, usize)> = (0..tasks)
+        .map(|t| {
+            (
+                units * t / tasks * 16,
+                (units * (t + 1) / tasks * 16).min(d_out),
+            )
+        })
+        .collect();
+    let out = SharedOut(ys.as_mut_ptr());
+    let task = |&(c0, c1): &(usize, usize)| {
+        let n = c1 - c0;
+        SLAB_BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < d_in * n {
+                buf.resize(d_in * n, 0.0);
             }
-            // Element (k, j) of the slab's `[in, n]` matrix.
+            let slab = &mut buf[..d_in * n];
+            // The slab as `[n, in]` (by columns) or `[in, n]` (by rows), widened; element
+            // (k, j) of its `[in, n]` matrix is at k·rhs_rs + j·rhs_cs.
             let (rhs_rs, rhs_cs) = match by_columns {
-                true => (1, d_in as isize),
-                false => (n as isize, 1),
+                true => {
+                    for (j, dst) in slab.chunks_mut(d_in).enumerate() {
+                        data[start + (c0 + j) * s1..][..d_in].convert_to_f32_slice(dst);
+                    }
+                    (1, d_in as isize)
+                }
+                false => {
+                    for (i, dst) in slab.chunks_mut(n).enumerate() {
+                        data[start + i * s0 + c0..][..n].convert_to_f32_slice(dst);
+                    }
+                    (n as isize, 1)
+                }
             };
-            // SAFETY: `ys` holds m × out f32 and the product writes its columns
+            // SAFETY: `ys` holds m × out f32 and this task alone writes its columns
             // c0..c0 + n (row stride out); `x` holds m × in and `slab` in × n.
             unsafe {
                 gemm::gemm(
                     m,
                     n,
                     d_in,
-                    ys.as_mut_ptr().add(c0),
+                    out.at(c0),
                     1,
                     d_out as isize,
                     false,
@@ -318,12 +344,32 @@ where
                     false,
                     false,
                     false,
-                    gemm::Parallelism::Rayon(rayon::current_num_threads()),
+                    gemm::Parallelism::None,
                 )
             }
-        }
-    });
+        })
+    };
+    match parallel && spans.len() > 1 {
+        true => spans.par_iter().for_each(task),
+        false => spans.iter().for_each(task),
+    }
     true
+}
+
+/// The output of a product that tasks write in disjoint columns.
+struct SharedOut(*mut f32);
+// SAFETY: each task writes its own columns (see `slab_products`), and the vector outlives
+// them (the parallel loop returns when they are done).
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// Element `i` (a method, so closures capture the whole `Sync` struct).
+    ///
+    /// # Safety
+    /// `i` must lie inside the vector.
+    unsafe fn at(&self, i: usize) -> *mut f32 {
+        self.0.add(i)
+    }
 }
 
 /// `ys += x · w` with `w` the `[in, out]` view at `start` with `stride` into `data`;

@@ -1022,8 +1022,9 @@ fn half_weights_with_f32_activations_equal_the_product_of_their_values() -> Resu
         }
     };
     let f64 = |t: &Tensor| t.to_dtype(DType::F64);
-    // (64, 70_000): five slabs of 1 M elements below 64 rows, two of 4 M from 64 rows on;
-    // (1101, 1000): two slabs in both layouts below 64 rows.
+    // (96, 600) and (99, 37): one task, on the calling thread; (1101, 1000): 12 tasks on
+    // the pool (2, 3, 4 or 6 threads), in spans of 80 or 96 columns and a last one of 88 (1000 is not a multiple
+    // of 16); (64, 70_000): 46 tasks.
     for (d_in, d_out) in [(96, 600), (99, 37), (1101, 1000), (64, 70_000)] {
         for half in [DType::F16, DType::BF16] {
             let w_t = randn(&[d_in, d_out]).to_dtype(half)?; // Conv1D: [in, out]
