@@ -247,7 +247,7 @@ struct View {
 
 /// `ys [m, out] = x [m, in] · w` slab by slab; false (nothing done) when the view has
 /// neither unit-stride rows nor columns or does not lie in `data`.
-fn slab_products<'a, H>(x: &[f32], m: usize, data: &'a [H], v: View, ys: &mut [f32]) -> bool
+fn slab_products<H>(x: &[f32], m: usize, data: &[H], v: View, ys: &mut [f32]) -> bool
 where
     H: Sync,
     [H]: half::slice::HalfFloatSliceExt,
