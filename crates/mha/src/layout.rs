@@ -330,13 +330,11 @@ impl Proj {
                         return ys.reshape(out_dims(dims, d_out));
                     }
                 }
-                match w_t.dtype() == xs2.dtype() {
-                    true => xs2.matmul(w_t)?,
-                    // Half-precision weights with f32 activations (a prefill).
-                    false => match crate::matvec::half_weight_matmul(&xs2, w_t)? {
-                        Some(ys) => ys,
-                        None => xs2.matmul(&w_t.to_dtype(xs2.dtype())?)?,
-                    },
+                // A prefill with f32 activations (f32, f16 or bf16 weights).
+                match crate::matvec::prefill_matmul(&xs2, w_t)? {
+                    Some(ys) => ys,
+                    None if w_t.dtype() == xs2.dtype() => xs2.matmul(w_t)?,
+                    None => xs2.matmul(&w_t.to_dtype(xs2.dtype())?)?,
                 }
             }
             Weight::Quantized {

@@ -168,13 +168,17 @@ pub fn with_f32_values<T>(xs: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> R
     f(&xs.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// Weights (f32 elements) a task of [`half_weight_matmul`] widens at a time: 384 KiB,
+/// Weights (f32 elements) a task of [`prefill_matmul`] takes at a time: 384 KiB,
 /// which stay in this CPU generation's 1 MiB L2 beside the GEMM's packed rows while it
 /// reads them once per block of rows. The tasks run single-threaded GEMMs side by side;
 /// they replaced slabs of 4–16 MiB widened in parallel and multiplied by a parallel GEMM:
 /// f16 prefill of 512 tokens, medians of 6 alternating, GPT-2 124M 1634 -> 1943 tok/s,
 /// SmolLM-135M 1361 -> 1347 (of 4: 64 tokens, 658 -> 1036 and 780 -> 942). 256 KiB
-/// tasks: GPT-2 9% slower, SmolLM 4% faster.
+/// tasks: GPT-2 9% slower, SmolLM 4% faster. f32 weights, against Candle's matmul (the
+/// same GEMM, parallel): GPT-2 512 tokens 1782 -> 2024 (of 8), 256 1395 -> 1784, 64
+/// 656 -> 1080; SmolLM 512 1450 -> 1472; peak memory at 512 tokens +29 MiB, all of it
+/// freed memory the allocator holds for its purge delay (545 MiB for both with
+/// `MIMALLOC_PURGE_DELAY=0`).
 const TASK_SLAB: usize = 96 << 10;
 /// The fewest output columns of a task.
 const MIN_COLS: usize = 48;
@@ -183,15 +187,17 @@ thread_local! {
     static SLAB_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// `xs [m, in] · w_t [in, out]` for f32 rows and an f16 or bf16 weight on the CPU, any
-/// number of rows (a prefill): tasks on the pool each widen a slab of output columns to
-/// f32, into a buffer their thread reuses, and multiply it by the f32 GEMM on that
-/// thread. Widening costs a few percent of a product with hundreds of rows; the f32 GEMM
-/// is several times Candle's f16 one on CPUs without AVX-512 FP16, and the small reused
-/// buffers keep the widened copy from costing memory or fresh pages (a tied head, GPT-2's
-/// 50257 × 768, would be 154 MB in f32). `None` when the operands are not such tensors, a gradient is needed, or
-/// the weight has neither unit-stride rows nor columns: the caller then converts it.
-pub fn half_weight_matmul(xs: &Tensor, w_t: &Tensor) -> Result<Option<Tensor>> {
+/// `xs [m, in] · w_t [in, out]` for f32 rows and an f32, f16 or bf16 weight on the CPU,
+/// any number of rows (a prefill): tasks on the pool each take a span of output columns
+/// and multiply it by the f32 GEMM on their own thread; half-precision weights are first
+/// widened to f32, a span at a time, into a buffer the task's thread reuses. Widening
+/// costs a few percent of a product with hundreds of rows; the f32 GEMM is several times
+/// Candle's f16 one on CPUs without AVX-512 FP16, and the small reused buffers keep the
+/// widened copy from costing memory or fresh pages (a tied head, GPT-2's 50257 × 768,
+/// would be 154 MB in f32). `None` when the operands are not such tensors, a gradient is
+/// needed, or the weight has neither unit-stride rows nor columns: the caller then uses
+/// `matmul` (converting a half-precision weight).
+pub fn prefill_matmul(xs: &Tensor, w_t: &Tensor) -> Result<Option<Tensor>> {
     let (m, d_in) = xs.dims2()?;
     let (w_in, d_out) = w_t.dims2()?;
     let plain = |t: &Tensor| t.device().is_cpu() && !t.track_op();
@@ -200,7 +206,7 @@ pub fn half_weight_matmul(xs: &Tensor, w_t: &Tensor) -> Result<Option<Tensor>> {
         || d_out == 0
         || w_in != d_in
         || xs.dtype() != DType::F32
-        || !matches!(w_t.dtype(), DType::F16 | DType::BF16)
+        || !matches!(w_t.dtype(), DType::F32 | DType::F16 | DType::BF16)
         || !plain(xs)
         || !plain(w_t)
     {
@@ -224,14 +230,49 @@ pub fn half_weight_matmul(xs: &Tensor, w_t: &Tensor) -> Result<Option<Tensor>> {
     };
     let mut ys = vec![0f32; m * d_out];
     let done = match &*w_storage {
-        Storage::Cpu(CpuStorage::F16(w)) => slab_products(x, m, w, view, &mut ys),
-        Storage::Cpu(CpuStorage::BF16(w)) => slab_products(x, m, w, view, &mut ys),
+        Storage::Cpu(CpuStorage::F32(w)) => span_products(x, m, w, view, &mut ys),
+        Storage::Cpu(CpuStorage::F16(w)) => span_products(x, m, w, view, &mut ys),
+        Storage::Cpu(CpuStorage::BF16(w)) => span_products(x, m, w, view, &mut ys),
         _ => false,
     };
     drop((x_storage, w_storage));
     match done {
         true => Tensor::from_vec(ys, (m, d_out), xs.device()).map(Some),
         false => Ok(None),
+    }
+}
+
+/// A weight element [`prefill_matmul`] reads: f32 in place, f16 and bf16 widened.
+trait SpanElem: Sync + Sized {
+    /// The weights themselves when they are f32 already.
+    fn as_f32(data: &[Self]) -> Option<&[f32]>;
+    fn widen(src: &[Self], dst: &mut [f32]);
+}
+
+impl SpanElem for f32 {
+    fn as_f32(data: &[f32]) -> Option<&[f32]> {
+        Some(data)
+    }
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
+}
+
+impl SpanElem for f16 {
+    fn as_f32(_: &[f16]) -> Option<&[f32]> {
+        None
+    }
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst)
+    }
+}
+
+impl SpanElem for bf16 {
+    fn as_f32(_: &[bf16]) -> Option<&[f32]> {
+        None
+    }
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst)
     }
 }
 
@@ -245,14 +286,9 @@ struct View {
     d_out: usize,
 }
 
-/// `ys [m, out] = x [m, in] · w` slab by slab; false (nothing done) when the view has
+/// `ys [m, out] = x [m, in] · w` span by span; false (nothing done) when the view has
 /// neither unit-stride rows nor columns or does not lie in `data`.
-fn slab_products<H>(x: &[f32], m: usize, data: &[H], v: View, ys: &mut [f32]) -> bool
-where
-    H: Sync,
-    [H]: half::slice::HalfFloatSliceExt,
-{
-    use half::slice::HalfFloatSliceExt;
+fn span_products<E: SpanElem>(x: &[f32], m: usize, data: &[E], v: View, ys: &mut [f32]) -> bool {
     let View {
         start,
         s0,
@@ -298,54 +334,64 @@ where
         })
         .collect();
     let out = SharedOut(ys.as_mut_ptr());
+    // `out[:, c0..c0 + n] = x · w[:, c0..c0 + n]`, element (k, j) of the span at
+    // `w[k·rs + j·cs]`.
+    let product = |c0: usize, n: usize, w: &[f32], rs: usize, cs: usize| {
+        // SAFETY: `ys` holds m × out f32 and this task alone writes its columns
+        // c0..c0 + n (row stride out); `x` holds m × in, and `w` the span (`fits` above,
+        // or the widened copy).
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                d_in,
+                out.at(c0),
+                1,
+                d_out as isize,
+                false,
+                x.as_ptr(),
+                1,
+                d_in as isize,
+                w.as_ptr(),
+                cs as isize,
+                rs as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    };
     let task = |&(c0, c1): &(usize, usize)| {
         let n = c1 - c0;
+        if let Some(w) = E::as_f32(data) {
+            return match by_columns {
+                true => product(c0, n, &w[start + c0 * s1..], 1, s1),
+                false => product(c0, n, &w[start + c0..], s0, 1),
+            };
+        }
         SLAB_BUF.with(|buf| {
             let mut buf = buf.borrow_mut();
             if buf.len() < d_in * n {
                 buf.resize(d_in * n, 0.0);
             }
             let slab = &mut buf[..d_in * n];
-            // The slab as `[n, in]` (by columns) or `[in, n]` (by rows), widened; element
-            // (k, j) of its `[in, n]` matrix is at k·rhs_rs + j·rhs_cs.
-            let (rhs_rs, rhs_cs) = match by_columns {
+            // The span widened as `[n, in]` (by columns) or `[in, n]` (by rows).
+            match by_columns {
                 true => {
                     for (j, dst) in slab.chunks_mut(d_in).enumerate() {
-                        data[start + (c0 + j) * s1..][..d_in].convert_to_f32_slice(dst);
+                        E::widen(&data[start + (c0 + j) * s1..][..d_in], dst);
                     }
-                    (1, d_in as isize)
+                    product(c0, n, slab, 1, d_in)
                 }
                 false => {
                     for (i, dst) in slab.chunks_mut(n).enumerate() {
-                        data[start + i * s0 + c0..][..n].convert_to_f32_slice(dst);
+                        E::widen(&data[start + i * s0 + c0..][..n], dst);
                     }
-                    (n as isize, 1)
+                    product(c0, n, slab, n, 1)
                 }
-            };
-            // SAFETY: `ys` holds m × out f32 and this task alone writes its columns
-            // c0..c0 + n (row stride out); `x` holds m × in and `slab` in × n.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    n,
-                    d_in,
-                    out.at(c0),
-                    1,
-                    d_out as isize,
-                    false,
-                    x.as_ptr(),
-                    1,
-                    d_in as isize,
-                    slab.as_ptr(),
-                    rhs_cs,
-                    rhs_rs,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                )
             }
         })
     };

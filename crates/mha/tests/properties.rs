@@ -1003,13 +1003,14 @@ fn few_rows_case(d_in: usize, d_out: usize) -> Result<()> {
     Ok(())
 }
 
-/// Half-precision weights with f32 activations (how `gpt` runs an f16 model on the CPU):
-/// every row count, both stored layouts, a view into a fused projection and a weight wide
-/// enough to be widened in several slabs give the f64 product of the same rounded weights
-/// to f32 precision, in f32; so do the few-rows kernel and the slab product called directly.
+/// Half-precision weights with f32 activations (how `gpt` runs an f16 model on the CPU),
+/// and f32 weights: every row count, both stored layouts, a view into a fused projection
+/// and a weight wide enough for many tasks give the f64 product of the same rounded
+/// weights to f32 precision, in f32; so do the few-rows kernel and the prefill product
+/// called directly.
 #[test]
-fn half_weights_with_f32_activations_equal_the_product_of_their_values() -> Result<()> {
-    use mha::matvec::{few_rows_matmul, half_weight_matmul};
+fn dense_weights_with_f32_activations_equal_the_product_of_their_values() -> Result<()> {
+    use mha::matvec::{few_rows_matmul, prefill_matmul};
     use mha::Proj;
     let f16_kernels = {
         #[cfg(target_arch = "x86_64")]
@@ -1026,7 +1027,8 @@ fn half_weights_with_f32_activations_equal_the_product_of_their_values() -> Resu
     // the pool (2, 3, 4 or 6 threads), in spans of 80 or 96 columns and a last one of 88 (1000 is not a multiple
     // of 16); (64, 70_000): 46 tasks.
     for (d_in, d_out) in [(96, 600), (99, 37), (1101, 1000), (64, 70_000)] {
-        for half in [DType::F16, DType::BF16] {
+        // f32 weights too: `prefill_matmul` reads them in place.
+        for half in [DType::F16, DType::BF16, DType::F32] {
             let w_t = randn(&[d_in, d_out]).to_dtype(half)?; // Conv1D: [in, out]
             let linear = randn(&[d_out, d_in]).to_dtype(half)?; // nn.Linear: [out, in]
             let b = randn(&[d_out]).to_dtype(half)?;
@@ -1066,13 +1068,13 @@ fn half_weights_with_f32_activations_equal_the_product_of_their_values() -> Resu
                         "linear" => rows <= mha::matvec::MAX_ROWS,
                         _ => rows <= mha::matvec::MAX_ROWS_IN_OUT,
                     };
-                    let takes = takes && (half == DType::BF16 || f16_kernels);
+                    let takes = takes && (half != DType::F16 || f16_kernels);
                     assert_eq!(direct.is_some(), takes, "{what}, matvec");
                     if let Some(direct) = direct {
                         let direct = direct.reshape((rows, 1, n))?;
                         assert_close(&direct, &want, 1e-4, 1e-4, &format!("{what}, matvec"));
                     }
-                    let slabs = half_weight_matmul(&xs.reshape((rows, d_in))?, dense)?
+                    let slabs = prefill_matmul(&xs.reshape((rows, d_in))?, dense)?
                         .expect("unit-stride rows or columns");
                     let slabs = slabs.broadcast_add(&b.to_dtype(DType::F32)?)?;
                     let slabs = slabs.reshape((rows, 1, n))?;
