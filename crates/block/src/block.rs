@@ -110,6 +110,16 @@ impl Block {
         })
     }
 
+    /// The block with q/k/v and gate/up each computed by one projection where they can
+    /// share a matrix ([`MultiHeadAttention::fused`], [`Mlp::fused`]), for inference.
+    pub fn fused(&self) -> Result<Self> {
+        Ok(Self {
+            attn: self.attn.fused()?,
+            mlp: self.mlp.fused()?,
+            ..self.clone()
+        })
+    }
+
     /// The parts in the order they run, for saving and inspection: the norm before
     /// attention, attention, the norm before the MLP, the MLP.
     pub fn parts(&self) -> (&Norm, &MultiHeadAttention, &Norm, &Mlp) {

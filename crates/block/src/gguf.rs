@@ -659,6 +659,18 @@ impl Gguf {
     /// widened as the products read them: the same results as f32 weights, at half the
     /// memory and bytes read (see [`Gpt::with_f32_activations`]).
     pub fn load(&self, dtype: DType, device: &Device) -> Result<Gpt> {
+        self.load_blocks(dtype, device, false)
+    }
+
+    /// [`Gguf::load`], each block's q/k/v and gate/up projections fused into one product
+    /// each as it is loaded ([`Gpt::fused`], for inference): the block's separate matrices
+    /// are freed at once and their memory serves the next block's, where fusing the
+    /// loaded model would hold them all until the allocator returns them.
+    pub fn load_fused(&self, dtype: DType, device: &Device) -> Result<Gpt> {
+        self.load_blocks(dtype, device, true)
+    }
+
+    fn load_blocks(&self, dtype: DType, device: &Device, fuse: bool) -> Result<Gpt> {
         let cfg = self.config()?;
         self.check_memory(&cfg, dtype, device)?;
         let matrix = |t: GgmlDType| matrix_dtype(t, dtype, device);
@@ -782,7 +794,8 @@ impl Gguf {
             let down = proj(blk("ffn_down"), (d, inner), cfg.mlp_bias, 0)?;
             let mlp = Mlp::from_projections(&cfg, up, gate, down)?;
             let (ln_1, ln_2) = (norm(&blk("attn_norm"))?, norm(&blk("ffn_norm"))?);
-            blocks.push(Block::from_parts(&cfg, i, ln_1, attn, ln_2, mlp)?);
+            let block = Block::from_parts(&cfg, i, ln_1, attn, ln_2, mlp)?;
+            blocks.push(if fuse { block.fused()? } else { block });
         }
         let wpe = match cfg.rope {
             Some(_) => None,

@@ -1,7 +1,7 @@
 //! The feed-forward half of a block: plain (`down(act(up(x)))`, GPT-2, NeoX, Neo) or gated
 //! (`down(act(gate(x)) · up(x))`, SwiGLU in Llama, Mistral, Qwen2).
 
-use candle_core::{Result, Tensor};
+use candle_core::{Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use mha::Proj;
 
@@ -13,6 +13,9 @@ use crate::{Activation, GptConfig};
 pub struct Mlp {
     up: Proj,
     gate: Option<Proj>,
+    /// Gate and up as one projection (`[d, 2·inner]`, gate first) in a model fused for
+    /// inference ([`Mlp::fused`]); `gate` and `up` are then views into it.
+    gate_up: Option<Proj>,
     down: Proj,
     act: Activation,
     names: MlpNames,
@@ -71,6 +74,7 @@ impl Mlp {
         Ok(Self {
             up: load(names.up, d, inner)?,
             gate,
+            gate_up: None,
             down: load(names.down, inner, d)?,
             act: cfg.activation_function,
             names,
@@ -111,14 +115,46 @@ impl Mlp {
         Ok(Self {
             up,
             gate,
+            gate_up: None,
             down,
             act: cfg.activation_function,
             names,
         })
     }
 
+    /// The MLP with its gate and up projections computed as one where they can share a
+    /// matrix ([`Proj::concat`]: a new matrix, the checkpoint's left as they are): for
+    /// inference, one product instead of two, and SwiGLU's `silu(gate)·up` in one pass
+    /// over it. The same outputs up to the summation order of the products.
+    pub fn fused(&self) -> Result<Self> {
+        let Some(gate) = self.gate.as_ref().filter(|_| self.gate_up.is_none()) else {
+            return Ok(self.clone());
+        };
+        let Some(gate_up) = Proj::concat(&[gate, &self.up])? else {
+            return Ok(self.clone());
+        };
+        let inner = self.up.dims()?.1;
+        Ok(Self {
+            gate: Some(gate_up.narrow(0, inner)?),
+            up: gate_up.narrow(inner, inner)?,
+            gate_up: Some(gate_up),
+            ..self.clone()
+        })
+    }
+
     /// The MLP with its projections quantized to `dtype` (those whose input width allows).
     pub fn quantize(&self, dtype: candle_core::quantized::GgmlDType) -> Result<Self> {
+        if let Some(gate_up) = &self.gate_up {
+            let gate_up = gate_up.quantize_or_keep(dtype)?;
+            let inner = self.up.dims()?.1;
+            return Ok(Self {
+                gate: Some(gate_up.narrow(0, inner)?),
+                up: gate_up.narrow(inner, inner)?,
+                gate_up: Some(gate_up),
+                down: self.down.quantize_or_keep(dtype)?,
+                ..self.clone()
+            });
+        }
         Ok(Self {
             up: self.up.quantize_or_keep(dtype)?,
             gate: self
@@ -148,6 +184,12 @@ impl Mlp {
         (&self.up, self.gate.as_ref(), &self.down)
     }
 
+    /// Gate and up as one projection (`[d, 2·inner]`, gate first), in a model fused for
+    /// inference ([`Mlp::fused`]).
+    pub fn fused_gate_up(&self) -> Option<&Proj> {
+        self.gate_up.as_ref()
+    }
+
     /// The activation.
     pub fn activation(&self) -> Activation {
         self.act
@@ -160,11 +202,29 @@ impl Mlp {
 
     /// `[b, t, d]` to `[b, t, d]`.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let hs = match &self.gate {
-            // (b, t, inner)
-            Some(gate) => (self.act.apply(&gate.forward(xs)?)? * self.up.forward(xs)?)?,
-            None => self.act.apply(&self.up.forward(xs)?)?,
+        // (b, t, inner)
+        let hs = match (&self.gate, &self.gate_up) {
+            (Some(_), Some(gate_up)) => {
+                // (b, t, 2·inner): gate, then up.
+                let gu = gate_up.forward(xs)?;
+                let inner = gu.dim(D::Minus1)? / 2;
+                let (g, u) = (
+                    gu.narrow(D::Minus1, 0, inner)?,
+                    gu.narrow(D::Minus1, inner, inner)?,
+                );
+                self.gated(&g, &u)?
+            }
+            (Some(gate), None) => self.gated(&gate.forward(xs)?, &self.up.forward(xs)?)?,
+            (None, _) => self.act.apply(&self.up.forward(xs)?)?,
         };
         self.down.forward(&hs)
+    }
+
+    /// `act(g)·u`; SwiGLU's in one pass where [`mha::kernel::silu_mul`] applies.
+    fn gated(&self, g: &Tensor, u: &Tensor) -> Result<Tensor> {
+        match self.act {
+            Activation::Silu => mha::kernel::silu_mul(g, u),
+            _ => self.act.apply(g)? * u,
+        }
     }
 }

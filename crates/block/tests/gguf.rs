@@ -267,6 +267,103 @@ fn cached_decoding_equals_the_full_pass() {
     }
 }
 
+/// A model loaded fused for inference (`Gguf::load_fused`: q/k/v and gate/up each one
+/// product) computes what the file's separate projections do: f32, q/k/v biases (Qwen2),
+/// q8_0 and q4_0 (packed where the CPU has the kernels), an f16 file computing in f32, a
+/// full pass and cached decoding. Files whose projections are stored fused (GPT-2, NeoX)
+/// or cannot be concatenated (k-quants) load as they are.
+#[test]
+fn fused_loading_computes_what_the_separate_projections_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let f16 = dir.path().join("qwen2.f16.gguf");
+    gpt_blocks::save_gguf(&load("qwen2.f32.gguf"), &f16, GgmlDType::F16, None, None).unwrap();
+    let cases = [
+        ("llama.f32.gguf", true, 1e-5),
+        ("qwen2.f32.gguf", true, 1e-5),
+        ("llama3.f32.gguf", true, 1e-5),
+        ("llama.q8_0.gguf", mha::qpacked::Packed::available(), 1e-4),
+        ("qwen2.q4_0.gguf", mha::qpacked::Packed::available(), 1e-4),
+        ("qwen2.f16.gguf", true, 1e-5),
+        ("gpt2.f32.gguf", false, 0.0),
+        ("llama_wide.q4_k_m.gguf", false, 0.0),
+    ];
+    for (file, fuses, tol) in cases {
+        let p = match file.contains("f16") {
+            true => f16.clone(),
+            false => path(file),
+        };
+        let gguf = Gguf::open(&p).unwrap();
+        let plain = gguf.load(DType::F32, &Device::Cpu).unwrap();
+        let fused = gguf.load_fused(DType::F32, &Device::Cpu).unwrap();
+        let (_, attn, _, mlp) = fused.blocks()[0].parts();
+        let did = attn.fused_qkv().is_some() && mlp.fused_gate_up().is_some();
+        let stored = plain.blocks()[0].parts().1.fused_qkv().is_some();
+        assert_eq!(
+            did && !stored,
+            fuses,
+            "{file}: fused = {did}, stored fused = {stored}"
+        );
+        // The parts are views of the fused matrices holding the file's weights and biases.
+        let (_, plain_attn, _, plain_mlp) = plain.blocks()[0].parts();
+        let (up, gate, _) = mlp.parts();
+        let (plain_up, plain_gate, _) = plain_mlp.parts();
+        let mut pairs: Vec<(&mha::Proj, &mha::Proj)> = attn
+            .qkv_proj()
+            .into_iter()
+            .zip(plain_attn.qkv_proj())
+            .collect();
+        pairs.push((up, plain_up));
+        pairs.extend(gate.zip(plain_gate));
+        for (i, (a, b)) in pairs.into_iter().enumerate() {
+            let w = |p: &mha::Proj| p.weight_t().unwrap().to_dtype(DType::F32).unwrap();
+            assert_close(&w(a), &w(b), 0.0, 0.0, &format!("{file}: projection {i}"));
+            assert_eq!(a.bias().is_some(), b.bias().is_some(), "{file}: bias {i}");
+            if let (Some(x), Some(y)) = (a.bias(), b.bias()) {
+                assert_close(x, y, 0.0, 0.0, &format!("{file}: bias {i}"));
+            }
+        }
+        let name = file.split('.').next().unwrap();
+        let ids = batch(&expected(name)["input_ids"])
+            .narrow(1, 0, 12)
+            .unwrap();
+        let want = plain.infer(&ids, None, None, Logits::All).unwrap();
+        let got = fused.infer(&ids, None, None, Logits::All).unwrap();
+        assert_close(&got, &want, tol, 1e-4, &format!("{file}, full pass"));
+        let mut cache = GptCache::new(fused.config(), 4);
+        let mut steps = vec![fused
+            .infer(
+                &ids.narrow(1, 0, 3).unwrap(),
+                None,
+                Some(&mut cache),
+                Logits::All,
+            )
+            .unwrap()];
+        for i in 3..12 {
+            let step = ids.narrow(1, i, 1).unwrap();
+            steps.push(
+                fused
+                    .infer(&step, None, Some(&mut cache), Logits::All)
+                    .unwrap(),
+            );
+        }
+        let cached = Tensor::cat(&steps, 1).unwrap();
+        assert_close(
+            &cached,
+            &want,
+            tol.max(1e-5),
+            1e-4,
+            &format!("{file}, decoding"),
+        );
+        // Fusing a loaded model does the same as fusing while loading.
+        let after = plain
+            .fused()
+            .unwrap()
+            .infer(&ids, None, None, Logits::All)
+            .unwrap();
+        assert_close(&after, &got, 0.0, 0.0, &format!("{file}, Gpt::fused"));
+    }
+}
+
 /// `save_gguf` writes what `Gguf::load` reads back: the same logits (f32), and for q8_0 the
 /// logits of the model quantized in memory to the same blocks. llama.cpp running these
 /// files is checked by scripts/gguf_export_check.py (it needs llama.cpp).

@@ -44,7 +44,7 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 /// Runs `gpt bench`.
 pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
-    let Loaded { model, source, .. } = common::load(margs)?;
+    let Loaded { model, source, .. } = common::load_for_inference(margs)?;
     let cfg = model.config();
     if a.prompt_len == 0 || a.batch == 0 || a.runs == 0 {
         bail!("--prompt-len, --batch and --runs must be at least 1")

@@ -55,7 +55,7 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
         tokenizer,
         chat,
         source,
-    } = common::load(margs)?;
+    } = common::load_for_inference(margs)?;
     let tok = tokenizer.as_ref();
     if tok.is_none() {
         bail!("{source} has no tokenizer; gpt chat needs one")

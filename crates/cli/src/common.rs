@@ -203,6 +203,21 @@ pub fn read_tokenizer(path: &Path) -> Result<Tokenizer> {
 
 /// Loads what `--model` names (and checks its weights with `--check-weights`).
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
+    load_with(args, false)
+}
+
+/// [`load`], with each block's q/k/v and gate/up projections fused into one product each
+/// where they can share a matrix ([`gpt_blocks::Gpt::fused`]), for the commands that run
+/// the model (`generate`, `score`, `bench`, `serve`, `chat`); those that show or save its
+/// tensors by their checkpoint names load it as stored. GGUF files only: their loader
+/// fuses each block as it reads it, so its separate matrices' memory serves the next
+/// block; the other formats hold every tensor before the model is built, and fusing after
+/// would cost memory the allocator keeps for a while (+20-40 MiB on SmolLM-135M).
+pub fn load_for_inference(args: &ModelArgs) -> Result<Loaded> {
+    load_with(args, true)
+}
+
+fn load_with(args: &ModelArgs, fuse: bool) -> Result<Loaded> {
     // Quantizing while loading keeps the f32 blocks from all being in memory at once;
     // checking the weights needs them unquantized, so that loads first and quantizes after.
     let load_as = gpt_blocks::LoadAs {
@@ -212,7 +227,7 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
             .filter(|_| !args.check_weights)
             .map(Into::into),
     };
-    let mut loaded = load_unchecked(args, load_as)?;
+    let mut loaded = load_unchecked(args, load_as, fuse)?;
     if args.check_weights {
         loaded.model.check_weights()?;
     }
@@ -231,7 +246,7 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     Ok(loaded)
 }
 
-fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs) -> Result<Loaded> {
+fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs, fuse: bool) -> Result<Loaded> {
     let dev = device(args.device)?;
     let dtype = load_as.dtype;
     let plain = || ChatTemplate::new(None, None, None);
@@ -263,7 +278,7 @@ fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs) -> Result<Loade
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
         if ext == "gguf" {
             let dtype = args.dtype.map(Into::into);
-            return load_gguf(&path, dtype, &dev).map(|(m, t, c)| loaded(m, t, c));
+            return load_gguf(&path, dtype, &dev, fuse).map(|(m, t, c)| loaded(m, t, c));
         }
         if ext == "pt" {
             let model = gpt_blocks::load_nanogpt(&path, dtype, &dev)?;
@@ -300,6 +315,7 @@ fn load_gguf(
     path: &Path,
     dtype: Option<DType>,
     dev: &Device,
+    fuse: bool,
 ) -> Result<(Gpt, Option<Tokenizer>, ChatTemplate)> {
     let mut gguf = gpt_blocks::Gguf::open(path)?;
     let dtype = match dtype {
@@ -327,9 +343,11 @@ fn load_gguf(
     gguf.release_vocab();
     // SAFETY: a plain call into mimalloc: return the pages freed so far to the OS.
     unsafe { libmimalloc_sys::mi_collect(true) };
-    let model = gguf
-        .load(dtype, dev)
-        .with_context(|| path.display().to_string())?;
+    let model = match fuse {
+        true => gguf.load_fused(dtype, dev),
+        false => gguf.load(dtype, dev),
+    }
+    .with_context(|| path.display().to_string())?;
     let (tokenizer, bos, eos) = vocab?;
     let template = gguf
         .chat_template()

@@ -119,7 +119,7 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
         tokenizer,
         chat,
         ..
-    } = common::load(margs)?;
+    } = common::load_for_inference(margs)?;
     let tok = tokenizer.as_ref();
     let cfg = model.config().clone();
     let asked = a.max_new_tokens.unwrap_or(0);

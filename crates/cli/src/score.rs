@@ -60,7 +60,7 @@ pub fn logprobs(model: &gpt_blocks::Gpt, ids: &[u32], stride: usize) -> Result<V
 pub fn run(a: &ScoreArgs, margs: &ModelArgs) -> Result<()> {
     let Loaded {
         model, tokenizer, ..
-    } = common::load(margs)?;
+    } = common::load_for_inference(margs)?;
     let ids = match (&a.text, &a.file, &a.ids) {
         (Some(t), _, _) => common::encode(tokenizer.as_ref(), t)?,
         (_, Some(f), _) => common::encode(tokenizer.as_ref(), &common::read_text(f)?)?,

@@ -396,6 +396,19 @@ impl MultiHeadAttention {
         })
     }
 
+    /// The layer with its query, key and value projections computed as one (their
+    /// matrices concatenated into a new one, the checkpoint's left as they are) where they
+    /// can share a matrix: for inference, one product per self-attention step instead of
+    /// three. The same outputs up to the summation order of the products. A layer that
+    /// already has a fused projection, or whose projections differ in kind, comes back as
+    /// it is.
+    pub fn fused(&self) -> Result<Self> {
+        Ok(Self {
+            proj: self.proj.fused()?,
+            ..self.clone()
+        })
+    }
+
     /// Attention of `query` over `key`/`value` (PyTorch's `forward(query, key, value)` with
     /// `batch_first=True`; pass the same tensor three times for self-attention).
     ///

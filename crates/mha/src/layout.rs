@@ -302,6 +302,73 @@ impl Proj {
         Ok(Self { w, b })
     }
 
+    /// One projection that computes `parts` side by side (their outputs concatenated in
+    /// order), for inference: one product where there were several (a Llama layer's q, k
+    /// and v, its gate and up), so decoding hands one product to the threads instead of
+    /// three and a prefill multiplies one wider matrix. The weight is a new matrix; the
+    /// parts keep theirs. `None` when the parts cannot share a matrix: different input
+    /// widths, dtypes, devices or kinds, biases on some only, narrowed views of quantized
+    /// matrices, quantized matrices that are not packed, or packed ones whose row tiles
+    /// would not line up (a part other than the last with rows not a multiple of 16).
+    pub fn concat(parts: &[&Proj]) -> Result<Option<Proj>> {
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
+        let d_in = first.dims()?.0;
+        for p in parts {
+            if p.dims()?.0 != d_in || p.b.is_some() != first.b.is_some() {
+                return Ok(None);
+            }
+        }
+        let b = match &first.b {
+            Some(b0) => {
+                let bs: Vec<Tensor> = parts.iter().filter_map(|p| p.b.clone()).collect();
+                if bs
+                    .iter()
+                    .any(|b| b.dtype() != b0.dtype() || !b.device().same_device(b0.device()))
+                {
+                    return Ok(None);
+                }
+                Some(Tensor::cat(&bs, 0)?)
+            }
+            None => None,
+        };
+        let w = match &first.w {
+            Weight::Dense(w0) => {
+                let mut ws = Vec::with_capacity(parts.len());
+                for p in parts {
+                    match &p.w {
+                        Weight::Dense(w)
+                            if w.dtype() == w0.dtype() && w.device().same_device(w0.device()) =>
+                        {
+                            ws.push(w.clone())
+                        }
+                        _ => return Ok(None),
+                    }
+                }
+                Weight::Dense(cat_columns(&ws)?)
+            }
+            Weight::Packed { .. } => {
+                let mut ws = Vec::with_capacity(parts.len());
+                for p in parts {
+                    match &p.w {
+                        Weight::Packed { w, cols: None } => ws.push(w.as_ref()),
+                        _ => return Ok(None),
+                    }
+                }
+                match Packed::concat(&ws) {
+                    Some(w) => Weight::Packed {
+                        w: Arc::new(w),
+                        cols: None,
+                    },
+                    None => return Ok(None),
+                }
+            }
+            Weight::Quantized { .. } => return Ok(None),
+        };
+        Ok(Some(Self { w, b }))
+    }
+
     /// `[.., in]` to `[.., out]`.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let (d_in, d_out) = self.dims()?;
@@ -437,6 +504,48 @@ fn out_dims(dims: &[usize], d_out: usize) -> Vec<usize> {
     out
 }
 
+/// `[in, out_i]` matrices side by side, `[in, Σ out_i]`. Weights seen transposed (an
+/// `nn.Linear`'s `[out, in]`, the decoding kernels' favourite layout) stay so: their rows
+/// are concatenated into a new `[Σ out_i, in]` matrix, on the CPU in a buffer on huge
+/// pages as the loaders' (see [`crate::memory::weight_vec`]).
+fn cat_columns(ws: &[Tensor]) -> Result<Tensor> {
+    let transposed = ws.iter().all(|w| w.t().is_ok_and(|t| t.is_contiguous()));
+    if !transposed {
+        return Tensor::cat(ws, 1);
+    }
+    let rows: Vec<Tensor> = ws.iter().map(|w| w.t()).collect::<Result<_>>()?;
+    let cpu = rows.iter().all(|r| r.device().is_cpu());
+    let cat = match (cpu, rows[0].dtype()) {
+        (true, DType::F32) => cat_rows_cpu::<f32>(&rows)?,
+        (true, DType::F16) => cat_rows_cpu::<half::f16>(&rows)?,
+        (true, DType::BF16) => cat_rows_cpu::<half::bf16>(&rows)?,
+        _ => Tensor::cat(&rows, 0)?,
+    };
+    cat.t()
+}
+
+/// Contiguous CPU matrices `[n_i, k]` stacked, `[Σ n_i, k]`, in a weight buffer.
+fn cat_rows_cpu<T: candle_core::WithDType>(rows: &[Tensor]) -> Result<Tensor> {
+    let k = rows[0].dim(1)?;
+    let total: usize = rows.iter().map(|r| r.elem_count()).sum();
+    let mut out = crate::memory::weight_vec(total, T::zero());
+    let mut at = 0;
+    for r in rows {
+        let n = r.elem_count();
+        let (storage, layout) = r.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            bail!("cat_rows_cpu: a matrix not on the CPU")
+        };
+        let src = cpu.as_slice::<T>()?;
+        let Some(src) = src.get(layout.start_offset()..layout.start_offset() + n) else {
+            bail!("cat_rows_cpu: a matrix outside its storage")
+        };
+        out[at..at + n].copy_from_slice(src);
+        at += n;
+    }
+    Tensor::from_vec(out, (total / k, k), rows[0].device())
+}
+
 /// The projections of one attention layer.
 #[derive(Debug, Clone)]
 pub(crate) struct Projections {
@@ -449,6 +558,27 @@ pub(crate) struct Projections {
 }
 
 impl Projections {
+    /// q, k and v computed by one projection where they can share a matrix (see
+    /// [`Proj::concat`]), each then a view into it as for a checkpoint that stores them
+    /// fused; unchanged otherwise.
+    pub(crate) fn fused(&self) -> Result<Self> {
+        if self.qkv.is_some() {
+            return Ok(self.clone());
+        }
+        let Some(qkv) = Proj::concat(&[&self.q, &self.k, &self.v])? else {
+            return Ok(self.clone());
+        };
+        let (q_len, k_len) = (self.q.dims()?.1, self.k.dims()?.1);
+        let v_len = self.v.dims()?.1;
+        Ok(Projections {
+            q: qkv.narrow(0, q_len)?,
+            k: qkv.narrow(q_len, k_len)?,
+            v: qkv.narrow(q_len + k_len, v_len)?,
+            o: self.o.clone(),
+            qkv: Some(qkv),
+        })
+    }
+
     /// Every projection quantized (where its width allows); q/k/v stay views of the fused
     /// one when there is one.
     pub(crate) fn quantize(&self, dtype: GgmlDType) -> Result<Self> {

@@ -209,6 +209,36 @@ impl Packed {
         }))
     }
 
+    /// Matrices of the same format and width stacked, `[Σ n_i, k]`, or `None` when they
+    /// differ or a part other than the last has rows that do not fill its last tile (its
+    /// padding rows would sit between two parts).
+    pub fn concat(parts: &[&Packed]) -> Option<Packed> {
+        let first = parts.first()?;
+        let aligned = parts[..parts.len() - 1]
+            .iter()
+            .all(|p| p.n.is_multiple_of(TILE));
+        if !aligned
+            || parts
+                .iter()
+                .any(|p| p.format != first.format || p.k != first.k)
+        {
+            return None;
+        }
+        let bytes: usize = parts.iter().map(|p| p.data.len()).sum();
+        let mut data = crate::memory::weight_vec(bytes, 0u8);
+        let mut at = 0;
+        for p in parts {
+            data[at..at + p.data.len()].copy_from_slice(&p.data);
+            at += p.data.len();
+        }
+        Some(Packed {
+            format: first.format,
+            n: parts.iter().map(|p| p.n).sum(),
+            k: first.k,
+            data,
+        })
+    }
+
     /// `(n, k)`: rows (outputs) and columns (inputs).
     pub fn dims(&self) -> (usize, usize) {
         (self.n, self.k)

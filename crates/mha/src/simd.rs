@@ -109,6 +109,15 @@ fn gelu_tanh_impl(xs: &[f32], ys: &mut [f32]) {
     }
 }
 
+/// SwiGLU's product `silu(g)·u = g·u / (1 + exp(-g))`, one vectorised `exp` and one
+/// division per element.
+#[inline(always)]
+fn silu_mul_impl(g: &[f32], u: &[f32], ys: &mut [f32]) {
+    for ((y, &g), &u) in ys.iter_mut().zip(g).zip(u) {
+        *y = g * u / (1.0 + exp(-g));
+    }
+}
+
 /// `gs[i] *= d gelu_tanh(x) / dx` at `x = xs[i]`: with `s = 1 / (1 + exp(-2u))` the GELU
 /// is `x·s`, whose derivative is `s + 2·x·s·(1 - s)·u'`, again one `exp`.
 #[inline(always)]
@@ -418,6 +427,10 @@ dispatch!(
 dispatch!(
     /// `ys[i] = gelu_tanh(xs[i])` over the shorter of the two slices.
     gelu_tanh, gelu_tanh_impl, (xs: &[f32], ys: &mut [f32]) -> ()
+);
+dispatch!(
+    /// `ys[i] = silu(g[i])·u[i]` over the shortest of the three slices.
+    silu_mul, silu_mul_impl, (g: &[f32], u: &[f32], ys: &mut [f32]) -> ()
 );
 dispatch!(
     /// `gs[i] *= gelu_tanh'(xs[i])` over the shorter of the two slices.

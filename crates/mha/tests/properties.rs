@@ -1208,3 +1208,94 @@ fn quantized_projections_agree_across_row_counts() -> Result<()> {
     }
     Ok(())
 }
+
+/// SwiGLU's `silu(gate)·up` in one pass equals Candle's `silu` times `up` (its own `exp`:
+/// a few ulp) on contiguous tensors, on the two halves of one `[.., 2·inner]` product
+/// (rank 2 and 3, the layout a fused gate-and-up projection gives), on one row, and
+/// where it hands over to Candle (f16, a transposed view); different shapes are an error.
+#[test]
+fn silu_mul_equals_silu_times_up() -> Result<()> {
+    use mha::kernel::silu_mul;
+    let check = |g: &Tensor, u: &Tensor, what: &str| -> Result<()> {
+        let want = (g.to_dtype(DType::F32)?.silu()? * u.to_dtype(DType::F32)?)?;
+        let got = silu_mul(g, u)?;
+        assert_eq!(got.dims(), g.dims(), "{what}");
+        assert_eq!(got.dtype(), g.dtype(), "{what}");
+        let tol = if g.dtype() == DType::F32 { 1e-6 } else { 1e-2 };
+        assert_close(&got.to_dtype(DType::F32)?, &want, tol, tol, what);
+        Ok(())
+    };
+    // Large values too: silu saturates to x and to 0.
+    let scaled = |shape: &[usize]| (randn(shape) * 8.0).unwrap();
+    check(&scaled(&[3, 5, 40]), &randn(&[3, 5, 40]), "contiguous")?;
+    let gu = scaled(&[7, 2 * 33]);
+    check(
+        &gu.narrow(1, 0, 33)?,
+        &gu.narrow(1, 33, 33)?,
+        "halves, rank 2",
+    )?;
+    let gu = scaled(&[2, 9, 2 * 1536]);
+    check(
+        &gu.narrow(2, 0, 1536)?,
+        &gu.narrow(2, 1536, 1536)?,
+        "halves, rank 3",
+    )?;
+    check(&scaled(&[17]), &randn(&[17]), "one row")?;
+    let g = scaled(&[6, 10]).to_dtype(DType::F16)?;
+    check(&g, &randn(&[6, 10]).to_dtype(DType::F16)?, "f16")?;
+    check(&scaled(&[10, 6]).t()?, &randn(&[6, 10]), "transposed")?;
+    assert!(silu_mul(&randn(&[2, 3]), &randn(&[3, 2])).is_err());
+    Ok(())
+}
+
+/// `Proj::concat` computes its parts side by side (`[in, out]` and `nn.Linear` weights,
+/// with biases, quantized q8_0), and refuses parts that cannot share a matrix.
+#[test]
+fn concatenated_projections_compute_their_parts_side_by_side() -> Result<()> {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use mha::Proj;
+    use std::sync::Arc;
+    let xs = randn(&[5, 64]);
+    let side_by_side = |parts: &[&Proj]| -> Result<Tensor> {
+        let ys: Vec<Tensor> = parts
+            .iter()
+            .map(|p| p.forward(&xs))
+            .collect::<Result<_>>()?;
+        Tensor::cat(&ys, 1)
+    };
+    let conv = |n| Proj::new(randn(&[64, n]), Some(randn(&[n])));
+    let lin = |n| Proj::from_linear(&randn(&[n, 64]), Some(randn(&[n])));
+    let q8 = |n: usize| -> Result<Proj> {
+        let w = QTensor::quantize(&randn(&[n, 64]), GgmlDType::Q8_0)?;
+        Proj::from_qtensor(Arc::new(w), None, DType::F32)
+    };
+    let (c, l, q) = (
+        [conv(32), conv(16), conv(16)],
+        [lin(48)?, lin(16)?],
+        [q8(32)?, q8(20)?],
+    );
+    for (what, parts) in [
+        ("conv1d", c.iter().collect::<Vec<_>>()),
+        ("linear", l.iter().collect()),
+        ("q8_0", q.iter().collect()),
+    ] {
+        // Quantized matrices concatenate when packed (CPUs with the packed kernels).
+        let Some(cat) = Proj::concat(&parts)? else {
+            assert!(
+                what == "q8_0" && !mha::qpacked::Packed::available(),
+                "{what}"
+            );
+            continue;
+        };
+        assert_close(&cat.forward(&xs)?, &side_by_side(&parts)?, 1e-5, 1e-5, what);
+    }
+    // A bias on one part only, another input width, a packed part whose rows do not
+    // fill their last tile before another part: no shared matrix.
+    let bare = Proj::new(randn(&[64, 8]), None);
+    assert!(Proj::concat(&[&c[0], &bare])?.is_none());
+    assert!(Proj::concat(&[&c[0], &Proj::new(randn(&[32, 8]), Some(randn(&[8])))])?.is_none());
+    if mha::qpacked::Packed::available() {
+        assert!(Proj::concat(&[&q[1], &q[0]])?.is_none());
+    }
+    Ok(())
+}

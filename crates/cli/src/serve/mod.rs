@@ -118,7 +118,7 @@ pub fn run(a: &ServeArgs, margs: &ModelArgs) -> Result<()> {
         tokenizer,
         chat,
         source,
-    } = common::load(margs)?;
+    } = common::load_for_inference(margs)?;
     let cfg = model.config();
     let model_name = match (&a.served_model_name, &margs.model) {
         (Some(n), _) => n.clone(),
