@@ -52,6 +52,20 @@ fn logits(model: &Gpt, ids: &Tensor) -> Tensor {
         .unwrap()
 }
 
+/// Logits of `ids [1, T]` through `cache`: the first `prefix` positions in one pass, then
+/// one position per step.
+fn cached_logits(model: &Gpt, ids: &Tensor, prefix: usize, cache: &mut GptCache) -> Tensor {
+    let t = ids.dim(1).unwrap();
+    let run = |ids: &Tensor, cache: &mut GptCache| {
+        model.infer(ids, None, Some(cache), Logits::All).unwrap()
+    };
+    let mut steps = vec![run(&ids.narrow(1, 0, prefix).unwrap(), cache)];
+    for i in prefix..t {
+        steps.push(run(&ids.narrow(1, i, 1).unwrap(), cache));
+    }
+    Tensor::cat(&steps, 1).unwrap()
+}
+
 #[test]
 fn f32_files_give_transformers_logits() {
     for name in ["gpt2", "llama", "qwen2", "neox", "llama3"] {
@@ -246,23 +260,7 @@ fn cached_decoding_equals_the_full_pass() {
             .unwrap();
         let full = model.infer(&ids, None, None, Logits::All).unwrap();
         let mut cache = GptCache::new(model.config(), 4);
-        let mut steps = vec![model
-            .infer(
-                &ids.narrow(1, 0, 5).unwrap(),
-                None,
-                Some(&mut cache),
-                Logits::All,
-            )
-            .unwrap()];
-        for i in 5..12 {
-            let step = ids.narrow(1, i, 1).unwrap();
-            steps.push(
-                model
-                    .infer(&step, None, Some(&mut cache), Logits::All)
-                    .unwrap(),
-            );
-        }
-        let cached = Tensor::cat(&steps, 1).unwrap();
+        let cached = cached_logits(&model, &ids, 5, &mut cache);
         assert_close(&cached, &full, 1e-4, 1e-4, file);
     }
 }
@@ -330,23 +328,7 @@ fn fused_loading_computes_what_the_separate_projections_do() {
         let got = fused.infer(&ids, None, None, Logits::All).unwrap();
         assert_close(&got, &want, tol, 1e-4, &format!("{file}, full pass"));
         let mut cache = GptCache::new(fused.config(), 4);
-        let mut steps = vec![fused
-            .infer(
-                &ids.narrow(1, 0, 3).unwrap(),
-                None,
-                Some(&mut cache),
-                Logits::All,
-            )
-            .unwrap()];
-        for i in 3..12 {
-            let step = ids.narrow(1, i, 1).unwrap();
-            steps.push(
-                fused
-                    .infer(&step, None, Some(&mut cache), Logits::All)
-                    .unwrap(),
-            );
-        }
-        let cached = Tensor::cat(&steps, 1).unwrap();
+        let cached = cached_logits(&fused, &ids, 3, &mut cache);
         assert_close(
             &cached,
             &want,
@@ -433,23 +415,7 @@ fn half_precision_files_compute_in_f32_with_half_weights() {
         let full = mixed.infer(&ids, None, None, Logits::All).unwrap();
         assert_close(&full, &want, 1e-5, 1e-4, &format!("{name}, full pass"));
         let mut cache = GptCache::new(mixed.config(), 4);
-        let mut steps = vec![mixed
-            .infer(
-                &ids.narrow(1, 0, 3).unwrap(),
-                None,
-                Some(&mut cache),
-                Logits::All,
-            )
-            .unwrap()];
-        for i in 3..12 {
-            let step = ids.narrow(1, i, 1).unwrap();
-            steps.push(
-                mixed
-                    .infer(&step, None, Some(&mut cache), Logits::All)
-                    .unwrap(),
-            );
-        }
-        let cached = Tensor::cat(&steps, 1).unwrap();
+        let cached = cached_logits(&mixed, &ids, 3, &mut cache);
         assert_close(&cached, &want, 1e-5, 1e-4, &format!("{name}, decoding"));
         // The model's own cache keeps keys and values in f16, as llama.cpp's does: the
         // logits move by the rounding of keys and values to f16 (2^-11 relative).
