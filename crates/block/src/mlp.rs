@@ -133,6 +133,12 @@ impl Mlp {
         let Some(gate_up) = Proj::concat(&[gate, &self.up])? else {
             return Ok(self.clone());
         };
+        self.with_gate_up(gate_up)
+    }
+
+    /// The MLP computing gate and up by `gate_up` (`[d, 2·inner]`, gate first), the two
+    /// then views into it.
+    fn with_gate_up(&self, gate_up: Proj) -> Result<Self> {
         let inner = self.up.dims()?.1;
         Ok(Self {
             gate: Some(gate_up.narrow(0, inner)?),
@@ -145,14 +151,9 @@ impl Mlp {
     /// The MLP with its projections quantized to `dtype` (those whose input width allows).
     pub fn quantize(&self, dtype: candle_core::quantized::GgmlDType) -> Result<Self> {
         if let Some(gate_up) = &self.gate_up {
-            let gate_up = gate_up.quantize_or_keep(dtype)?;
-            let inner = self.up.dims()?.1;
             return Ok(Self {
-                gate: Some(gate_up.narrow(0, inner)?),
-                up: gate_up.narrow(inner, inner)?,
-                gate_up: Some(gate_up),
                 down: self.down.quantize_or_keep(dtype)?,
-                ..self.clone()
+                ..self.with_gate_up(gate_up.quantize_or_keep(dtype)?)?
             });
         }
         Ok(Self {
