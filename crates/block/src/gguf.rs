@@ -603,17 +603,16 @@ impl Gguf {
         info.read(&mut *file, self.content.tensor_data_offset, device)
     }
 
-    /// A q8_0 or q4_0 matrix packed for this CPU's kernels straight from the file, 16 rows
-    /// at a time (no buffer or `QTensor` the size of the matrix beside the result), or
+    /// A q8_0, q4_0, q4_K or q6_K matrix packed for this CPU's kernels straight from the
+    /// file, 16 rows at a time (no buffer or `QTensor` the size of the matrix beside it), or
     /// `None` when the tensor is of another format, the device not the CPU or the CPU
     /// without the kernels (the caller then reads a `QTensor`). Checks as [`Self::qtensor`].
     fn packed(&self, name: &str, shape: &[usize], device: &Device) -> Result<Option<Packed>> {
-        let packable = |dtype| matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_0);
         let info = self.content.tensor_infos.get(name);
         let (&[n, k], Some(info)) = (shape, info) else {
             return Ok(None);
         };
-        if !device.is_cpu() || !Packed::available() || !packable(info.ggml_dtype) {
+        if !device.is_cpu() || !Packed::available() || !Packed::packs(info.ggml_dtype) {
             return Ok(None);
         }
         let (info, mut file) = self.claim(name, shape)?;
@@ -724,7 +723,7 @@ impl Gguf {
         // held for a moment, and early on the rest of the model is not there beside them
         // (GPT-2 124M's q8_0 table is 41 MB; read last, it raised decoding's peak RSS).
         let (wte, lm_head) = match self.packed("token_embd.weight", &[v, d], device)? {
-            // A q8_0/q4_0 table packed for this CPU: looked up row by row, and a tied head
+            // A table packed for this CPU (q8_0, q4_0, q4_K, q6_K): looked up row by row, and a tied head
             // multiplies by the same tiles.
             Some(packed) => {
                 let table = Arc::new(packed);

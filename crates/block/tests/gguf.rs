@@ -267,9 +267,9 @@ fn cached_decoding_equals_the_full_pass() {
 
 /// A model loaded fused for inference (`Gguf::load_fused`: q/k/v and gate/up each one
 /// product) computes what the file's separate projections do: f32, q/k/v biases (Qwen2),
-/// q8_0 and q4_0 (packed where the CPU has the kernels), an f16 file computing in f32, a
-/// full pass and cached decoding. Files whose projections are stored fused (GPT-2, NeoX)
-/// or cannot be concatenated (k-quants) load as they are.
+/// q8_0, q4_0 and q4_K_M (packed where the CPU has the kernels), an f16 file computing in
+/// f32, a full pass and cached decoding. Files whose projections are stored fused (GPT-2,
+/// NeoX) or cannot be concatenated (q3_K, which is not packed) load as they are.
 #[test]
 fn fused_loading_computes_what_the_separate_projections_do() {
     let dir = tempfile::tempdir().unwrap();
@@ -283,7 +283,12 @@ fn fused_loading_computes_what_the_separate_projections_do() {
         ("qwen2.q4_0.gguf", mha::qpacked::Packed::available(), 1e-4),
         ("qwen2.f16.gguf", true, 1e-5),
         ("gpt2.f32.gguf", false, 0.0),
-        ("llama_wide.q4_k_m.gguf", false, 0.0),
+        (
+            "llama_wide.q4_k_m.gguf",
+            mha::qpacked::Packed::available(),
+            1e-4,
+        ),
+        ("llama_wide.q3_k_m.gguf", false, 0.0),
     ];
     for (file, fuses, tol) in cases {
         let p = match file.contains("f16") {

@@ -32,60 +32,338 @@ use crate::qmatvec::QRows;
 
 /// Rows per tile.
 const TILE: usize = 16;
-/// Values per block.
+/// Values per block of q8_0 and q4_0, and per block of the quantized rows of `x`.
 const QK: usize = 32;
-/// Bytes of a tile's scales.
+/// Values per k-quant super-block.
+const QK_K: usize = 256;
+/// Bytes of a q8_0/q4_0 tile's scales.
 const SCALES: usize = 2 * TILE;
+
+/// Where the parts of a q4_K tile (16 rows × one super-block of 8 sub-blocks of 32) start:
+/// 16 f16 `d`, 16 f16 `dmin`, the 6-bit scales and minima as bytes (`[8][16]` each: one
+/// 16-byte load per sub-block), then each sub-block's nibbles laid out as a q4_0 tile's.
+/// 2368 bytes against the file's 2304: the scales unpacked from their 12-byte form.
+mod q4k {
+    pub const DMIN: usize = 32;
+    pub const SC: usize = 64;
+    pub const MIN: usize = 192;
+    pub const QS: usize = 320;
+    pub const BYTES: usize = QS + 8 * 256;
+}
+
+/// Where the parts of a q6_K tile (16 rows × one super-block of 16 sub-blocks of 16) start:
+/// 16 f16 `d`, the signed 8-bit scales (`[16][16]`), the low four bits of each block of 32
+/// laid out as a q4_0 tile's nibbles, then their high two bits, 128 bytes per block of 32:
+/// bits `2f..2f + 1` of byte `64h + 4r + i` belong to value `4g + i` of row `r`, `g = 4h + f`.
+/// The same 3360 bytes as the file's 16 blocks.
+mod q6k {
+    pub const SC: usize = 32;
+    pub const QL: usize = 288;
+    pub const QH: usize = QL + 8 * 256;
+    pub const BYTES: usize = QH + 8 * 128;
+}
 
 /// The formats packed here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Format {
     Q8_0,
     Q4_0,
+    Q5_0,
+    Q4K,
+    Q6K,
 }
 
 impl Format {
-    /// Bytes per tile (16 rows × one block: the stored blocks' bytes).
-    fn tile_bytes(self) -> usize {
-        match self {
-            Self::Q8_0 => TILE * (2 + QK),
-            Self::Q4_0 => TILE * (2 + QK / 2),
+    fn of(dtype: GgmlDType) -> Option<Self> {
+        match dtype {
+            GgmlDType::Q8_0 => Some(Self::Q8_0),
+            GgmlDType::Q4_0 => Some(Self::Q4_0),
+            GgmlDType::Q5_0 => Some(Self::Q5_0),
+            GgmlDType::Q4K => Some(Self::Q4K),
+            GgmlDType::Q6K => Some(Self::Q6K),
+            _ => None,
         }
     }
 
-    /// What the unsigned operands carry on top of the value.
+    /// Values of a row in one stored block (and so in one tile).
+    fn values(self) -> usize {
+        match self {
+            Self::Q8_0 | Self::Q4_0 | Self::Q5_0 => QK,
+            Self::Q4K | Self::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes of one row's stored block.
+    fn block_bytes(self) -> usize {
+        match self {
+            Self::Q8_0 => 2 + QK,
+            Self::Q4_0 => 2 + QK / 2,
+            Self::Q5_0 => 2 + 4 + QK / 2,
+            Self::Q4K => 4 + 12 + QK_K / 2,
+            Self::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
+        }
+    }
+
+    /// Bytes per tile (16 rows × one block).
+    fn tile_bytes(self) -> usize {
+        match self {
+            Self::Q8_0 | Self::Q4_0 | Self::Q5_0 => TILE * self.block_bytes(),
+            Self::Q4K => q4k::BYTES,
+            Self::Q6K => q6k::BYTES,
+        }
+    }
+
+    /// What the unsigned operands of q8_0 and q4_0 carry on top of the value.
     fn offset(self) -> i32 {
         match self {
             Self::Q8_0 => 128,
             Self::Q4_0 => 8,
+            Self::Q5_0 => 16,
+            Self::Q4K => 0,
+            Self::Q6K => 32,
         }
     }
 
-    /// Where value `v` of row `r` sits in a tile's values, and whether in the high nibble.
+    /// Where value `v` of row `r` sits in a q8_0 or q4_0 tile's values, and whether in the
+    /// high nibble (q4_0; the k-quants lay out their four-bit parts per 32 values the same).
     fn place(self, r: usize, v: usize) -> (usize, bool) {
         match self {
             Self::Q8_0 => ((v / 4) * 4 * TILE + 4 * r + v % 4, false),
-            Self::Q4_0 => ((v / 8) * 4 * TILE + 4 * r + v % 4, v % 8 >= 4),
+            _ => ((v / 8) * 4 * TILE + 4 * r + v % 4, v % 8 >= 4),
         }
     }
 
-    /// The unsigned operand (value plus offset) of value `v`, row `r`, in tile values `q`.
-    fn operand(self, q: &[u8], r: usize, v: usize) -> i32 {
-        let (at, high) = self.place(r, v);
-        match (self, high) {
-            (Self::Q8_0, _) => q[at] as i32,
-            (Self::Q4_0, false) => (q[at] & 15) as i32,
-            (Self::Q4_0, true) => (q[at] >> 4) as i32,
+    /// The unsigned operand (value plus offset) of value `v` of row `r` in tile `t`.
+    fn operand(self, t: &[u8], r: usize, v: usize) -> i32 {
+        let nibble = |q: &[u8], v: usize| {
+            let (at, high) = self.place(r, v);
+            (if high { q[at] >> 4 } else { q[at] & 15 }) as i32
+        };
+        match self {
+            Self::Q8_0 => t[SCALES + self.place(r, v).0] as i32,
+            Self::Q4_0 => nibble(&t[SCALES..], v),
+            Self::Q5_0 => {
+                let high = t[SCALES + 256 + 4 * r + v % 4] >> (v / 4) & 1;
+                nibble(&t[SCALES..], v) | (high as i32) << 4
+            }
+            Self::Q4K => nibble(&t[q4k::QS + v / QK * 256..], v % QK),
+            Self::Q6K => {
+                let (b, v) = (v / QK, v % QK);
+                let (g, i) = (v / 4, v % 4);
+                let high = t[q6k::QH + b * 128 + (g / 4) * 64 + 4 * r + i] >> (2 * (g % 4)) & 3;
+                nibble(&t[q6k::QL + b * 256..], v) | (high as i32) << 4
+            }
+        }
+    }
+
+    /// Row `r` of tile `t`, dequantized as ggml (and Candle) do, to the same bits.
+    fn dequantize(self, t: &[u8], r: usize, out: &mut [f32]) {
+        let half = |at: usize| f16::from_le_bytes([t[at + 2 * r], t[at + 2 * r + 1]]).to_f32();
+        let d = half(0);
+        match self {
+            Self::Q8_0 | Self::Q4_0 | Self::Q5_0 => {
+                for (v, y) in out.iter_mut().enumerate() {
+                    *y = (self.operand(t, r, v) - self.offset()) as f32 * d;
+                }
+            }
+            Self::Q4K => {
+                let dmin = half(q4k::DMIN);
+                for (j, out) in out.chunks_exact_mut(QK).enumerate() {
+                    let d1 = d * t[q4k::SC + 16 * j + r] as f32;
+                    let m1 = dmin * t[q4k::MIN + 16 * j + r] as f32;
+                    for (v, y) in out.iter_mut().enumerate() {
+                        *y = d1 * self.operand(t, r, QK * j + v) as f32 - m1;
+                    }
+                }
+            }
+            Self::Q6K => {
+                for (v, y) in out.iter_mut().enumerate() {
+                    let sc = t[q6k::SC + 16 * (v / 16) + r] as i8;
+                    *y = d * sc as f32 * (self.operand(t, r, v) - 32) as f32;
+                }
+            }
+        }
+    }
+
+    /// Writes stored block `src` (one row's) as row `r` of tile `t`; rows not written keep
+    /// the tile's initial bytes, which stand for zeros (see [`Packed::from_rows`]).
+    fn pack_row(self, src: &[u8], t: &mut [u8], r: usize) {
+        // Four-bit value `v` (of a block of 32) into the nibble layout at `q`.
+        let put = |q: &mut [u8], v: usize, nib: u8| {
+            let (at, high) = self.place(r, v);
+            q[at] = if high {
+                (q[at] & 0x0f) | (nib << 4)
+            } else {
+                (q[at] & 0xf0) | nib
+            };
+        };
+        match self {
+            Self::Q8_0 => {
+                t[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
+                for v in 0..QK {
+                    t[SCALES + self.place(r, v).0] = src[2 + v] ^ 0x80;
+                }
+            }
+            Self::Q4_0 | Self::Q5_0 => {
+                // Stored: d, (q5_0) the fifth bits as a little-endian u32, bit j for
+                // value j, then value j in the low nibble of byte j, j + 16 in its high
+                // nibble.
+                t[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
+                let (qh, qs) = match self {
+                    Self::Q5_0 => (
+                        u32::from_le_bytes([src[2], src[3], src[4], src[5]]),
+                        &src[6..],
+                    ),
+                    _ => (0, &src[2..]),
+                };
+                for v in 0..QK {
+                    let byte = qs[v % 16];
+                    put(
+                        &mut t[SCALES..],
+                        v,
+                        if v < 16 { byte & 15 } else { byte >> 4 },
+                    );
+                    if self == Self::Q5_0 {
+                        // Bit g = v / 4 of byte 4r + v % 4: beside the nibble of group g.
+                        t[SCALES + 256 + 4 * r + v % 4] |= ((qh >> v & 1) as u8) << (v / 4);
+                    }
+                }
+            }
+            Self::Q4K => {
+                // Stored: d, dmin, 12 bytes of scales and minima, then each 64 values as
+                // 32 bytes: values 0..32 in the low nibbles, 32..64 in the high ones.
+                t[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
+                t[q4k::DMIN + 2 * r..][..2].copy_from_slice(&src[2..4]);
+                let (scales, qs) = (&src[4..16], &src[16..]);
+                for j in 0..8 {
+                    let (sc, m) = scale_min_k4(j, scales);
+                    t[q4k::SC + 16 * j + r] = sc;
+                    t[q4k::MIN + 16 * j + r] = m;
+                }
+                for v in 0..QK_K {
+                    let (c, l) = (v / 64, v % 64);
+                    let byte = qs[32 * c + l % 32];
+                    let nib = if l < 32 { byte & 15 } else { byte >> 4 };
+                    put(&mut t[q4k::QS + v / QK * 256..], v % QK, nib);
+                }
+            }
+            Self::Q6K => {
+                // Stored: 128 bytes of low nibbles, 64 of high bit pairs, 16 scales, d;
+                // each 128 values as four runs of 32 (see Candle's `BlockQ6K::to_float`).
+                let (ql, qh, sc) = (&src[..128], &src[128..192], &src[192..208]);
+                t[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
+                for (j, &s) in sc.iter().enumerate() {
+                    t[q6k::SC + 16 * j + r] = s;
+                }
+                for v in 0..QK_K {
+                    let (half, run, l) = (v / 128, v % 128 / 32, v % 32);
+                    let low = ql[64 * half + l + 32 * (run % 2)];
+                    let nib = if run < 2 { low & 15 } else { low >> 4 };
+                    let high = qh[32 * half + l] >> (2 * run) & 3;
+                    let (b, v) = (v / QK, v % QK);
+                    put(&mut t[q6k::QL + b * 256..], v, nib);
+                    let (g, i) = (v / 4, v % 4);
+                    t[q6k::QH + b * 128 + (g / 4) * 64 + 4 * r + i] |= high << (2 * (g % 4));
+                }
+            }
         }
     }
 }
 
-/// A q8_0 or q4_0 matrix `[n, k]` in tiles of 16 rows (see the module's description).
+/// Sub-block `j`'s 6-bit scale and minimum from a q4_K block's 12 bytes (ggml's
+/// `get_scale_min_k4`).
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Rows of `x` quantized for a product: in blocks of 32 as ggml's q8_0 for q8_0 and q4_0
+/// weights, in super-blocks of 256 as its q8_K for the k-quants (as ggml multiplies them,
+/// so that results track llama.cpp's to rounding).
+enum XRows {
+    Blocks(QRows),
+    Super(SuperRows),
+}
+
+impl XRows {
+    fn new(format: Format, x: &[f32], k: usize) -> Self {
+        match format {
+            Format::Q8_0 | Format::Q4_0 | Format::Q5_0 => Self::Blocks(QRows::new(x, k)),
+            Format::Q4K | Format::Q6K => Self::Super(SuperRows::new(x, k)),
+        }
+    }
+}
+
+/// Rows of `x` quantized as ggml's q8_K: per 256 values an f32 scale `d` (`max / -127`, the
+/// value of largest magnitude going to -127) and values rounded to `[-127, 127]`, with the
+/// sums of each 16.
+struct SuperRows {
+    /// `[m, k]`.
+    q: Vec<i8>,
+    /// `[m, k / 256]`.
+    d: Vec<f32>,
+    /// `[m, k / 16]`.
+    sum: Vec<i32>,
+    k: usize,
+}
+
+impl SuperRows {
+    fn new(x: &[f32], k: usize) -> Self {
+        let mut q = vec![0i8; x.len()];
+        let mut d = vec![0f32; x.len() / QK_K];
+        for ((xs, qs), d) in x
+            .chunks_exact(QK_K)
+            .zip(q.chunks_exact_mut(QK_K))
+            .zip(&mut d)
+        {
+            let (mut amax, mut max) = (0f32, 0f32);
+            for &v in xs {
+                if amax < v.abs() {
+                    (amax, max) = (v.abs(), v);
+                }
+            }
+            if amax == 0.0 {
+                continue;
+            }
+            let iscale = -127.0 / max;
+            for (q, &v) in qs.iter_mut().zip(xs) {
+                // Rounded half away from zero as `f32::round`, without its libm call (see
+                // `qmatvec::quantize_blocks`).
+                let r = iscale * v;
+                *q = (r + 0.49999997f32.copysign(r)).clamp(-128.0, 127.0) as i8;
+            }
+            *d = 1.0 / iscale;
+        }
+        let sum = q
+            .chunks_exact(16)
+            .map(|c| c.iter().map(|&v| v as i32).sum())
+            .collect();
+        Self { q, d, sum, k }
+    }
+
+    /// Row `r`: its values, scales and sums of 16.
+    fn row(&self, r: usize) -> (&[i8], &[f32], &[i32]) {
+        (
+            &self.q[r * self.k..][..self.k],
+            &self.d[r * self.k / QK_K..][..self.k / QK_K],
+            &self.sum[r * self.k / 16..][..self.k / 16],
+        )
+    }
+}
+
+/// A q8_0, q4_0, q4_K or q6_K matrix `[n, k]` in tiles of 16 rows (see the module's
+/// description).
 pub struct Packed {
     format: Format,
     n: usize,
     k: usize,
-    /// `[n / 16 (rounded up), k / 32]` tiles of `format.tile_bytes()`.
+    /// `[n / 16 (rounded up), k / format.values()]` tiles of `format.tile_bytes()`.
     data: Vec<u8>,
 }
 
@@ -109,8 +387,13 @@ impl Packed {
         }
     }
 
-    /// `w` repacked, or `None` when it is not a q8_0 or q4_0 matrix on the CPU or the CPU
-    /// lacks the kernels.
+    /// Whether matrices of `dtype` can be packed.
+    pub fn packs(dtype: GgmlDType) -> bool {
+        Format::of(dtype).is_some()
+    }
+
+    /// `w` repacked, or `None` when it is not a q8_0, q4_0, q4_K or q6_K matrix on the CPU
+    /// or the CPU lacks the kernels.
     pub fn new(w: &QTensor) -> Result<Option<Self>> {
         if !Self::available() {
             return Ok(None);
@@ -140,64 +423,46 @@ impl Packed {
         })
     }
 
-    /// A q8_0 or q4_0 matrix `[n, k]` (`None` for other formats) packed from its stored
-    /// rows, which `read` fills 16 at a time (fewer for the last tile), in order: a loader
-    /// can read them from a file with no buffer the size of the matrix. Packs whatever the
-    /// CPU; [`Self::available`] says whether the kernels will run.
+    /// A matrix `[n, k]` of a packed format (`None` for other formats) packed from its
+    /// stored rows, which `read` fills 16 at a time (fewer for the last tile), in order: a
+    /// loader can read them from a file with no buffer the size of the matrix. Packs
+    /// whatever the CPU; [`Self::available`] says whether the kernels will run.
     pub fn from_rows(
         dtype: GgmlDType,
         n: usize,
         k: usize,
         mut read: impl FnMut(&mut [u8]) -> Result<()>,
     ) -> Result<Option<Self>> {
-        let format = match dtype {
-            GgmlDType::Q8_0 => Format::Q8_0,
-            GgmlDType::Q4_0 => Format::Q4_0,
-            _ => return Ok(None),
+        let Some(format) = Format::of(dtype) else {
+            return Ok(None);
         };
-        if !k.is_multiple_of(QK) {
-            bail!("a {format:?} matrix [{n}, {k}]: rows are not whole blocks of {QK}")
+        let values = format.values();
+        if !k.is_multiple_of(values) {
+            bail!("a {format:?} matrix [{n}, {k}]: rows are not whole blocks of {values}")
         }
-        let nb = k / QK;
-        let block = format.tile_bytes() / TILE;
-        // Missing rows of the last tile: zero scales, and operands that stand for zero.
+        let nb = k / values;
+        let (block, size) = (format.block_bytes(), format.tile_bytes());
+        // Missing rows of the last tile: zero scales, and (q8_0, q4_0) operands that stand
+        // for zero.
         let empty = match format {
             Format::Q8_0 => 128u8,
             Format::Q4_0 => 0x88,
+            Format::Q5_0 | Format::Q4K | Format::Q6K => 0,
         };
-        let mut tiles =
-            crate::memory::weight_vec(n.div_ceil(TILE) * nb * format.tile_bytes(), empty);
+        let mut tiles = crate::memory::weight_vec(n.div_ceil(TILE) * nb * size, empty);
         let mut rows = vec![0u8; TILE * nb * block];
-        for (t, column) in tiles
-            .chunks_exact_mut(nb * format.tile_bytes().max(1))
-            .enumerate()
-        {
+        for (t, column) in tiles.chunks_exact_mut((nb * size).max(1)).enumerate() {
             let count = TILE.min(n - t * TILE);
             let rows = &mut rows[..count * nb * block];
             read(rows)?;
-            for (b, tile) in column.chunks_exact_mut(format.tile_bytes()).enumerate() {
-                tile[..SCALES].fill(0);
-                let (scales, q) = tile.split_at_mut(SCALES);
+            for (b, tile) in column.chunks_exact_mut(size).enumerate() {
+                if matches!(format, Format::Q8_0 | Format::Q4_0) {
+                    tile[..SCALES].fill(0);
+                } else if format == Format::Q5_0 {
+                    tile.fill(0);
+                }
                 for r in 0..count {
-                    let src = &rows[(r * nb + b) * block..][..block];
-                    scales[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
-                    for v in 0..QK {
-                        let (at, high) = format.place(r, v);
-                        match format {
-                            Format::Q8_0 => q[at] = src[2 + v] ^ 0x80,
-                            Format::Q4_0 => {
-                                // Stored: value j in the low nibble of byte j, j + 16 in
-                                // its high nibble.
-                                let byte = src[2 + v % 16];
-                                let nib = if v < 16 { byte & 15 } else { byte >> 4 };
-                                q[at] = if high {
-                                    (q[at] & 0x0f) | (nib << 4)
-                                } else {
-                                    (q[at] & 0xf0) | nib
-                                };
-                            }
-                        }
-                    }
+                    format.pack_row(&rows[(r * nb + b) * block..][..block], tile, r);
                 }
             }
         }
@@ -251,26 +516,20 @@ impl Packed {
 
     fn tile(&self, t: usize, b: usize) -> &[u8] {
         let size = self.format.tile_bytes();
-        &self.data[(t * (self.k / QK) + b) * size..][..size]
+        &self.data[(t * (self.k / self.format.values()) + b) * size..][..size]
     }
 
     /// Rows `ids`, dequantized: `[ids.len(), k]` (an embedding lookup).
     pub fn rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
         let mut out = vec![0f32; ids.len() * self.k];
-        let offset = self.format.offset();
         for (&id, row) in ids.iter().zip(out.chunks_exact_mut(self.k.max(1))) {
             let id = id as usize;
             if id >= self.n {
                 bail!("row {id} of a table with {} rows", self.n)
             }
             let (t, r) = (id / TILE, id % TILE);
-            for (b, values) in row.chunks_exact_mut(QK).enumerate() {
-                let tile = self.tile(t, b);
-                let d = f16::from_le_bytes([tile[2 * r], tile[2 * r + 1]]).to_f32();
-                for (v, y) in values.iter_mut().enumerate() {
-                    let u = self.format.operand(&tile[SCALES..], r, v);
-                    *y = (u - offset) as f32 * d;
-                }
+            for (b, values) in row.chunks_exact_mut(self.format.values()).enumerate() {
+                self.format.dequantize(self.tile(t, b), r, values);
             }
         }
         Ok(out)
@@ -295,12 +554,12 @@ impl Packed {
         if cols.start > cols.end || cols.end > self.n {
             bail!("packed product: outputs {cols:?} of {}", self.n)
         }
-        let x = QRows::new(x, self.k);
+        let x = XRows::new(self.format, x, self.k);
         Ok(self.product(&x, m, cols, Packed::available()))
     }
 
-    fn product(&self, x: &QRows, m: usize, cols: std::ops::Range<usize>, simd: bool) -> Vec<f32> {
-        let nb = self.k / QK;
+    fn product(&self, x: &XRows, m: usize, cols: std::ops::Range<usize>, simd: bool) -> Vec<f32> {
+        let nb = self.k / self.format.values();
         let (t0, t1) = (cols.start / TILE, cols.end.div_ceil(TILE));
         let width = cols.len();
         if m == 0 || width == 0 {
@@ -357,7 +616,7 @@ unsafe impl Sync for SharedOut {}
 fn tile_rows(
     format: Format,
     tiles: &[u8],
-    x: &QRows,
+    x: &XRows,
     r: usize,
     rows: usize,
     y: &mut [[f32; TILE]; 4],
@@ -366,34 +625,81 @@ fn tile_rows(
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is only set where `Packed::available()` saw the features; the
-        // kernel checks the lengths.
+        // kernels check the lengths.
         unsafe {
-            match (format, rows) {
-                (Format::Q8_0, 1) => x86::tile_rows::<1, false>(tiles, x, r, y),
-                (Format::Q8_0, 2) => x86::tile_rows::<2, false>(tiles, x, r, y),
-                (Format::Q8_0, 3) => x86::tile_rows::<3, false>(tiles, x, r, y),
-                (Format::Q8_0, _) => x86::tile_rows::<4, false>(tiles, x, r, y),
-                (Format::Q4_0, 1) => x86::tile_rows::<1, true>(tiles, x, r, y),
-                (Format::Q4_0, 2) => x86::tile_rows::<2, true>(tiles, x, r, y),
-                (Format::Q4_0, 3) => x86::tile_rows::<3, true>(tiles, x, r, y),
-                (Format::Q4_0, _) => x86::tile_rows::<4, true>(tiles, x, r, y),
+            use x86::{legacy_rows as legacy, q4k_rows as q4k, q6k_rows as q6k};
+            match (format, x, rows) {
+                (Format::Q8_0, XRows::Blocks(x), 1) => legacy::<1, 8>(tiles, x, r, y),
+                (Format::Q8_0, XRows::Blocks(x), 2) => legacy::<2, 8>(tiles, x, r, y),
+                (Format::Q8_0, XRows::Blocks(x), 3) => legacy::<3, 8>(tiles, x, r, y),
+                (Format::Q8_0, XRows::Blocks(x), _) => legacy::<4, 8>(tiles, x, r, y),
+                (Format::Q4_0, XRows::Blocks(x), 1) => legacy::<1, 4>(tiles, x, r, y),
+                (Format::Q4_0, XRows::Blocks(x), 2) => legacy::<2, 4>(tiles, x, r, y),
+                (Format::Q4_0, XRows::Blocks(x), 3) => legacy::<3, 4>(tiles, x, r, y),
+                (Format::Q4_0, XRows::Blocks(x), _) => legacy::<4, 4>(tiles, x, r, y),
+                (Format::Q5_0, XRows::Blocks(x), 1) => legacy::<1, 5>(tiles, x, r, y),
+                (Format::Q5_0, XRows::Blocks(x), 2) => legacy::<2, 5>(tiles, x, r, y),
+                (Format::Q5_0, XRows::Blocks(x), 3) => legacy::<3, 5>(tiles, x, r, y),
+                (Format::Q5_0, XRows::Blocks(x), _) => legacy::<4, 5>(tiles, x, r, y),
+                (Format::Q4K, XRows::Super(x), 1) => q4k::<1>(tiles, x, r, y),
+                (Format::Q4K, XRows::Super(x), 2) => q4k::<2>(tiles, x, r, y),
+                (Format::Q4K, XRows::Super(x), 3) => q4k::<3>(tiles, x, r, y),
+                (Format::Q4K, XRows::Super(x), _) => q4k::<4>(tiles, x, r, y),
+                (Format::Q6K, XRows::Super(x), 1) => q6k::<1>(tiles, x, r, y),
+                (Format::Q6K, XRows::Super(x), 2) => q6k::<2>(tiles, x, r, y),
+                (Format::Q6K, XRows::Super(x), 3) => q6k::<3>(tiles, x, r, y),
+                (Format::Q6K, XRows::Super(x), _) => q6k::<4>(tiles, x, r, y),
+                // `XRows::new` quantizes `x` as each format's kernels want it.
+                _ => unreachable!("{format:?} weights with rows of x quantized for another"),
             }
         }
         return;
     }
     let _ = simd;
+    // The scalar version of the kernels' arithmetic: exact integer sums per block (per
+    // super-block for the k-quants, scaled within it by the integer scales), then f32.
     let size = format.tile_bytes();
+    let half = |t: &[u8], at: usize, row: usize| {
+        f16::from_le_bytes([t[at + 2 * row], t[at + 2 * row + 1]]).to_f32()
+    };
     for (j, y) in y.iter_mut().enumerate().take(rows) {
-        let (xq, xd, xs) = x.row(r + j);
         for (b, tile) in tiles.chunks_exact(size).enumerate() {
-            let xb = &xq[b * QK..][..QK];
+            let values = format.values();
             for (row, y) in y.iter_mut().enumerate() {
-                let sum: i32 = (0..QK)
-                    .map(|v| format.operand(&tile[SCALES..], row, v) * xb[v] as i32)
-                    .sum::<i32>()
-                    - format.offset() * xs[b];
-                let d = f16::from_le_bytes([tile[2 * row], tile[2 * row + 1]]).to_f32();
-                *y += sum as f32 * (d * xd[b]);
+                let d = half(tile, 0, row);
+                let dot = |xq: &[i8], vs: std::ops::Range<usize>| -> i32 {
+                    vs.map(|v| format.operand(tile, row, v) * xq[b * values + v] as i32)
+                        .sum()
+                };
+                match x {
+                    XRows::Blocks(x) => {
+                        let (xq, xd, xs) = x.row(r + j);
+                        let sum = dot(xq, 0..QK) - format.offset() * xs[b];
+                        *y += sum as f32 * (d * xd[b]);
+                    }
+                    XRows::Super(x) => {
+                        let (xq, xd, xs) = x.row(r + j);
+                        let xs = &xs[b * QK_K / 16..][..QK_K / 16];
+                        let (mut sum, mut mins) = (0i32, 0i32);
+                        if format == Format::Q4K {
+                            for s in 0..8 {
+                                let sc = tile[q4k::SC + 16 * s + row] as i32;
+                                let m = tile[q4k::MIN + 16 * s + row] as i32;
+                                sum += sc * dot(xq, QK * s..QK * (s + 1));
+                                mins += m * (xs[2 * s] + xs[2 * s + 1]);
+                            }
+                        } else {
+                            for s in 0..16 {
+                                let sc = tile[q6k::SC + 16 * s + row] as i8 as i32;
+                                sum += sc * (dot(xq, 16 * s..16 * (s + 1)) - 32 * xs[s]);
+                            }
+                        }
+                        *y += d * xd[b] * sum as f32;
+                        if format == Format::Q4K {
+                            *y -= half(tile, q4k::DMIN, row) * xd[b] * mins as f32;
+                        }
+                    }
+                }
             }
         }
     }
@@ -401,7 +707,7 @@ fn tile_rows(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{QRows, QK, SCALES, TILE};
+    use super::{q4k, q6k, QRows, SuperRows, QK, QK_K, SCALES, TILE};
     use std::arch::x86_64::*;
 
     /// The low (or, `HIGH`, the high) nibbles of the 64 bytes at `p`, as bytes. (A function
@@ -415,21 +721,211 @@ mod x86 {
         _mm512_and_si512(v, _mm512_set1_epi8(0x0f))
     }
 
-    /// `R` rows of `x` (from row `r`) against one column of tiles (q4_0 when `Q4`, else
-    /// q8_0). Per block and row of `x`: eight `vpdpbusd` (in two chains), one conversion
-    /// and one multiply-add; the tile's operands are loaded (q4_0: and unpacked) once for
-    /// the `R` rows.
+    /// The eight operands of a block of 32 four-bit values laid out as a q4_0 tile's at
+    /// `q`: `w[g]` holds values `4g..4g + 3` of each of the 16 rows.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn q4_operands(q: *const u8) -> [__m512i; 8] {
+        // SAFETY (caller): 256 readable bytes at `q`.
+        unsafe {
+            [
+                nibbles::<false>(q),
+                nibbles::<true>(q),
+                nibbles::<false>(q.add(64)),
+                nibbles::<true>(q.add(64)),
+                nibbles::<false>(q.add(128)),
+                nibbles::<true>(q.add(128)),
+                nibbles::<false>(q.add(192)),
+                nibbles::<true>(q.add(192)),
+            ]
+        }
+    }
+
+    /// `s + Σ_g w[g] · x[4g..4g + 3]` per lane (row), for the values of `x` at `p` (four
+    /// per `i32`), in two chains.
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    #[inline]
+    unsafe fn dot_groups(w: &[__m512i], p: *const i32, s: __m512i) -> __m512i {
+        let (mut s0, mut s1) = (s, _mm512_setzero_si512());
+        for g in (0..w.len()).step_by(2) {
+            // SAFETY (caller): `w.len()` (even) values of 4 bytes at `p`.
+            let (x0, x1) = unsafe { (p.add(g).read_unaligned(), p.add(g + 1).read_unaligned()) };
+            s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(x0));
+            s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(x1));
+        }
+        _mm512_add_epi32(s0, s1)
+    }
+
+    /// The pointers to rows `r..r + R` of `x` (values, scales, sums of 16), checked to
+    /// hold `blocks` super-blocks.
+    fn super_rows<const R: usize>(x: &SuperRows, r: usize, blocks: usize) -> [XRow; R] {
+        std::array::from_fn(|j| {
+            let (q, d, s) = x.row(r + j);
+            assert!(q.len() >= blocks * QK_K && d.len() >= blocks && s.len() >= blocks * 16);
+            XRow {
+                q: q.as_ptr(),
+                d: d.as_ptr(),
+                s: s.as_ptr(),
+            }
+        })
+    }
+
+    /// One row of `x` quantized as q8_K, as raw pointers (bounds checked by
+    /// [`super_rows`]).
+    #[derive(Clone, Copy)]
+    struct XRow {
+        q: *const i8,
+        d: *const f32,
+        s: *const i32,
+    }
+
+    /// Sixteen bytes at `p` as 32-bit lanes, unsigned or (`SIGNED`) signed.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn lanes<const SIGNED: bool>(p: *const u8) -> __m512i {
+        // SAFETY (caller): 16 readable bytes at `p`.
+        let v = unsafe { _mm_loadu_si128(p.cast()) };
+        if SIGNED {
+            _mm512_cvtepi8_epi32(v)
+        } else {
+            _mm512_cvtepu8_epi32(v)
+        }
+    }
+
+    /// `R` rows of `x` against one column of q4_K tiles, as ggml's q4_K · q8_K: per
+    /// sub-block and row of `x`, the eight `vpdpbusd` of a q4_0 block and one integer
+    /// multiply by its scales; per super-block, the minima times the sums of `x` in
+    /// integers too, then two multiply-adds.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub unsafe fn tile_rows<const R: usize, const Q4: bool>(
+    pub unsafe fn q4k_rows<const R: usize>(
+        tiles: &[u8],
+        x: &SuperRows,
+        r: usize,
+        y: &mut [[f32; TILE]; 4],
+    ) {
+        let nb = tiles.len() / q4k::BYTES;
+        let xs = super_rows::<R>(x, r, nb);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            // SAFETY: tile b is `q4k::BYTES` readable bytes; super-block b of each row of
+            // `x` is in bounds (checked by `super_rows`).
+            unsafe {
+                let tile = tiles.as_ptr().add(b * q4k::BYTES);
+                let mut sums = [_mm512_setzero_si512(); R];
+                let mut mins = [_mm512_setzero_si512(); R];
+                for j in 0..8 {
+                    let sc = lanes::<false>(tile.add(q4k::SC + 16 * j));
+                    let m = lanes::<false>(tile.add(q4k::MIN + 16 * j));
+                    let w = q4_operands(tile.add(q4k::QS + 256 * j));
+                    for i in 0..R {
+                        let x = xs[i];
+                        let p = x.q.add(b * QK_K + QK * j).cast();
+                        let s = dot_groups(&w, p, _mm512_setzero_si512());
+                        sums[i] = _mm512_add_epi32(sums[i], _mm512_mullo_epi32(s, sc));
+                        let xsum = *x.s.add(16 * b + 2 * j) + *x.s.add(16 * b + 2 * j + 1);
+                        let xsum = _mm512_set1_epi32(xsum);
+                        mins[i] = _mm512_add_epi32(mins[i], _mm512_mullo_epi32(m, xsum));
+                    }
+                }
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(q4k::DMIN).cast()));
+                for i in 0..R {
+                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
+                    let s = _mm512_cvtepi32_ps(sums[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
+                    let m = _mm512_cvtepi32_ps(mins[i]);
+                    acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), m, acc[i]);
+                }
+            }
+        }
+        for (y, acc) in y.iter_mut().zip(acc) {
+            // SAFETY: 16 floats to a [f32; 16].
+            unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
+        }
+    }
+
+    /// `R` rows of `x` against one column of q6_K tiles, as ggml's q6_K · q8_K: per block
+    /// of 32 and row of `x`, eight `vpdpbusd` in two halves of 16 values (each less 32
+    /// times the half's sum of `x`) and an integer multiply of each by its scales; per
+    /// super-block one multiply-add. The six-bit operands are the q4_0 layout's nibbles
+    /// with two more bits or-ed in above them, built once for the `R` rows.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn q6k_rows<const R: usize>(
+        tiles: &[u8],
+        x: &SuperRows,
+        r: usize,
+        y: &mut [[f32; TILE]; 4],
+    ) {
+        let nb = tiles.len() / q6k::BYTES;
+        let xs = super_rows::<R>(x, r, nb);
+        let mut acc = [_mm512_setzero_ps(); R];
+        let bits = _mm512_set1_epi8(0x30);
+        for b in 0..nb {
+            // SAFETY: tile b is `q6k::BYTES` readable bytes; super-block b of each row of
+            // `x` is in bounds (checked by `super_rows`).
+            unsafe {
+                let tile = tiles.as_ptr().add(b * q6k::BYTES);
+                let mut sums = [_mm512_setzero_si512(); R];
+                for j in 0..8 {
+                    let mut w = q4_operands(tile.add(q6k::QL + 256 * j));
+                    let qh = tile.add(q6k::QH + 128 * j);
+                    for (h, w) in w.chunks_exact_mut(4).enumerate() {
+                        // Bits 2f..2f + 1 of each byte go to bits 4..5 of group 4h + f.
+                        let v = _mm512_loadu_si512(qh.add(64 * h).cast());
+                        let high = [
+                            _mm512_slli_epi16::<4>(v),
+                            _mm512_slli_epi16::<2>(v),
+                            v,
+                            _mm512_srli_epi16::<2>(v),
+                        ];
+                        for (w, high) in w.iter_mut().zip(high) {
+                            *w = _mm512_or_si512(*w, _mm512_and_si512(high, bits));
+                        }
+                    }
+                    let sc_lo = lanes::<true>(tile.add(q6k::SC + 32 * j));
+                    let sc_hi = lanes::<true>(tile.add(q6k::SC + 32 * j + 16));
+                    for i in 0..R {
+                        let x = xs[i];
+                        let p = x.q.add(b * QK_K + QK * j).cast::<i32>();
+                        let s = x.s.add(16 * b + 2 * j);
+                        let lo = dot_groups(&w[..4], p, _mm512_set1_epi32(-32 * *s));
+                        let hi = dot_groups(&w[4..], p.add(4), _mm512_set1_epi32(-32 * *s.add(1)));
+                        let sum = _mm512_add_epi32(
+                            _mm512_mullo_epi32(lo, sc_lo),
+                            _mm512_mullo_epi32(hi, sc_hi),
+                        );
+                        sums[i] = _mm512_add_epi32(sums[i], sum);
+                    }
+                }
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
+                for i in 0..R {
+                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
+                    let s = _mm512_cvtepi32_ps(sums[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
+                }
+            }
+        }
+        for (y, acc) in y.iter_mut().zip(acc) {
+            // SAFETY: 16 floats to a [f32; 16].
+            unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
+        }
+    }
+
+    /// `R` rows of `x` (from row `r`) against one column of tiles of `BITS`-bit values
+    /// (q8_0, q4_0 or q5_0). Per block and row of `x`: eight `vpdpbusd` (in two chains), one
+    /// conversion and one multiply-add; the tile's operands are loaded (and unpacked) once
+    /// for the `R` rows.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn legacy_rows<const R: usize, const BITS: u8>(
         tiles: &[u8],
         x: &QRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
     ) {
-        let (size, offset) = if Q4 {
-            (SCALES + 256, 8)
-        } else {
-            (SCALES + 512, 128)
+        let (size, offset) = match BITS {
+            4 => (SCALES + 256, 8),
+            5 => (SCALES + 256 + 64, 16),
+            _ => (SCALES + 512, 128),
         };
         let nb = tiles.len() / size;
         let mut xq = [std::ptr::null::<i8>(); R];
@@ -449,17 +945,27 @@ mod x86 {
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
                 let q = tile.add(SCALES);
                 // w[g] pairs with values 4g..4g+3 of `x`'s block.
-                let w = if Q4 {
-                    [
-                        nibbles::<false>(q),
-                        nibbles::<true>(q),
-                        nibbles::<false>(q.add(64)),
-                        nibbles::<true>(q.add(64)),
-                        nibbles::<false>(q.add(128)),
-                        nibbles::<true>(q.add(128)),
-                        nibbles::<false>(q.add(192)),
-                        nibbles::<true>(q.add(192)),
-                    ]
+                let w = if BITS == 5 {
+                    // Bit g of each byte of the 64 after the nibbles goes to bit 4 of w[g].
+                    let mut w = q4_operands(q);
+                    let v = _mm512_loadu_si512(q.add(256).cast());
+                    let high = [
+                        _mm512_slli_epi16::<4>(v),
+                        _mm512_slli_epi16::<3>(v),
+                        _mm512_slli_epi16::<2>(v),
+                        _mm512_slli_epi16::<1>(v),
+                        v,
+                        _mm512_srli_epi16::<1>(v),
+                        _mm512_srli_epi16::<2>(v),
+                        _mm512_srli_epi16::<3>(v),
+                    ];
+                    let bit = _mm512_set1_epi8(0x10);
+                    for (w, high) in w.iter_mut().zip(high) {
+                        *w = _mm512_or_si512(*w, _mm512_and_si512(high, bit));
+                    }
+                    w
+                } else if BITS == 4 {
+                    q4_operands(q)
                 } else {
                     [
                         _mm512_loadu_si512(q.cast()),
@@ -506,13 +1012,25 @@ mod tests {
         QTensor::quantize(&w, dtype).unwrap()
     }
 
-    const FORMATS: [GgmlDType; 2] = [GgmlDType::Q8_0, GgmlDType::Q4_0];
+    const FORMATS: [GgmlDType; 5] = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q5_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q6K,
+    ];
+
+    /// Row width `blocks` stored blocks wide.
+    fn width(dtype: GgmlDType, blocks: usize) -> usize {
+        Format::of(dtype).unwrap().values() * blocks
+    }
 
     #[test]
     fn rows_are_candles_dequantized_rows() {
         // 37 rows: two whole tiles and a partial one.
         for dtype in FORMATS {
-            let q = quantized(37, 96, dtype);
+            let k = width(dtype, 3);
+            let q = quantized(37, k, dtype);
             let p = Packed::pack(&q).unwrap().unwrap();
             let ours = p.dequantize().unwrap();
             let theirs: Vec<f32> = q
@@ -522,54 +1040,166 @@ mod tests {
                 .unwrap()
                 .to_vec1()
                 .unwrap();
-            assert_eq!(ours, theirs);
+            assert_eq!(ours, theirs, "{dtype:?}");
             assert_eq!(
                 p.rows(&[36, 0]).unwrap(),
-                [&theirs[36 * 96..], &theirs[..96]].concat()
+                [&theirs[36 * k..], &theirs[..k]].concat()
             );
             assert!(p.rows(&[37]).is_err());
         }
     }
 
     #[test]
-    fn products_match_candle_and_the_scalar_code() {
-        for (dtype, (m, n, k, cols)) in FORMATS.into_iter().flat_map(|d| {
-            [
-                (1, 50, 64, 0..50),
-                (3, 300, 768, 0..300),
-                (6, 64, 128, 17..40),
-                (9, 33, 32, 5..33),
-                // Split across threads, a partial tile at either end.
-                (5, 200, 512, 23..190),
-            ]
-            .map(|s| (d, s))
-        }) {
-            let q = quantized(n, k, dtype);
+    fn k_quant_tiles_hold_every_scale_sign_and_value() {
+        // Rows whose scales, minima and values reach the formats' ends: quantized from
+        // rows of mixed magnitudes and signs, some all negative, some all zero.
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+            let (n, k) = (20, 512);
+            let w: Vec<f32> = (0..n * k)
+                .map(|i| {
+                    let (r, c) = (i / k, i % k);
+                    let v = ((i * 7919) % 1009) as f32 / 1009.0 - 0.5;
+                    match r % 4 {
+                        0 => v * (1.0 + (c / 16) as f32),
+                        1 => -v.abs() - 1e-3 * c as f32,
+                        2 => 0.0,
+                        _ => v * if c % 64 < 32 { 1e3 } else { 1e-3 },
+                    }
+                })
+                .collect();
+            let w = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
+            let q = QTensor::quantize(&w, dtype).unwrap();
             let p = Packed::pack(&q).unwrap().unwrap();
-            let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
-            let xv: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-            let xq = QRows::new(&xv, k);
-            let scalar = p.product(&xq, m, cols.clone(), false);
-            // Candle's product quantizes x as ggml does: the same sums in another order.
-            let theirs = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
-            let theirs: Vec<f32> = theirs
-                .narrow(1, cols.start, cols.len())
+            let theirs: Vec<f32> = q
+                .dequantize(&Device::Cpu)
                 .unwrap()
                 .flatten_all()
                 .unwrap()
                 .to_vec1()
                 .unwrap();
-            let mag = theirs.iter().fold(1f32, |a, v| a.max(v.abs()));
-            for (a, b) in scalar.iter().zip(&theirs) {
+            assert_eq!(p.dequantize().unwrap(), theirs, "{dtype:?}");
+        }
+    }
+
+    /// `x`'s rows as the kernels see them: each value times its block's scale.
+    fn dequantized_x(x: &XRows, m: usize) -> Vec<f32> {
+        let row = |r| match x {
+            XRows::Blocks(x) => (x.row(r).0, x.row(r).1, QK),
+            XRows::Super(x) => (x.row(r).0, x.row(r).1, QK_K),
+        };
+        (0..m)
+            .flat_map(|r| {
+                let (q, d, per) = row(r);
+                q.iter()
+                    .enumerate()
+                    .map(|(i, &v)| v as f32 * d[i / per])
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rows_of_x_for_k_quants_are_ggmls_q8_k() {
+        // Rows with a zero block, one whose largest value is negative, one positive.
+        let k = 3 * QK_K;
+        let mut x: Vec<f32> = (0..2 * k).map(|i| ((i * 37) % 101) as f32 - 50.5).collect();
+        x[k..k + QK_K].fill(0.0);
+        x[7] = -300.0;
+        x[QK_K + 9] = 250.0;
+        let ours = SuperRows::new(&x, k);
+        let theirs = QTensor::quantize(
+            &Tensor::from_vec(x.clone(), (2, k), &Device::Cpu).unwrap(),
+            GgmlDType::Q8K,
+        )
+        .unwrap()
+        .dequantize(&Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+        assert_eq!(dequantized_x(&XRows::Super(ours), 2), theirs);
+        let ours = SuperRows::new(&x, k);
+        for r in 0..2 {
+            let (q, _, sums) = ours.row(r);
+            for (c, &s) in q.chunks_exact(16).zip(sums) {
+                assert_eq!(c.iter().map(|&v| v as i32).sum::<i32>(), s);
+            }
+        }
+    }
+
+    #[test]
+    fn products_match_the_f64_product_candle_and_the_scalar_code() {
+        for (dtype, (m, n, blocks, cols)) in FORMATS.into_iter().flat_map(|d| {
+            [
+                (1, 50, 2, 0..50),
+                (3, 300, 3, 0..300),
+                (6, 64, 4, 17..40),
+                (9, 33, 1, 5..33),
+                // Split across threads, a partial tile at either end.
+                (5, 200, 2, 23..190),
+            ]
+            .map(|s| (d, s))
+        }) {
+            let k = width(dtype, blocks);
+            let q = quantized(n, k, dtype);
+            let p = Packed::pack(&q).unwrap().unwrap();
+            let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
+            let xv: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+            let xq = XRows::new(Format::of(dtype).unwrap(), &xv, k);
+            let scalar = p.product(&xq, m, cols.clone(), false);
+            // The f64 product of what the kernels multiply: Candle's dequantized weights
+            // and the quantized rows of x.
+            let w: Vec<f32> = q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let xd = dequantized_x(&xq, m);
+            let exact: Vec<f32> = (0..m)
+                .flat_map(|i| {
+                    let (w, xd) = (&w, &xd);
+                    cols.clone().map(move |c| {
+                        (0..k)
+                            .map(|v| w[c * k + v] as f64 * xd[i * k + v] as f64)
+                            .sum::<f64>() as f32
+                    })
+                })
+                .collect();
+            let mag = exact.iter().fold(1f32, |a, v| a.max(v.abs()));
+            for (a, b) in scalar.iter().zip(&exact) {
                 assert!(
-                    (a - b).abs() <= 1e-5 * mag * (k as f32).sqrt(),
+                    (a - b).abs() <= 1e-6 * mag * (k as f32).sqrt(),
                     "{dtype:?} {m}x{n}x{k}: {a} vs {b}"
                 );
+            }
+            {
+                // Candle's product quantizes x as ggml does: the same sums in another
+                // order.
+                let theirs = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
+                let theirs: Vec<f32> = theirs
+                    .narrow(1, cols.start, cols.len())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                for (a, b) in scalar.iter().zip(&theirs) {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * mag * (k as f32).sqrt(),
+                        "{dtype:?} {m}x{n}x{k}: {a} vs {b}"
+                    );
+                }
             }
             if Packed::available() {
                 let simd = p.product(&xq, m, cols.clone(), true);
                 for (a, b) in simd.iter().zip(&scalar) {
-                    assert!((a - b).abs() <= 1e-5 * mag, "{m}x{n}x{k}: {a} vs {b}");
+                    assert!(
+                        (a - b).abs() <= 1e-5 * mag,
+                        "{dtype:?} {m}x{n}x{k}: {a} vs {b}"
+                    );
                 }
             }
         }
@@ -578,7 +1208,7 @@ mod tests {
     #[test]
     fn other_formats_are_not_packed() {
         let w = Tensor::randn(0f32, 1.0, (16, 256), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q5K).unwrap();
         assert!(Packed::pack(&q).unwrap().is_none());
     }
 }
