@@ -1,5 +1,6 @@
-//! q8_0 and q4_0 matrices repacked for the CPU's 8-bit dot-product instructions, held as
-//! the only copy of the weight.
+//! Block-quantized matrices (ggml's q8_0, q4_0, q5_0, q4_1, q5_1, q4_K, q5_K and q6_K)
+//! repacked for the CPU's 8-bit dot-product instructions, held as the only copy of the
+//! weight.
 //!
 //! A q8_0 matrix `[n, k]` is stored by GGUF (and Candle) row after row of blocks (an f16
 //! scale and 32 signed bytes). A product with that layout must reduce each block's sums
@@ -13,15 +14,23 @@
 //! block sums of `x` take off again. q4_0 tiles hold the same groups as nibbles (values
 //! `8g..8g+3` of each row in the low halves of group `g`'s 64 bytes, `8g+4..8g+7` in the
 //! high halves), already unsigned with an offset of 8: a mask, or a shift and a mask, make
-//! the same operands, so a q4_0 tile takes 4 loads for 8 `vpdpbusd`. This is the layout
-//! Candle uses for its own repacked kernels, which keep it *beside* the original; here it
-//! replaces it, so a model holds one copy of each weight. Rows past the end of the last
-//! tile have zero scales.
+//! the same operands, so a q4_0 tile takes 4 loads for 8 `vpdpbusd`. The five-bit formats
+//! add a plane of 64 bytes per block whose bit `g` is the fifth bit of group `g`'s operand;
+//! q4_1 and q5_1 keep their minima beside the scales, multiplied by the block sums of `x`.
+//! The k-quants tile 16 rows × one super-block of 256 values: each sub-block's values laid
+//! out as above, its integer scales (and minima) unpacked into bytes, one lane per row, and
+//! multiplied in as integers, as ggml does, with `x` quantized per 256 values as ggml's
+//! q8_K, so the products track llama.cpp's to rounding. Candle 0.11 repacks q8_0 this way
+//! (and q4_K, q6_K its own way) for its x86 kernels, but keeps the copy *beside* the
+//! original; here it replaces it, so a model holds one copy of each weight (a few % more
+//! bytes for the k-quants, whose scales are unpacked). Rows past the end of the last tile
+//! have zero scales.
 //!
-//! Sums are exact integers per block and f32 across blocks, as in ggml. The kernels use
-//! AVX-512 VNNI; [`Packed::new`] packs only where the CPU has it (elsewhere a matrix stays
-//! a `QTensor` on [`crate::qmatvec`] or Candle's kernels), and a scalar version of the same
-//! arithmetic is the tests' reference for the packing and for the kernels.
+//! Sums are exact integers per block (per super-block for the k-quants) and f32 across
+//! blocks, as in ggml. The kernels use AVX-512 VNNI; [`Packed::new`] packs only where the
+//! CPU has it (elsewhere a matrix stays a `QTensor` on [`crate::qmatvec`] or Candle's
+//! kernels), and a scalar version of the same arithmetic is the tests' reference for the
+//! packing and the kernels, beside Candle's dequantized weights and products.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, Result};
@@ -36,19 +45,21 @@ const TILE: usize = 16;
 const QK: usize = 32;
 /// Values per k-quant super-block.
 const QK_K: usize = 256;
-/// Bytes of a q8_0/q4_0 tile's scales.
+/// Bytes of a tile's 16 f16 scales (and of q4_1/q5_1's 16 f16 minima after them).
 const SCALES: usize = 2 * TILE;
 
-/// Where the parts of a q4_K tile (16 rows × one super-block of 8 sub-blocks of 32) start:
-/// 16 f16 `d`, 16 f16 `dmin`, the 6-bit scales and minima as bytes (`[8][16]` each: one
-/// 16-byte load per sub-block), then each sub-block's nibbles laid out as a q4_0 tile's.
-/// 2368 bytes against the file's 2304: the scales unpacked from their 12-byte form.
+/// Where the parts of a q4_K or q5_K tile (16 rows × one super-block of 8 sub-blocks of
+/// 32) start: 16 f16 `d`, 16 f16 `dmin`, the 6-bit scales and minima as bytes (`[8][16]`
+/// each: one 16-byte load per sub-block), then each sub-block's nibbles laid out as a q4_0
+/// tile's, then (q5_K) each sub-block's fifth bits laid out as a q5_0 tile's. 2368 bytes
+/// (q5_K 2880) against the file's 2304 (2816): the scales unpacked from their 12 bytes.
 mod q4k {
     pub const DMIN: usize = 32;
     pub const SC: usize = 64;
     pub const MIN: usize = 192;
     pub const QS: usize = 320;
     pub const BYTES: usize = QS + 8 * 256;
+    pub const Q5_BYTES: usize = BYTES + 8 * 64;
 }
 
 /// Where the parts of a q6_K tile (16 rows × one super-block of 16 sub-blocks of 16) start:
@@ -69,7 +80,10 @@ enum Format {
     Q8_0,
     Q4_0,
     Q5_0,
+    Q4_1,
+    Q5_1,
     Q4K,
+    Q5K,
     Q6K,
 }
 
@@ -79,6 +93,9 @@ impl Format {
             GgmlDType::Q8_0 => Some(Self::Q8_0),
             GgmlDType::Q4_0 => Some(Self::Q4_0),
             GgmlDType::Q5_0 => Some(Self::Q5_0),
+            GgmlDType::Q4_1 => Some(Self::Q4_1),
+            GgmlDType::Q5_1 => Some(Self::Q5_1),
+            GgmlDType::Q5K => Some(Self::Q5K),
             GgmlDType::Q4K => Some(Self::Q4K),
             GgmlDType::Q6K => Some(Self::Q6K),
             _ => None,
@@ -88,8 +105,8 @@ impl Format {
     /// Values of a row in one stored block (and so in one tile).
     fn values(self) -> usize {
         match self {
-            Self::Q8_0 | Self::Q4_0 | Self::Q5_0 => QK,
-            Self::Q4K | Self::Q6K => QK_K,
+            Self::Q8_0 | Self::Q4_0 | Self::Q5_0 | Self::Q4_1 | Self::Q5_1 => QK,
+            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
         }
     }
 
@@ -99,7 +116,10 @@ impl Format {
             Self::Q8_0 => 2 + QK,
             Self::Q4_0 => 2 + QK / 2,
             Self::Q5_0 => 2 + 4 + QK / 2,
+            Self::Q4_1 => 4 + QK / 2,
+            Self::Q5_1 => 4 + 4 + QK / 2,
             Self::Q4K => 4 + 12 + QK_K / 2,
+            Self::Q5K => 4 + 12 + QK_K / 8 + QK_K / 2,
             Self::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
         }
     }
@@ -107,20 +127,32 @@ impl Format {
     /// Bytes per tile (16 rows × one block).
     fn tile_bytes(self) -> usize {
         match self {
-            Self::Q8_0 | Self::Q4_0 | Self::Q5_0 => TILE * self.block_bytes(),
+            Self::Q8_0 | Self::Q4_0 | Self::Q5_0 | Self::Q4_1 | Self::Q5_1 => {
+                TILE * self.block_bytes()
+            }
             Self::Q4K => q4k::BYTES,
+            Self::Q5K => q4k::Q5_BYTES,
             Self::Q6K => q6k::BYTES,
         }
     }
 
-    /// What the unsigned operands of q8_0 and q4_0 carry on top of the value.
+    /// What the unsigned operands carry on top of the value (formats with minima: none).
     fn offset(self) -> i32 {
         match self {
             Self::Q8_0 => 128,
             Self::Q4_0 => 8,
             Self::Q5_0 => 16,
-            Self::Q4K => 0,
+            Self::Q4_1 | Self::Q5_1 | Self::Q4K | Self::Q5K => 0,
             Self::Q6K => 32,
+        }
+    }
+
+    /// Where the nibbles of q4_0, q5_0, q4_1 and q5_1 tiles start (after the scales, and
+    /// the minima of the last two), and their fifth bits after them.
+    fn nibbles(self) -> usize {
+        match self {
+            Self::Q4_1 | Self::Q5_1 => 2 * SCALES,
+            _ => SCALES,
         }
     }
 
@@ -139,14 +171,18 @@ impl Format {
             let (at, high) = self.place(r, v);
             (if high { q[at] >> 4 } else { q[at] & 15 }) as i32
         };
+        // Value v's fifth bit: bit v / 4 of byte 4r + v % 4, beside its nibble's group.
+        let fifth = |q: &[u8], v: usize| ((q[4 * r + v % 4] >> (v / 4) & 1) as i32) << 4;
+        let at = self.nibbles();
         match self {
             Self::Q8_0 => t[SCALES + self.place(r, v).0] as i32,
-            Self::Q4_0 => nibble(&t[SCALES..], v),
-            Self::Q5_0 => {
-                let high = t[SCALES + 256 + 4 * r + v % 4] >> (v / 4) & 1;
-                nibble(&t[SCALES..], v) | (high as i32) << 4
-            }
+            Self::Q4_0 | Self::Q4_1 => nibble(&t[at..], v),
+            Self::Q5_0 | Self::Q5_1 => nibble(&t[at..], v) | fifth(&t[at + 256..], v),
             Self::Q4K => nibble(&t[q4k::QS + v / QK * 256..], v % QK),
+            Self::Q5K => {
+                let (b, v) = (v / QK, v % QK);
+                nibble(&t[q4k::QS + b * 256..], v) | fifth(&t[q4k::BYTES + b * 64..], v)
+            }
             Self::Q6K => {
                 let (b, v) = (v / QK, v % QK);
                 let (g, i) = (v / 4, v % 4);
@@ -166,7 +202,13 @@ impl Format {
                     *y = (self.operand(t, r, v) - self.offset()) as f32 * d;
                 }
             }
-            Self::Q4K => {
+            Self::Q4_1 | Self::Q5_1 => {
+                let m = half(SCALES);
+                for (v, y) in out.iter_mut().enumerate() {
+                    *y = self.operand(t, r, v) as f32 * d + m;
+                }
+            }
+            Self::Q4K | Self::Q5K => {
                 let dmin = half(q4k::DMIN);
                 for (j, out) in out.chunks_exact_mut(QK).enumerate() {
                     let d1 = d * t[q4k::SC + 16 * j + r] as f32;
@@ -188,6 +230,8 @@ impl Format {
     /// Writes stored block `src` (one row's) as row `r` of tile `t`; rows not written keep
     /// the tile's initial bytes, which stand for zeros (see [`Packed::from_rows`]).
     fn pack_row(self, src: &[u8], t: &mut [u8], r: usize) {
+        // Fifth bit `bit` of value `v` (of a block of 32) into the bit layout at `q`.
+        let put_fifth = |q: &mut [u8], v: usize, bit: u8| q[4 * r + v % 4] |= bit << (v / 4);
         // Four-bit value `v` (of a block of 32) into the nibble layout at `q`.
         let put = |q: &mut [u8], v: usize, nib: u8| {
             let (at, high) = self.place(r, v);
@@ -204,37 +248,46 @@ impl Format {
                     t[SCALES + self.place(r, v).0] = src[2 + v] ^ 0x80;
                 }
             }
-            Self::Q4_0 | Self::Q5_0 => {
-                // Stored: d, (q5_0) the fifth bits as a little-endian u32, bit j for
-                // value j, then value j in the low nibble of byte j, j + 16 in its high
-                // nibble.
+            Self::Q4_0 | Self::Q5_0 | Self::Q4_1 | Self::Q5_1 => {
+                // Stored: d, (q4_1, q5_1) m, (q5_0, q5_1) the fifth bits as a
+                // little-endian u32, bit j for value j, then value j in the low nibble of
+                // byte j, j + 16 in its high nibble.
                 t[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
-                let (qh, qs) = match self {
-                    Self::Q5_0 => (
-                        u32::from_le_bytes([src[2], src[3], src[4], src[5]]),
-                        &src[6..],
-                    ),
-                    _ => (0, &src[2..]),
+                let mut src = &src[2..];
+                if matches!(self, Self::Q4_1 | Self::Q5_1) {
+                    t[SCALES + 2 * r..][..2].copy_from_slice(&src[..2]);
+                    src = &src[2..];
+                }
+                let five = matches!(self, Self::Q5_0 | Self::Q5_1);
+                let qh = match five {
+                    true => u32::from_le_bytes([src[0], src[1], src[2], src[3]]),
+                    false => 0,
                 };
+                let qs = &src[if five { 4 } else { 0 }..];
+                let at = self.nibbles();
                 for v in 0..QK {
                     let byte = qs[v % 16];
-                    put(
-                        &mut t[SCALES..],
-                        v,
-                        if v < 16 { byte & 15 } else { byte >> 4 },
-                    );
-                    if self == Self::Q5_0 {
-                        // Bit g = v / 4 of byte 4r + v % 4: beside the nibble of group g.
-                        t[SCALES + 256 + 4 * r + v % 4] |= ((qh >> v & 1) as u8) << (v / 4);
+                    put(&mut t[at..], v, if v < 16 { byte & 15 } else { byte >> 4 });
+                    if five {
+                        put_fifth(&mut t[at + 256..], v, (qh >> v & 1) as u8);
                     }
                 }
             }
-            Self::Q4K => {
-                // Stored: d, dmin, 12 bytes of scales and minima, then each 64 values as
-                // 32 bytes: values 0..32 in the low nibbles, 32..64 in the high ones.
+            Self::Q4K | Self::Q5K => {
+                // Stored: d, dmin, 12 bytes of scales and minima, (q5_K) 32 bytes of fifth
+                // bits (bit c of byte l for value 32c + l), then each 64 values as 32
+                // bytes: values 0..32 in the low nibbles, 32..64 in the high ones.
                 t[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
                 t[q4k::DMIN + 2 * r..][..2].copy_from_slice(&src[2..4]);
-                let (scales, qs) = (&src[4..16], &src[16..]);
+                let (scales, mut qs) = (&src[4..16], &src[16..]);
+                if self == Self::Q5K {
+                    let qh = &qs[..32];
+                    qs = &qs[32..];
+                    for v in 0..QK_K {
+                        let bit = qh[v % 32] >> (v / 32) & 1;
+                        put_fifth(&mut t[q4k::BYTES + v / QK * 64..], v % QK, bit);
+                    }
+                }
                 for j in 0..8 {
                     let (sc, m) = scale_min_k4(j, scales);
                     t[q4k::SC + 16 * j + r] = sc;
@@ -294,8 +347,8 @@ enum XRows {
 impl XRows {
     fn new(format: Format, x: &[f32], k: usize) -> Self {
         match format {
-            Format::Q8_0 | Format::Q4_0 | Format::Q5_0 => Self::Blocks(QRows::new(x, k)),
-            Format::Q4K | Format::Q6K => Self::Super(SuperRows::new(x, k)),
+            Format::Q4K | Format::Q5K | Format::Q6K => Self::Super(SuperRows::new(x, k)),
+            _ => Self::Blocks(QRows::new(x, k)),
         }
     }
 }
@@ -447,7 +500,7 @@ impl Packed {
         let empty = match format {
             Format::Q8_0 => 128u8,
             Format::Q4_0 => 0x88,
-            Format::Q5_0 | Format::Q4K | Format::Q6K => 0,
+            _ => 0,
         };
         let mut tiles = crate::memory::weight_vec(n.div_ceil(TILE) * nb * size, empty);
         let mut rows = vec![0u8; TILE * nb * block];
@@ -458,7 +511,7 @@ impl Packed {
             for (b, tile) in column.chunks_exact_mut(size).enumerate() {
                 if matches!(format, Format::Q8_0 | Format::Q4_0) {
                     tile[..SCALES].fill(0);
-                } else if format == Format::Q5_0 {
+                } else if matches!(format, Format::Q5_0 | Format::Q4_1 | Format::Q5_1) {
                     tile.fill(0);
                 }
                 for r in 0..count {
@@ -627,29 +680,16 @@ fn tile_rows(
         // SAFETY: `simd` is only set where `Packed::available()` saw the features; the
         // kernels check the lengths.
         unsafe {
-            use x86::{legacy_rows as legacy, q4k_rows as q4k, q6k_rows as q6k};
-            match (format, x, rows) {
-                (Format::Q8_0, XRows::Blocks(x), 1) => legacy::<1, 8>(tiles, x, r, y),
-                (Format::Q8_0, XRows::Blocks(x), 2) => legacy::<2, 8>(tiles, x, r, y),
-                (Format::Q8_0, XRows::Blocks(x), 3) => legacy::<3, 8>(tiles, x, r, y),
-                (Format::Q8_0, XRows::Blocks(x), _) => legacy::<4, 8>(tiles, x, r, y),
-                (Format::Q4_0, XRows::Blocks(x), 1) => legacy::<1, 4>(tiles, x, r, y),
-                (Format::Q4_0, XRows::Blocks(x), 2) => legacy::<2, 4>(tiles, x, r, y),
-                (Format::Q4_0, XRows::Blocks(x), 3) => legacy::<3, 4>(tiles, x, r, y),
-                (Format::Q4_0, XRows::Blocks(x), _) => legacy::<4, 4>(tiles, x, r, y),
-                (Format::Q5_0, XRows::Blocks(x), 1) => legacy::<1, 5>(tiles, x, r, y),
-                (Format::Q5_0, XRows::Blocks(x), 2) => legacy::<2, 5>(tiles, x, r, y),
-                (Format::Q5_0, XRows::Blocks(x), 3) => legacy::<3, 5>(tiles, x, r, y),
-                (Format::Q5_0, XRows::Blocks(x), _) => legacy::<4, 5>(tiles, x, r, y),
-                (Format::Q4K, XRows::Super(x), 1) => q4k::<1>(tiles, x, r, y),
-                (Format::Q4K, XRows::Super(x), 2) => q4k::<2>(tiles, x, r, y),
-                (Format::Q4K, XRows::Super(x), 3) => q4k::<3>(tiles, x, r, y),
-                (Format::Q4K, XRows::Super(x), _) => q4k::<4>(tiles, x, r, y),
-                (Format::Q6K, XRows::Super(x), 1) => q6k::<1>(tiles, x, r, y),
-                (Format::Q6K, XRows::Super(x), 2) => q6k::<2>(tiles, x, r, y),
-                (Format::Q6K, XRows::Super(x), 3) => q6k::<3>(tiles, x, r, y),
-                (Format::Q6K, XRows::Super(x), _) => q6k::<4>(tiles, x, r, y),
-                // `XRows::new` quantizes `x` as each format's kernels want it.
+            use x86::{legacy, q4k, q6k};
+            match (format, x) {
+                (Format::Q8_0, XRows::Blocks(x)) => legacy::<8, false>(rows, tiles, x, r, y),
+                (Format::Q4_0, XRows::Blocks(x)) => legacy::<4, false>(rows, tiles, x, r, y),
+                (Format::Q5_0, XRows::Blocks(x)) => legacy::<5, false>(rows, tiles, x, r, y),
+                (Format::Q4_1, XRows::Blocks(x)) => legacy::<4, true>(rows, tiles, x, r, y),
+                (Format::Q5_1, XRows::Blocks(x)) => legacy::<5, true>(rows, tiles, x, r, y),
+                (Format::Q4K, XRows::Super(x)) => q4k::<false>(rows, tiles, x, r, y),
+                (Format::Q5K, XRows::Super(x)) => q4k::<true>(rows, tiles, x, r, y),
+                (Format::Q6K, XRows::Super(x)) => q6k(rows, tiles, x, r, y),
                 _ => unreachable!("{format:?} weights with rows of x quantized for another"),
             }
         }
@@ -676,12 +716,15 @@ fn tile_rows(
                         let (xq, xd, xs) = x.row(r + j);
                         let sum = dot(xq, 0..QK) - format.offset() * xs[b];
                         *y += sum as f32 * (d * xd[b]);
+                        if matches!(format, Format::Q4_1 | Format::Q5_1) {
+                            *y += half(tile, SCALES, row) * (xd[b] * xs[b] as f32);
+                        }
                     }
                     XRows::Super(x) => {
                         let (xq, xd, xs) = x.row(r + j);
                         let xs = &xs[b * QK_K / 16..][..QK_K / 16];
                         let (mut sum, mut mins) = (0i32, 0i32);
-                        if format == Format::Q4K {
+                        if format != Format::Q6K {
                             for s in 0..8 {
                                 let sc = tile[q4k::SC + 16 * s + row] as i32;
                                 let m = tile[q4k::MIN + 16 * s + row] as i32;
@@ -695,7 +738,7 @@ fn tile_rows(
                             }
                         }
                         *y += d * xd[b] * sum as f32;
-                        if format == Format::Q4K {
+                        if format != Format::Q6K {
                             *y -= half(tile, q4k::DMIN, row) * xd[b] * mins as f32;
                         }
                     }
@@ -756,6 +799,91 @@ mod x86 {
         _mm512_add_epi32(s0, s1)
     }
 
+    /// [`legacy_rows`] for `rows` (1–4) rows of `x`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn legacy<const BITS: u8, const MIN: bool>(
+        rows: usize,
+        tiles: &[u8],
+        x: &QRows,
+        r: usize,
+        y: &mut [[f32; TILE]; 4],
+    ) {
+        // SAFETY (caller): the CPU has the features.
+        unsafe {
+            match rows {
+                1 => legacy_rows::<1, BITS, MIN>(tiles, x, r, y),
+                2 => legacy_rows::<2, BITS, MIN>(tiles, x, r, y),
+                3 => legacy_rows::<3, BITS, MIN>(tiles, x, r, y),
+                _ => legacy_rows::<4, BITS, MIN>(tiles, x, r, y),
+            }
+        }
+    }
+
+    /// [`q4k_rows`] for `rows` (1–4) rows of `x`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn q4k<const FIVE: bool>(
+        rows: usize,
+        tiles: &[u8],
+        x: &SuperRows,
+        r: usize,
+        y: &mut [[f32; TILE]; 4],
+    ) {
+        // SAFETY (caller): the CPU has the features.
+        unsafe {
+            match rows {
+                1 => q4k_rows::<1, FIVE>(tiles, x, r, y),
+                2 => q4k_rows::<2, FIVE>(tiles, x, r, y),
+                3 => q4k_rows::<3, FIVE>(tiles, x, r, y),
+                _ => q4k_rows::<4, FIVE>(tiles, x, r, y),
+            }
+        }
+    }
+
+    /// [`q6k_rows`] for `rows` (1–4) rows of `x`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn q6k(
+        rows: usize,
+        tiles: &[u8],
+        x: &SuperRows,
+        r: usize,
+        y: &mut [[f32; TILE]; 4],
+    ) {
+        // SAFETY (caller): the CPU has the features.
+        unsafe {
+            match rows {
+                1 => q6k_rows::<1>(tiles, x, r, y),
+                2 => q6k_rows::<2>(tiles, x, r, y),
+                3 => q6k_rows::<3>(tiles, x, r, y),
+                _ => q6k_rows::<4>(tiles, x, r, y),
+            }
+        }
+    }
+
+    /// Bit `g` of each of the 64 bytes at `p` or-ed into bit 4 of `w[g]`: the fifth bits
+    /// of q5_0, q5_1 and q5_K in their layout (see `Format::operand`).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn add_fifth_bits(w: &mut [__m512i; 8], p: *const u8) {
+        // SAFETY (caller): 64 readable bytes at `p`.
+        let v = unsafe { _mm512_loadu_si512(p.cast()) };
+        // Shifts of 16-bit lanes: the mask keeps bit 4 of each byte, which came from the
+        // same byte (shifts of at most 4 to the left and 3 to the right).
+        let high = [
+            _mm512_slli_epi16::<4>(v),
+            _mm512_slli_epi16::<3>(v),
+            _mm512_slli_epi16::<2>(v),
+            _mm512_slli_epi16::<1>(v),
+            v,
+            _mm512_srli_epi16::<1>(v),
+            _mm512_srli_epi16::<2>(v),
+            _mm512_srli_epi16::<3>(v),
+        ];
+        let bit = _mm512_set1_epi8(0x10);
+        for (w, high) in w.iter_mut().zip(high) {
+            *w = _mm512_or_si512(*w, _mm512_and_si512(high, bit));
+        }
+    }
+
     /// The pointers to rows `r..r + R` of `x` (values, scales, sums of 16), checked to
     /// hold `blocks` super-blocks.
     fn super_rows<const R: usize>(x: &SuperRows, r: usize, blocks: usize) -> [XRow; R] {
@@ -792,31 +920,36 @@ mod x86 {
         }
     }
 
-    /// `R` rows of `x` against one column of q4_K tiles, as ggml's q4_K · q8_K: per
+    /// `R` rows of `x` against one column of q4_K (or, `FIVE`, q5_K) tiles, as ggml's
+    /// q4_K · q8_K: per
     /// sub-block and row of `x`, the eight `vpdpbusd` of a q4_0 block and one integer
     /// multiply by its scales; per super-block, the minima times the sums of `x` in
     /// integers too, then two multiply-adds.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub unsafe fn q4k_rows<const R: usize>(
+    unsafe fn q4k_rows<const R: usize, const FIVE: bool>(
         tiles: &[u8],
         x: &SuperRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
     ) {
-        let nb = tiles.len() / q4k::BYTES;
+        let size = if FIVE { q4k::Q5_BYTES } else { q4k::BYTES };
+        let nb = tiles.len() / size;
         let xs = super_rows::<R>(x, r, nb);
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..nb {
-            // SAFETY: tile b is `q4k::BYTES` readable bytes; super-block b of each row of
-            // `x` is in bounds (checked by `super_rows`).
+            // SAFETY: tile b is `size` readable bytes; super-block b of each row of `x` is
+            // in bounds (checked by `super_rows`).
             unsafe {
-                let tile = tiles.as_ptr().add(b * q4k::BYTES);
+                let tile = tiles.as_ptr().add(b * size);
                 let mut sums = [_mm512_setzero_si512(); R];
                 let mut mins = [_mm512_setzero_si512(); R];
                 for j in 0..8 {
                     let sc = lanes::<false>(tile.add(q4k::SC + 16 * j));
                     let m = lanes::<false>(tile.add(q4k::MIN + 16 * j));
-                    let w = q4_operands(tile.add(q4k::QS + 256 * j));
+                    let mut w = q4_operands(tile.add(q4k::QS + 256 * j));
+                    if FIVE {
+                        add_fifth_bits(&mut w, tile.add(q4k::BYTES + 64 * j));
+                    }
                     for i in 0..R {
                         let x = xs[i];
                         let p = x.q.add(b * QK_K + QK * j).cast();
@@ -850,7 +983,7 @@ mod x86 {
     /// super-block one multiply-add. The six-bit operands are the q4_0 layout's nibbles
     /// with two more bits or-ed in above them, built once for the `R` rows.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub unsafe fn q6k_rows<const R: usize>(
+    unsafe fn q6k_rows<const R: usize>(
         tiles: &[u8],
         x: &SuperRows,
         r: usize,
@@ -912,20 +1045,24 @@ mod x86 {
     }
 
     /// `R` rows of `x` (from row `r`) against one column of tiles of `BITS`-bit values
-    /// (q8_0, q4_0 or q5_0). Per block and row of `x`: eight `vpdpbusd` (in two chains), one
-    /// conversion and one multiply-add; the tile's operands are loaded (and unpacked) once
-    /// for the `R` rows.
+    /// (q8_0, q4_0 or q5_0; with `MIN`, q4_1 or q5_1). Per block and row of `x`: eight
+    /// `vpdpbusd` (in two chains), one conversion and one multiply-add (two with minima);
+    /// the tile's operands are loaded (and unpacked) once for the `R` rows.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub unsafe fn legacy_rows<const R: usize, const BITS: u8>(
+    unsafe fn legacy_rows<const R: usize, const BITS: u8, const MIN: bool>(
         tiles: &[u8],
         x: &QRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
     ) {
-        let (size, offset) = match BITS {
-            4 => (SCALES + 256, 8),
-            5 => (SCALES + 256 + 64, 16),
-            _ => (SCALES + 512, 128),
+        // Bytes before the nibbles (the scales, and the minima), and per tile.
+        let head = if MIN { 2 * SCALES } else { SCALES };
+        let (size, offset) = match (BITS, MIN) {
+            (4, false) => (head + 256, 8),
+            (5, false) => (head + 256 + 64, 16),
+            (4, true) => (head + 256, 0),
+            (5, true) => (head + 256 + 64, 0),
+            _ => (head + 512, 128),
         };
         let nb = tiles.len() / size;
         let mut xq = [std::ptr::null::<i8>(); R];
@@ -943,26 +1080,12 @@ mod x86 {
             unsafe {
                 let tile = tiles.as_ptr().add(b * size);
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
-                let q = tile.add(SCALES);
+                let m = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(SCALES).cast()));
+                let q = tile.add(head);
                 // w[g] pairs with values 4g..4g+3 of `x`'s block.
                 let w = if BITS == 5 {
-                    // Bit g of each byte of the 64 after the nibbles goes to bit 4 of w[g].
                     let mut w = q4_operands(q);
-                    let v = _mm512_loadu_si512(q.add(256).cast());
-                    let high = [
-                        _mm512_slli_epi16::<4>(v),
-                        _mm512_slli_epi16::<3>(v),
-                        _mm512_slli_epi16::<2>(v),
-                        _mm512_slli_epi16::<1>(v),
-                        v,
-                        _mm512_srli_epi16::<1>(v),
-                        _mm512_srli_epi16::<2>(v),
-                        _mm512_srli_epi16::<3>(v),
-                    ];
-                    let bit = _mm512_set1_epi8(0x10);
-                    for (w, high) in w.iter_mut().zip(high) {
-                        *w = _mm512_or_si512(*w, _mm512_and_si512(high, bit));
-                    }
+                    add_fifth_bits(&mut w, q.add(256));
                     w
                 } else if BITS == 4 {
                     q4_operands(q)
@@ -989,8 +1112,12 @@ mod x86 {
                         s1 = _mm512_dpbusd_epi32(s1, w[g + 1], x1);
                     }
                     let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                    let dx = _mm512_set1_ps(*xd[j].add(b));
-                    acc[j] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, dx), acc[j]);
+                    let dx = *xd[j].add(b);
+                    acc[j] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[j]);
+                    if MIN {
+                        let xsum = _mm512_set1_ps(dx * *xs[j].add(b) as f32);
+                        acc[j] = _mm512_fmadd_ps(m, xsum, acc[j]);
+                    }
                 }
             }
         }
@@ -1012,10 +1139,13 @@ mod tests {
         QTensor::quantize(&w, dtype).unwrap()
     }
 
-    const FORMATS: [GgmlDType; 5] = [
+    const FORMATS: [GgmlDType; 8] = [
         GgmlDType::Q8_0,
         GgmlDType::Q4_0,
         GgmlDType::Q5_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q5_1,
+        GgmlDType::Q5K,
         GgmlDType::Q4K,
         GgmlDType::Q6K,
     ];
@@ -1053,7 +1183,7 @@ mod tests {
     fn k_quant_tiles_hold_every_scale_sign_and_value() {
         // Rows whose scales, minima and values reach the formats' ends: quantized from
         // rows of mixed magnitudes and signs, some all negative, some all zero.
-        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
             let (n, k) = (20, 512);
             let w: Vec<f32> = (0..n * k)
                 .map(|i| {
@@ -1175,9 +1305,11 @@ mod tests {
                     "{dtype:?} {m}x{n}x{k}: {a} vs {b}"
                 );
             }
-            {
+            if !matches!(dtype, GgmlDType::Q4_1 | GgmlDType::Q5_1) {
                 // Candle's product quantizes x as ggml does: the same sums in another
-                // order.
+                // order. (With q4_1/q5_1 ggml takes the block sums of x as f16 values
+                // `d · Σq`, which moves the minima's terms by up to 1e-3 of the result;
+                // here they stay f32.)
                 let theirs = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
                 let theirs: Vec<f32> = theirs
                     .narrow(1, cols.start, cols.len())
@@ -1208,7 +1340,7 @@ mod tests {
     #[test]
     fn other_formats_are_not_packed() {
         let w = Tensor::randn(0f32, 1.0, (16, 256), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&w, GgmlDType::Q5K).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q3K).unwrap();
         assert!(Packed::pack(&q).unwrap().is_none());
     }
 }
