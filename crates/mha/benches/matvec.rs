@@ -64,7 +64,7 @@ fn bench_matvec(c: &mut Criterion) {
     group.finish();
 }
 
-/// The same products with q8_0 and q4_0 weights (`[out, in]`, as GGUF stores them):
+/// The same products with block-quantized weights (`[out, in]`, as GGUF stores them):
 /// `mha::qpacked` (the repacked tiles `Proj` uses where the CPU has AVX-512 VNNI) and
 /// `mha::qmatvec` (the stored layout, used elsewhere) against Candle's `QMatMul` (which
 /// repacks q8_0 matrices whose input width is a multiple of 256 for its own AVX-512 VNNI
@@ -82,8 +82,19 @@ fn bench_qmatvec(c: &mut Criterion) {
         ("smollm_mlp_576x1536", 576, 1536, 30),
         ("lm_head_768x50257", 768, 50257, 1),
     ];
-    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
+    let dtypes = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q5_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
+    for dtype in dtypes {
         for (name, d_in, d_out, copies) in shapes {
+            if d_in % dtype.block_size() != 0 {
+                continue;
+            }
             let ws: Vec<Arc<QTensor>> = (0..copies)
                 .map(|_| Arc::new(QTensor::quantize(&randn((d_out, d_in)), dtype).unwrap()))
                 .collect();
@@ -109,15 +120,17 @@ fn bench_qmatvec(c: &mut Criterion) {
                         })
                     });
                 }
-                group.bench_function(BenchmarkId::new("qmatvec", &id), |bench| {
-                    bench.iter(|| {
-                        pool.install(|| {
-                            for w in &ws {
-                                qmatmul(&xs, w, 0..d_out).unwrap().unwrap();
-                            }
+                if mha::qmatvec::supported(&ws[0]) {
+                    group.bench_function(BenchmarkId::new("qmatvec", &id), |bench| {
+                        bench.iter(|| {
+                            pool.install(|| {
+                                for w in &ws {
+                                    qmatmul(&xs, w, 0..d_out).unwrap().unwrap();
+                                }
+                            })
                         })
-                    })
-                });
+                    });
+                }
                 group.bench_function(BenchmarkId::new("candle", &id), |bench| {
                     bench.iter(|| {
                         pool.install(|| {

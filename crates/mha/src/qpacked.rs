@@ -880,7 +880,8 @@ mod x86 {
         ];
         let bit = _mm512_set1_epi8(0x10);
         for (w, high) in w.iter_mut().zip(high) {
-            *w = _mm512_or_si512(*w, _mm512_and_si512(high, bit));
+            // w | (high & bit) in one instruction.
+            *w = _mm512_ternarylogic_epi32::<0xf8>(*w, high, bit);
         }
     }
 
@@ -1012,7 +1013,8 @@ mod x86 {
                             _mm512_srli_epi16::<2>(v),
                         ];
                         for (w, high) in w.iter_mut().zip(high) {
-                            *w = _mm512_or_si512(*w, _mm512_and_si512(high, bits));
+                            // w | (high & bits) in one instruction.
+                            *w = _mm512_ternarylogic_epi32::<0xf8>(*w, high, bits);
                         }
                     }
                     let sc_lo = lanes::<true>(tile.add(q6k::SC + 32 * j));
