@@ -62,6 +62,19 @@ pub enum QuantizeArg {
     /// 4-bit, blocks of 32 with an f16 scale: 4.5 bits per weight.
     #[value(name = "q4_0")]
     Q4_0,
+    /// 5-bit, blocks of 32 with an f16 scale: 5.5 bits per weight.
+    #[value(name = "q5_0")]
+    Q5_0,
+    /// llama.cpp's 4-bit k-quant, super-blocks of 256 with 6-bit scales and minima per 32:
+    /// 4.5 bits per weight (matrices whose rows are not whole super-blocks take q5_0).
+    #[value(name = "q4_k")]
+    Q4K,
+    /// The 5-bit k-quant: 5.5 bits per weight (else q5_1).
+    #[value(name = "q5_k")]
+    Q5K,
+    /// The 6-bit k-quant, 8-bit scales per 16: 6.56 bits per weight (else q8_0).
+    #[value(name = "q6_k")]
+    Q6K,
 }
 
 impl From<QuantizeArg> for candle_core::quantized::GgmlDType {
@@ -69,6 +82,10 @@ impl From<QuantizeArg> for candle_core::quantized::GgmlDType {
         match q {
             QuantizeArg::Q8_0 => Self::Q8_0,
             QuantizeArg::Q4_0 => Self::Q4_0,
+            QuantizeArg::Q5_0 => Self::Q5_0,
+            QuantizeArg::Q4K => Self::Q4K,
+            QuantizeArg::Q5K => Self::Q5K,
+            QuantizeArg::Q6K => Self::Q6K,
         }
     }
 }

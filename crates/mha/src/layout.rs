@@ -217,20 +217,22 @@ impl Proj {
         matches!(self.w, Weight::Quantized { .. } | Weight::Packed { .. })
     }
 
-    /// The weight quantized to `dtype` (e.g. [`GgmlDType::Q8_0`]): Candle's quantized
-    /// matrix-vector kernels then read 8.5 bits per weight instead of 32. The input width
-    /// must be a multiple of the format's block size; the bias stays as it is.
+    /// The weight quantized to `dtype` (e.g. [`GgmlDType::Q8_0`]): the quantized kernels
+    /// then read 8.5 bits per weight (q8_0) instead of 32. The input width must be a
+    /// multiple of the format's block size, except that a k-quant falls back as llama.cpp's
+    /// quantizer does (q4_K to q5_0, q5_K to q5_1, q6_K to q8_0: SmolLM's width of 576 is
+    /// not a multiple of 256); the bias stays as it is.
     pub fn quantize(&self, dtype: GgmlDType) -> Result<Self> {
         let Weight::Dense(w_t) = &self.w else {
             bail!("the projection is already quantized")
         };
         let (d_in, d_out) = w_t.dims2()?;
-        if d_in % dtype.block_size() != 0 {
+        let Some(dtype) = quantized_as(dtype, d_in) else {
             bail!(
                 "cannot quantize a projection with input width {d_in} to {dtype:?}: it must be a multiple of {}",
                 dtype.block_size()
             )
-        }
+        };
         let w = w_t.t()?.to_dtype(DType::F32)?.contiguous()?;
         let q = QTensor::quantize(&w, dtype)?;
         if let Some(packed) = Packed::new(&q)? {
@@ -252,7 +254,7 @@ impl Proj {
     /// whole model quantizes even when one width, say an MLP of 48, does not divide.
     pub fn quantize_or_keep(&self, dtype: GgmlDType) -> Result<Self> {
         match &self.w {
-            Weight::Dense(w_t) if w_t.dim(0)? % dtype.block_size() != 0 => Ok(self.clone()),
+            Weight::Dense(w_t) if quantized_as(dtype, w_t.dim(0)?).is_none() => Ok(self.clone()),
             _ => self.quantize(dtype),
         }
     }
@@ -493,6 +495,23 @@ fn candle_repacks(w: &QTensor, d_in: usize, d_out: usize) -> bool {
         && d_in.is_multiple_of(256)
         && d_out.is_multiple_of(16)
         && w.device().is_cpu()
+}
+
+/// The format a matrix with rows of `d_in` takes when quantized to `dtype`: `dtype` where
+/// the rows are whole blocks of it, a k-quant's fallback where they are whole blocks of 32
+/// (llama.cpp's choices), otherwise none.
+fn quantized_as(dtype: GgmlDType, d_in: usize) -> Option<GgmlDType> {
+    if d_in.is_multiple_of(dtype.block_size()) {
+        return Some(dtype);
+    }
+    let fallback = match dtype {
+        GgmlDType::Q4K => GgmlDType::Q5_0,
+        GgmlDType::Q5K => GgmlDType::Q5_1,
+        GgmlDType::Q6K => GgmlDType::Q8_0,
+        _ => return None,
+    };
+    d_in.is_multiple_of(fallback.block_size())
+        .then_some(fallback)
 }
 
 /// `dims` with the last one replaced by `d_out`.
@@ -896,6 +915,37 @@ fn load_layout(cfg: &MhaConfig, layout: &WeightLayout, vb: &VarBuilder) -> Resul
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// A k-quant whose super-blocks do not fit the rows takes llama.cpp's fallback (the same
+    /// weights as quantizing to it directly); where neither fits, `quantize` refuses and
+    /// `quantize_or_keep` keeps the dense weight.
+    #[test]
+    fn k_quants_fall_back_where_rows_are_not_whole_super_blocks() -> Result<()> {
+        let dev = Device::Cpu;
+        let xs = Tensor::randn(0f32, 1.0, (3, 192), &dev)?;
+        let w = Tensor::randn(0f32, 1.0, (48, 192), &dev)?;
+        let p = Proj::from_linear(&w, None)?;
+        for (k, fallback) in [
+            (GgmlDType::Q4K, GgmlDType::Q5_0),
+            (GgmlDType::Q5K, GgmlDType::Q5_1),
+            (GgmlDType::Q6K, GgmlDType::Q8_0),
+        ] {
+            let got = p.quantize(k)?.forward(&xs)?;
+            let want = p.quantize(fallback)?.forward(&xs)?;
+            let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "{k:?}");
+        }
+        // Whole super-blocks keep the k-quant: different weights from the fallback's.
+        let wide = Proj::from_linear(&Tensor::randn(0f32, 1.0, (48, 256), &dev)?, None)?;
+        let xs = Tensor::randn(0f32, 1.0, (3, 256), &dev)?;
+        let k = wide.quantize(GgmlDType::Q4K)?.forward(&xs)?;
+        let q5 = wide.quantize(GgmlDType::Q5_0)?.forward(&xs)?;
+        assert!((k - q5)?.abs()?.max_all()?.to_scalar::<f32>()? > 0.0);
+        let narrow = Proj::from_linear(&Tensor::randn(0f32, 1.0, (8, 100), &dev)?, None)?;
+        assert!(narrow.quantize(GgmlDType::Q4K).is_err());
+        assert!(!narrow.quantize_or_keep(GgmlDType::Q4K)?.is_quantized());
+        Ok(())
+    }
 
     /// The stored-layout path (`mha::qmatvec`), which CPUs with AVX-512 VNNI never take
     /// through `Proj::from_qtensor` (they pack): a whole projection and a narrowed view,
