@@ -4,6 +4,11 @@ alternation: decoding 128 tokens after a 16-token context, and a 512-token prefi
     cargo build --release --bin gpt
     /tmp/ref/bin/python bench/gguf_compare.py [--arch gpt2|llama] [--kinds q8_0 q4_k_m] [--rounds 3]
 
+The Python environment is REFERENCE.md's plus `sentencepiece` and `protobuf` (the Llama
+geometry's tokenizer goes through transformers' SentencePiece converter; without protobuf
+it falls back to a tiktoken reader and fails). `--kinds` takes f32, f16, q8_0 and any type
+`llama-quantize` knows (q4_0, q4_k_m, q5_k_m, ...).
+
 llama.cpp: the tree vendored by the `llama-cpp-python` source package (see
 scripts/gguf_fixtures.py), with `llama-bench` and `llama-quantize` built by CMake from PyPI:
 
