@@ -1034,8 +1034,9 @@ fn file_type(dtype: GgmlDType) -> u32 {
 }
 
 /// Writes `model` as a GGUF file that llama.cpp loads: its tensor names, its metadata for
-/// the family, matrices in `dtype` (those whose rows are not whole blocks of it in f16, as
-/// llama.cpp's quantizer falls back), norms, biases and learned positions in f32, and the
+/// the family, matrices in `dtype` (those whose rows are not whole blocks of it in a
+/// k-quant's fallback, else f16, as llama.cpp's quantizer falls back; see
+/// [`Proj::quantized_as`]), norms, biases and learned positions in f32, and the
 /// tokenizer (`vocab`) and chat template when given. Llama's query and key rows are put in
 /// llama.cpp's rotary order. Written to a temporary name and renamed.
 ///
@@ -1077,15 +1078,11 @@ pub fn save_gguf(
         tensors.push((name, QTensor::quantize(&t, GgmlDType::F32)?));
         Ok(())
     };
-    // A matrix `[out, in]` in `dtype`, or f16 when its rows are not whole blocks of it.
+    // A matrix `[out, in]` in `dtype`, or where its rows are not whole blocks of it a
+    // k-quant's fallback (as llama.cpp's quantizer), else f16.
     let matrix = |w: &Tensor| -> Result<QTensor> {
         let w = w.to_device(&dev)?.to_dtype(DType::F32)?.contiguous()?;
-        let d_in = w.dim(1)?;
-        let q = match d_in % dtype.block_size() {
-            0 => dtype,
-            _ if dtype == GgmlDType::F32 => GgmlDType::F32,
-            _ => GgmlDType::F16,
-        };
+        let q = Proj::quantized_as(dtype, w.dim(1)?).unwrap_or(GgmlDType::F16);
         QTensor::quantize(&w, q)
     };
     let mut matrices: Vec<(String, QTensor)> = Vec::new();

@@ -351,8 +351,9 @@ fn fused_loading_computes_what_the_separate_projections_do() {
     }
 }
 
-/// `save_gguf` writes what `Gguf::load` reads back: the same logits (f32), and for q8_0 the
-/// logits of the model quantized in memory to the same blocks. llama.cpp running these
+/// `save_gguf` writes what `Gguf::load` reads back: the same logits (f32), and for q8_0 and
+/// q4_K (its fallback, on these widths), and on a model of width 256 the k-quants and q5_0,
+/// the logits of the model quantized in memory to the same blocks. llama.cpp running these
 /// files is checked by scripts/gguf_export_check.py (it needs llama.cpp).
 #[test]
 fn written_files_load_back_as_the_same_model() {
@@ -374,26 +375,65 @@ fn written_files_load_back_as_the_same_model() {
         }
         assert_eq!(&read, model.config(), "{name}");
 
-        gpt_blocks::save_gguf(&model, &out, GgmlDType::Q8_0, None, None).unwrap();
-        let q = gpt_blocks::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
-        // The same model quantized in memory; the file's token embedding is q8_0 too (as
-        // llama.cpp writes it), so the lookups read its dequantized rows.
-        let quantized = model.quantize(GgmlDType::Q8_0).unwrap();
-        let wte = candle_core::quantized::QTensor::quantize(&model.wte().unwrap(), GgmlDType::Q8_0)
-            .unwrap()
-            .dequantize(&Device::Cpu)
-            .unwrap();
-        let in_memory = Gpt::from_parts(
-            model.config(),
-            gpt_blocks::Embedding::Dense(wte),
-            model.wpe().cloned(),
-            quantized.blocks().to_vec(),
-            quantized.ln_f().cloned(),
-            quantized.lm_head().clone(),
-        )
-        .unwrap();
-        assert_close(&logits(&q, ids), &logits(&in_memory, ids), 1e-5, 0.0, name);
+        // q4_K here takes its fallback, q5_0 (the widths are not whole super-blocks).
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4K] {
+            quantized_file_is_the_model_quantized(&model, &out, dtype, ids, name);
+        }
     }
+    // Width 256: the k-quants themselves (the models above are narrower, so there they
+    // would take their fallbacks). Its f32 model is its q4_K_M file's values.
+    let name = "llama_wide";
+    let out = dir.path().join(format!("{name}.gguf"));
+    gpt_blocks::save_gguf(
+        &load("llama_wide.q4_k_m.gguf"),
+        &out,
+        GgmlDType::F32,
+        None,
+        None,
+    )
+    .unwrap();
+    let model = gpt_blocks::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
+    let ids = &expected(name)["input_ids"];
+    for dtype in [
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+        GgmlDType::Q5_0,
+    ] {
+        quantized_file_is_the_model_quantized(&model, &out, dtype, ids, name);
+    }
+}
+
+/// `model` written in `dtype` to `out` and read back computes the logits of `model`
+/// quantized in memory to the same blocks. The file's token embedding is in `dtype` too
+/// (as llama.cpp writes it), so the lookups read its dequantized rows.
+fn quantized_file_is_the_model_quantized(
+    model: &Gpt,
+    out: &std::path::Path,
+    dtype: GgmlDType,
+    ids: &Tensor,
+    name: &str,
+) {
+    gpt_blocks::save_gguf(model, out, dtype, None, None).unwrap();
+    let q = gpt_blocks::load_gguf(out, DType::F32, &Device::Cpu).unwrap();
+    let quantized = model.quantize(dtype).unwrap();
+    let wte = model.wte().unwrap();
+    let table = mha::Proj::quantized_as(dtype, wte.dim(1).unwrap()).unwrap_or(GgmlDType::F16);
+    let wte = candle_core::quantized::QTensor::quantize(&wte, table)
+        .unwrap()
+        .dequantize(&Device::Cpu)
+        .unwrap();
+    let in_memory = Gpt::from_parts(
+        model.config(),
+        gpt_blocks::Embedding::Dense(wte),
+        model.wpe().cloned(),
+        quantized.blocks().to_vec(),
+        quantized.ln_f().cloned(),
+        quantized.lm_head().clone(),
+    )
+    .unwrap();
+    let what = format!("{name} {dtype:?}");
+    assert_close(&logits(&q, ids), &logits(&in_memory, ids), 1e-5, 0.0, &what);
 }
 
 /// An f16 file on the CPU keeps its matrices and token table in f16 and computes in f32:

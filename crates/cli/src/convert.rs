@@ -31,6 +31,19 @@ pub enum GgufType {
     /// 4-bit blocks of 32 (4.5 bits per weight).
     #[value(name = "q4_0")]
     Q4_0,
+    /// 5-bit blocks of 32 (5.5 bits per weight).
+    #[value(name = "q5_0")]
+    Q5_0,
+    /// llama.cpp's 4-bit k-quant (4.5 bits per weight; rows that are not whole
+    /// super-blocks of 256 take q5_0).
+    #[value(name = "q4_k")]
+    Q4K,
+    /// The 5-bit k-quant (5.5 bits per weight; else q5_1).
+    #[value(name = "q5_k")]
+    Q5K,
+    /// The 6-bit k-quant (6.56 bits per weight; else q8_0).
+    #[value(name = "q6_k")]
+    Q6K,
 }
 
 /// Options of `gpt convert`.
@@ -42,7 +55,8 @@ pub struct ConvertArgs {
     /// The file to write.
     #[arg(long)]
     pub out: PathBuf,
-    /// Format of the matrices (rows that are not whole blocks of it are written as f16).
+    /// Format of the matrices (rows that are not whole blocks of it are written in a
+    /// k-quant's fallback, else f16).
     #[arg(long = "type", value_enum, default_value = "f16")]
     pub kind: GgufType,
 }
@@ -71,6 +85,10 @@ pub fn run(a: &ConvertArgs, margs: &ModelArgs) -> Result<()> {
         GgufType::F16 => GgmlDType::F16,
         GgufType::Q8_0 => GgmlDType::Q8_0,
         GgufType::Q4_0 => GgmlDType::Q4_0,
+        GgufType::Q5_0 => GgmlDType::Q5_0,
+        GgufType::Q4K => GgmlDType::Q4K,
+        GgufType::Q5K => GgmlDType::Q5K,
+        GgufType::Q6K => GgmlDType::Q6K,
     };
     gpt_blocks::save_gguf(&model, &a.out, dtype, vocab.as_ref(), chat.own_template())
         .with_context(|| format!("writing {}", a.out.display()))?;

@@ -217,6 +217,24 @@ impl Proj {
         matches!(self.w, Weight::Quantized { .. } | Weight::Packed { .. })
     }
 
+    /// The format a matrix with rows of `d_in` takes when quantized to `dtype`: `dtype`
+    /// where the rows are whole blocks of it, a k-quant's fallback where they are whole
+    /// blocks of 32 (llama.cpp's quantizer's choices: q4_K → q5_0, q5_K → q5_1, q6_K →
+    /// q8_0), otherwise none.
+    pub fn quantized_as(dtype: GgmlDType, d_in: usize) -> Option<GgmlDType> {
+        if d_in.is_multiple_of(dtype.block_size()) {
+            return Some(dtype);
+        }
+        let fallback = match dtype {
+            GgmlDType::Q4K => GgmlDType::Q5_0,
+            GgmlDType::Q5K => GgmlDType::Q5_1,
+            GgmlDType::Q6K => GgmlDType::Q8_0,
+            _ => return None,
+        };
+        d_in.is_multiple_of(fallback.block_size())
+            .then_some(fallback)
+    }
+
     /// The weight quantized to `dtype` (e.g. [`GgmlDType::Q8_0`]): the quantized kernels
     /// then read 8.5 bits per weight (q8_0) instead of 32. The input width must be a
     /// multiple of the format's block size, except that a k-quant falls back as llama.cpp's
@@ -227,7 +245,7 @@ impl Proj {
             bail!("the projection is already quantized")
         };
         let (d_in, d_out) = w_t.dims2()?;
-        let Some(dtype) = quantized_as(dtype, d_in) else {
+        let Some(dtype) = Self::quantized_as(dtype, d_in) else {
             bail!(
                 "cannot quantize a projection with input width {d_in} to {dtype:?}: it must be a multiple of {}",
                 dtype.block_size()
@@ -254,7 +272,9 @@ impl Proj {
     /// whole model quantizes even when one width, say an MLP of 48, does not divide.
     pub fn quantize_or_keep(&self, dtype: GgmlDType) -> Result<Self> {
         match &self.w {
-            Weight::Dense(w_t) if quantized_as(dtype, w_t.dim(0)?).is_none() => Ok(self.clone()),
+            Weight::Dense(w_t) if Self::quantized_as(dtype, w_t.dim(0)?).is_none() => {
+                Ok(self.clone())
+            }
             _ => self.quantize(dtype),
         }
     }
@@ -495,23 +515,6 @@ fn candle_repacks(w: &QTensor, d_in: usize, d_out: usize) -> bool {
         && d_in.is_multiple_of(256)
         && d_out.is_multiple_of(16)
         && w.device().is_cpu()
-}
-
-/// The format a matrix with rows of `d_in` takes when quantized to `dtype`: `dtype` where
-/// the rows are whole blocks of it, a k-quant's fallback where they are whole blocks of 32
-/// (llama.cpp's choices), otherwise none.
-fn quantized_as(dtype: GgmlDType, d_in: usize) -> Option<GgmlDType> {
-    if d_in.is_multiple_of(dtype.block_size()) {
-        return Some(dtype);
-    }
-    let fallback = match dtype {
-        GgmlDType::Q4K => GgmlDType::Q5_0,
-        GgmlDType::Q5K => GgmlDType::Q5_1,
-        GgmlDType::Q6K => GgmlDType::Q8_0,
-        _ => return None,
-    };
-    d_in.is_multiple_of(fallback.block_size())
-        .then_some(fallback)
 }
 
 /// `dims` with the last one replaced by `d_out`.
