@@ -572,3 +572,20 @@ fn llama3_rope_scaling_matches_transformers() {
     let moved = max_abs_diff(&logits(&unscaled, ids), &exp["logits"]);
     assert!(moved > 1e-2, "the scaling changes nothing: {moved}");
 }
+
+/// A long prefill through a quantized MLP runs in chunks of tokens (`Mlp::forward`): the
+/// same values as each token alone (a batch of 300 one-token rows, which is not chunked),
+/// across chunk boundaries and a short last chunk, for a gated (Llama) and a plain (GPT-2)
+/// MLP.
+#[test]
+fn chunked_mlp_prefill_equals_the_rows_alone() {
+    for file in ["llama.q8_0.gguf", "gpt2.q8_0.gguf", "qwen2.q4_0.gguf"] {
+        let model = load(file);
+        let (_, _, _, mlp) = model.blocks()[0].parts();
+        let d = model.config().n_embd;
+        let xs = Tensor::randn(0f32, 1.0, (1, 300, d), &Device::Cpu).unwrap();
+        let long = mlp.forward(&xs).unwrap();
+        let alone = mlp.forward(&xs.reshape((300, 1, d)).unwrap()).unwrap();
+        assert_close(&long, &alone.reshape((1, 300, d)).unwrap(), 0.0, 0.0, file);
+    }
+}
