@@ -680,16 +680,39 @@ fn tile_rows(
         // SAFETY: `simd` is only set where `Packed::available()` saw the features; the
         // kernels check the lengths.
         unsafe {
-            use x86::{legacy, q4k, q6k};
+            use x86::{legacy_rows as legacy, q4k_rows as q4k, q6k_rows as q6k};
+            // The kernels take the rows of `x` (1–4) as a constant: `R` in each arm.
+            macro_rules! by_rows {
+                ($call:expr) => {
+                    match rows {
+                        1 => {
+                            const R: usize = 1;
+                            $call
+                        }
+                        2 => {
+                            const R: usize = 2;
+                            $call
+                        }
+                        3 => {
+                            const R: usize = 3;
+                            $call
+                        }
+                        _ => {
+                            const R: usize = 4;
+                            $call
+                        }
+                    }
+                };
+            }
             match (format, x) {
-                (Format::Q8_0, XRows::Blocks(x)) => legacy::<8, false>(rows, tiles, x, r, y),
-                (Format::Q4_0, XRows::Blocks(x)) => legacy::<4, false>(rows, tiles, x, r, y),
-                (Format::Q5_0, XRows::Blocks(x)) => legacy::<5, false>(rows, tiles, x, r, y),
-                (Format::Q4_1, XRows::Blocks(x)) => legacy::<4, true>(rows, tiles, x, r, y),
-                (Format::Q5_1, XRows::Blocks(x)) => legacy::<5, true>(rows, tiles, x, r, y),
-                (Format::Q4K, XRows::Super(x)) => q4k::<false>(rows, tiles, x, r, y),
-                (Format::Q5K, XRows::Super(x)) => q4k::<true>(rows, tiles, x, r, y),
-                (Format::Q6K, XRows::Super(x)) => q6k(rows, tiles, x, r, y),
+                (Format::Q8_0, XRows::Blocks(x)) => by_rows!(legacy::<R, 8, false>(tiles, x, r, y)),
+                (Format::Q4_0, XRows::Blocks(x)) => by_rows!(legacy::<R, 4, false>(tiles, x, r, y)),
+                (Format::Q5_0, XRows::Blocks(x)) => by_rows!(legacy::<R, 5, false>(tiles, x, r, y)),
+                (Format::Q4_1, XRows::Blocks(x)) => by_rows!(legacy::<R, 4, true>(tiles, x, r, y)),
+                (Format::Q5_1, XRows::Blocks(x)) => by_rows!(legacy::<R, 5, true>(tiles, x, r, y)),
+                (Format::Q4K, XRows::Super(x)) => by_rows!(q4k::<R, false>(tiles, x, r, y)),
+                (Format::Q5K, XRows::Super(x)) => by_rows!(q4k::<R, true>(tiles, x, r, y)),
+                (Format::Q6K, XRows::Super(x)) => by_rows!(q6k::<R>(tiles, x, r, y)),
                 _ => unreachable!("{format:?} weights with rows of x quantized for another"),
             }
         }
@@ -799,66 +822,6 @@ mod x86 {
         _mm512_add_epi32(s0, s1)
     }
 
-    /// [`legacy_rows`] for `rows` (1–4) rows of `x`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub unsafe fn legacy<const BITS: u8, const MIN: bool>(
-        rows: usize,
-        tiles: &[u8],
-        x: &QRows,
-        r: usize,
-        y: &mut [[f32; TILE]; 4],
-    ) {
-        // SAFETY (caller): the CPU has the features.
-        unsafe {
-            match rows {
-                1 => legacy_rows::<1, BITS, MIN>(tiles, x, r, y),
-                2 => legacy_rows::<2, BITS, MIN>(tiles, x, r, y),
-                3 => legacy_rows::<3, BITS, MIN>(tiles, x, r, y),
-                _ => legacy_rows::<4, BITS, MIN>(tiles, x, r, y),
-            }
-        }
-    }
-
-    /// [`q4k_rows`] for `rows` (1–4) rows of `x`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub unsafe fn q4k<const FIVE: bool>(
-        rows: usize,
-        tiles: &[u8],
-        x: &SuperRows,
-        r: usize,
-        y: &mut [[f32; TILE]; 4],
-    ) {
-        // SAFETY (caller): the CPU has the features.
-        unsafe {
-            match rows {
-                1 => q4k_rows::<1, FIVE>(tiles, x, r, y),
-                2 => q4k_rows::<2, FIVE>(tiles, x, r, y),
-                3 => q4k_rows::<3, FIVE>(tiles, x, r, y),
-                _ => q4k_rows::<4, FIVE>(tiles, x, r, y),
-            }
-        }
-    }
-
-    /// [`q6k_rows`] for `rows` (1–4) rows of `x`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub unsafe fn q6k(
-        rows: usize,
-        tiles: &[u8],
-        x: &SuperRows,
-        r: usize,
-        y: &mut [[f32; TILE]; 4],
-    ) {
-        // SAFETY (caller): the CPU has the features.
-        unsafe {
-            match rows {
-                1 => q6k_rows::<1>(tiles, x, r, y),
-                2 => q6k_rows::<2>(tiles, x, r, y),
-                3 => q6k_rows::<3>(tiles, x, r, y),
-                _ => q6k_rows::<4>(tiles, x, r, y),
-            }
-        }
-    }
-
     /// Bit `g` of each of the 64 bytes at `p` or-ed into bit 4 of `w[g]`: the fifth bits
     /// of q5_0, q5_1 and q5_K in their layout (see `Format::operand`).
     #[target_feature(enable = "avx512f,avx512bw")]
@@ -927,7 +890,7 @@ mod x86 {
     /// multiply by its scales; per super-block, the minima times the sums of `x` in
     /// integers too, then two multiply-adds.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    unsafe fn q4k_rows<const R: usize, const FIVE: bool>(
+    pub unsafe fn q4k_rows<const R: usize, const FIVE: bool>(
         tiles: &[u8],
         x: &SuperRows,
         r: usize,
@@ -984,7 +947,7 @@ mod x86 {
     /// super-block one multiply-add. The six-bit operands are the q4_0 layout's nibbles
     /// with two more bits or-ed in above them, built once for the `R` rows.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    unsafe fn q6k_rows<const R: usize>(
+    pub unsafe fn q6k_rows<const R: usize>(
         tiles: &[u8],
         x: &SuperRows,
         r: usize,
@@ -1051,7 +1014,7 @@ mod x86 {
     /// `vpdpbusd` (in two chains), one conversion and one multiply-add (two with minima);
     /// the tile's operands are loaded (and unpacked) once for the `R` rows.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    unsafe fn legacy_rows<const R: usize, const BITS: u8, const MIN: bool>(
+    pub unsafe fn legacy_rows<const R: usize, const BITS: u8, const MIN: bool>(
         tiles: &[u8],
         x: &QRows,
         r: usize,
