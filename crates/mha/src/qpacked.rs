@@ -1115,6 +1115,12 @@ mod tests {
         GgmlDType::Q6K,
     ];
 
+    /// Candle's dequantized values of `q`, row-major.
+    fn candle_values(q: &QTensor) -> Vec<f32> {
+        let t = q.dequantize(&Device::Cpu).unwrap();
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
     /// Row width `blocks` stored blocks wide.
     fn width(dtype: GgmlDType, blocks: usize) -> usize {
         Format::of(dtype).unwrap().values() * blocks
@@ -1128,13 +1134,7 @@ mod tests {
             let q = quantized(37, k, dtype);
             let p = Packed::pack(&q).unwrap().unwrap();
             let ours = p.dequantize().unwrap();
-            let theirs: Vec<f32> = q
-                .dequantize(&Device::Cpu)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let theirs = candle_values(&q);
             assert_eq!(ours, theirs, "{dtype:?}");
             assert_eq!(
                 p.rows(&[36, 0]).unwrap(),
@@ -1165,13 +1165,7 @@ mod tests {
             let w = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
             let q = QTensor::quantize(&w, dtype).unwrap();
             let p = Packed::pack(&q).unwrap().unwrap();
-            let theirs: Vec<f32> = q
-                .dequantize(&Device::Cpu)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let theirs = candle_values(&q);
             assert_eq!(p.dequantize().unwrap(), theirs, "{dtype:?}");
         }
     }
@@ -1202,17 +1196,8 @@ mod tests {
         x[7] = -300.0;
         x[QK_K + 9] = 250.0;
         let ours = SuperRows::new(&x, k);
-        let theirs = QTensor::quantize(
-            &Tensor::from_vec(x.clone(), (2, k), &Device::Cpu).unwrap(),
-            GgmlDType::Q8K,
-        )
-        .unwrap()
-        .dequantize(&Device::Cpu)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+        let x8k = Tensor::from_vec(x.clone(), (2, k), &Device::Cpu).unwrap();
+        let theirs = candle_values(&QTensor::quantize(&x8k, GgmlDType::Q8K).unwrap());
         assert_eq!(dequantized_x(&XRows::Super(ours), 2), theirs);
         let ours = SuperRows::new(&x, k);
         for r in 0..2 {
@@ -1245,13 +1230,7 @@ mod tests {
             let scalar = p.product(&xq, m, cols.clone(), false);
             // The f64 product of what the kernels multiply: Candle's dequantized weights
             // and the quantized rows of x.
-            let w: Vec<f32> = q
-                .dequantize(&Device::Cpu)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let w = candle_values(&q);
             let xd = dequantized_x(&xq, m);
             let exact: Vec<f32> = (0..m)
                 .flat_map(|i| {
