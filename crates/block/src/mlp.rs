@@ -3,7 +3,7 @@
 
 use candle_core::{Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
-use mha::Proj;
+use mha::{OutputAct, Proj};
 
 use crate::family::TensorNames;
 use crate::{Activation, GptConfig};
@@ -226,6 +226,15 @@ impl Mlp {
     fn forward_rows(&self, xs: &Tensor) -> Result<Tensor> {
         // (b, t, inner)
         let hs = match (&self.gate, &self.gate_up) {
+            // The activation applied as the product writes its outputs (a prefill through
+            // dense weights: no `[b, t, 2·inner]` gate-and-up tensor, 6 MiB per block of
+            // SmolLM-135M at 512 tokens), or right after it.
+            (Some(_), Some(gate_up)) if self.act == Activation::Silu => {
+                gate_up.forward_act(xs, OutputAct::SwiGlu)?
+            }
+            (None, _) if self.act == Activation::GeluNew => {
+                self.up.forward_act(xs, OutputAct::GeluTanh)?
+            }
             (Some(_), Some(gate_up)) => {
                 // (b, t, 2·inner): gate, then up.
                 let gu = gate_up.forward(xs)?;

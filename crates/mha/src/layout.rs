@@ -8,9 +8,10 @@
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{bail, DType, Module, Result, Tensor};
+use candle_core::{bail, DType, Module, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
+use crate::matvec::OutputAct;
 use crate::qpacked::Packed;
 use crate::MhaConfig;
 
@@ -391,6 +392,43 @@ impl Proj {
         Ok(Some(Self { w, b }))
     }
 
+    /// `act(self.forward(xs))`, `[.., in]` to `[.., out]` (`[.., out / 2]` for
+    /// [`OutputAct::SwiGlu`], whose projection computes the gate's outputs, then the up
+    /// projection's). A prefill through a dense weight on the CPU applies `act` as each
+    /// task of the product writes its outputs ([`crate::matvec::prefill_fused`]): no
+    /// second tensor of the product's size and no second pass over it. Elsewhere the
+    /// projection, then [`crate::kernel::gelu_tanh`] or [`crate::kernel::silu_mul`].
+    pub fn forward_act(&self, xs: &Tensor, act: OutputAct) -> Result<Tensor> {
+        let (d_in, d_out) = self.dims()?;
+        if act == OutputAct::SwiGlu && d_out % 2 != 0 {
+            bail!("a SwiGLU projection needs an even number of outputs (gate, up), got {d_out}")
+        }
+        if let (Weight::Dense(w_t), Some(&d)) = (&self.w, xs.dims().last()) {
+            if d == d_in {
+                let xs2 = xs.reshape((xs.elem_count() / d_in, d_in))?;
+                if !crate::matvec::preferred(&xs2, w_t) {
+                    let fused =
+                        crate::matvec::prefill_fused(&xs2, w_t, self.b.as_ref(), Some(act))?;
+                    if let Some(ys) = fused {
+                        return ys.reshape(out_dims(xs.dims(), ys.dim(1)?));
+                    }
+                }
+            }
+        }
+        let ys = self.forward(xs)?;
+        match act {
+            OutputAct::GeluTanh => crate::kernel::gelu_tanh(&ys),
+            OutputAct::SwiGlu => {
+                let inner = d_out / 2;
+                let (g, u) = (
+                    ys.narrow(D::Minus1, 0, inner)?,
+                    ys.narrow(D::Minus1, inner, inner)?,
+                );
+                crate::kernel::silu_mul(&g, &u)
+            }
+        }
+    }
+
     /// `[.., in]` to `[.., out]`.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let (d_in, d_out) = self.dims()?;
@@ -419,11 +457,14 @@ impl Proj {
                         return ys.reshape(out_dims(dims, d_out));
                     }
                 }
-                // A prefill with f32 activations (f32, f16 or bf16 weights).
-                match crate::matvec::prefill_matmul(&xs2, w_t)? {
-                    Some(ys) => ys,
-                    None if w_t.dtype() == xs2.dtype() => xs2.matmul(w_t)?,
-                    None => xs2.matmul(&w_t.to_dtype(xs2.dtype())?)?,
+                // A prefill with f32 activations (f32, f16 or bf16 weights), the bias
+                // added by the product's tasks.
+                if let Some(ys) = crate::matvec::prefill_fused(&xs2, w_t, self.b.as_ref(), None)? {
+                    return ys.reshape(out_dims(dims, d_out));
+                }
+                match w_t.dtype() == xs2.dtype() {
+                    true => xs2.matmul(w_t)?,
+                    false => xs2.matmul(&w_t.to_dtype(xs2.dtype())?)?,
                 }
             }
             Weight::Quantized {

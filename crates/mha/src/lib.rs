@@ -95,6 +95,7 @@ pub use config::MhaConfig;
 pub use dropout::Dropout;
 pub use layout::{neox_to_fused, Proj, QkvProj, WeightLayout};
 pub use mask::{KeyPadding, Mask};
+pub use matvec::OutputAct;
 pub use rope::{Rope, RopeConfig, RopeScaling, RopeTables};
 
 // The crate README's examples run as doctests.

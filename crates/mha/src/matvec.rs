@@ -185,6 +185,20 @@ const MIN_COLS: usize = 48;
 
 thread_local! {
     static SLAB_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A task's gate outputs in a SwiGLU product ([`OutputAct::SwiGlu`]).
+    static GATE_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// An activation a prefill product applies to its outputs as each task writes them, while
+/// they are in cache: no second `[rows, out]` tensor and no second pass over memory
+/// ([`crate::Proj::forward_act`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputAct {
+    /// GPT-2's tanh GELU, `gelu_tanh(x·w + b)`.
+    GeluTanh,
+    /// SwiGLU: the weight's outputs are the gate's, then the up projection's
+    /// (`[in, 2·inner]`); the result is `silu(gate)·up`, `[rows, inner]`.
+    SwiGlu,
 }
 
 /// `xs [m, in] · w_t [in, out]` for f32 rows and an f32, f16 or bf16 weight on the CPU,
@@ -198,20 +212,40 @@ thread_local! {
 /// needed, or the weight has neither unit-stride rows nor columns: the caller then uses
 /// `matmul` (converting a half-precision weight).
 pub fn prefill_matmul(xs: &Tensor, w_t: &Tensor) -> Result<Option<Tensor>> {
+    prefill_fused(xs, w_t, None, None)
+}
+
+/// [`prefill_matmul`] with the bias `b [out]` added and `act` applied by each task to the
+/// span it has just written (an [`OutputAct::SwiGlu`] product returns `[m, out / 2]`, its
+/// bias is the gate's and the up projection's, `[out]`). The same sums as the product,
+/// `broadcast_add` and the activation's kernel in turn, without their `[m, out]` tensors:
+/// SwiGLU's gate-and-up output is never whole (SmolLM-135M, 512 tokens: 6 MiB per block).
+pub fn prefill_fused(
+    xs: &Tensor,
+    w_t: &Tensor,
+    b: Option<&Tensor>,
+    act: Option<OutputAct>,
+) -> Result<Option<Tensor>> {
     let (m, d_in) = xs.dims2()?;
     let (w_in, d_out) = w_t.dims2()?;
     let plain = |t: &Tensor| t.device().is_cpu() && !t.track_op();
+    let swiglu = act == Some(OutputAct::SwiGlu);
     if m == 0
         || d_in == 0
         || d_out == 0
         || w_in != d_in
+        || (swiglu && d_out % 2 != 0)
         || xs.dtype() != DType::F32
         || !matches!(w_t.dtype(), DType::F32 | DType::F16 | DType::BF16)
         || !plain(xs)
         || !plain(w_t)
+        || !b.is_none_or(|b| plain(b) && b.dims() == [d_out])
     {
         return Ok(None);
     }
+    let bias = b
+        .map(|b| b.to_dtype(DType::F32)?.to_vec1::<f32>())
+        .transpose()?;
     let xs = xs.contiguous()?;
     let (x_storage, x_layout) = xs.storage_and_layout();
     let Storage::Cpu(CpuStorage::F32(x)) = &*x_storage else {
@@ -228,18 +262,31 @@ pub fn prefill_matmul(xs: &Tensor, w_t: &Tensor) -> Result<Option<Tensor>> {
         d_in,
         d_out,
     };
-    let mut ys = vec![0f32; m * d_out];
+    let width = if swiglu { d_out / 2 } else { d_out };
+    let epilogue = Epilogue {
+        bias: bias.as_deref(),
+        act,
+    };
+    let mut ys = vec![0f32; m * width];
     let done = match &*w_storage {
-        Storage::Cpu(CpuStorage::F32(w)) => span_products(x, m, w, view, &mut ys),
-        Storage::Cpu(CpuStorage::F16(w)) => span_products(x, m, w, view, &mut ys),
-        Storage::Cpu(CpuStorage::BF16(w)) => span_products(x, m, w, view, &mut ys),
+        Storage::Cpu(CpuStorage::F32(w)) => span_products(x, m, w, view, epilogue, &mut ys),
+        Storage::Cpu(CpuStorage::F16(w)) => span_products(x, m, w, view, epilogue, &mut ys),
+        Storage::Cpu(CpuStorage::BF16(w)) => span_products(x, m, w, view, epilogue, &mut ys),
         _ => false,
     };
     drop((x_storage, w_storage));
     match done {
-        true => Tensor::from_vec(ys, (m, d_out), xs.device()).map(Some),
+        true => Tensor::from_vec(ys, (m, width), xs.device()).map(Some),
         false => Ok(None),
     }
+}
+
+/// What [`span_products`] does to each span after its product: the bias (`[out]` of the
+/// weight), then the activation.
+#[derive(Clone, Copy)]
+struct Epilogue<'a> {
+    bias: Option<&'a [f32]>,
+    act: Option<OutputAct>,
 }
 
 /// A weight element [`prefill_matmul`] reads: f32 in place, f16 and bf16 widened.
@@ -286,9 +333,18 @@ struct View {
     d_out: usize,
 }
 
-/// `ys [m, out] = x [m, in] · w` span by span; false (nothing done) when the view has
-/// neither unit-stride rows nor columns or does not lie in `data`.
-fn span_products<E: SpanElem>(x: &[f32], m: usize, data: &[E], v: View, ys: &mut [f32]) -> bool {
+/// `ys = epilogue(x [m, in] · w)` span by span; false (nothing done) when the view has
+/// neither unit-stride rows nor columns or does not lie in `data`. `ys` is `[m, out]`, or
+/// `[m, out / 2]` for SwiGLU, whose task for output columns `c0..c0 + n` multiplies the
+/// gate's columns `c0..` and the up projection's `out / 2 + c0..`.
+fn span_products<E: SpanElem>(
+    x: &[f32],
+    m: usize,
+    data: &[E],
+    v: View,
+    epilogue: Epilogue,
+    ys: &mut [f32],
+) -> bool {
     let View {
         start,
         s0,
@@ -304,6 +360,9 @@ fn span_products<E: SpanElem>(x: &[f32], m: usize, data: &[E], v: View, ys: &mut
     if !by_columns && !by_rows {
         return false;
     }
+    let swiglu = epilogue.act == Some(OutputAct::SwiGlu);
+    // Output columns.
+    let width = if swiglu { d_out / 2 } else { d_out };
     // Tasks of about TASK_SLAB weights, as many as a multiple of the threads (a GQA
     // model's k and v projections are small: one task would leave a thread idle), of at
     // least MIN_COLS columns (the GEMM packs `x` again for every task).
@@ -313,8 +372,10 @@ fn span_products<E: SpanElem>(x: &[f32], m: usize, data: &[E], v: View, ys: &mut
     } else {
         1
     };
-    let most = (d_out / MIN_COLS).max(1);
-    let mut tasks = (d_in * d_out).div_ceil(TASK_SLAB).next_multiple_of(threads);
+    // (A SwiGLU task runs two products of its width, the gate's and the up projection's,
+    // each of about TASK_SLAB weights.)
+    let most = (width / MIN_COLS).max(1);
+    let mut tasks = (d_in * width).div_ceil(TASK_SLAB).next_multiple_of(threads);
     if tasks > most {
         tasks = if most >= threads {
             most / threads * threads
@@ -323,31 +384,31 @@ fn span_products<E: SpanElem>(x: &[f32], m: usize, data: &[E], v: View, ys: &mut
         };
     }
     // Column spans in whole groups of 16, as even as that allows.
-    let units = d_out.div_ceil(16);
+    let units = width.div_ceil(16);
     let tasks = tasks.min(units);
     let spans: Vec<(usize, usize)> = (0..tasks)
         .map(|t| {
             (
                 units * t / tasks * 16,
-                (units * (t + 1) / tasks * 16).min(d_out),
+                (units * (t + 1) / tasks * 16).min(width),
             )
         })
         .collect();
     let out = SharedOut(ys.as_mut_ptr());
-    // `out[:, c0..c0 + n] = x · w[:, c0..c0 + n]`, element (k, j) of the span at
+    // `dst[r·ds + j] = (x · w[:, c..c + n])[r, j]` with element (k, j) of the span at
     // `w[k·rs + j·cs]`.
-    let product = |c0: usize, n: usize, w: &[f32], rs: usize, cs: usize| {
-        // SAFETY: `ys` holds m × out f32 and this task alone writes its columns
-        // c0..c0 + n (row stride out); `x` holds m × in, and `w` the span (`fits` above,
-        // or the widened copy).
+    let product = |dst: *mut f32, ds: usize, n: usize, w: &[f32], rs: usize, cs: usize| {
+        // SAFETY: `dst` has m rows of stride `ds` with n writable columns, which no other
+        // task writes (each owns its columns of `ys`, or its thread's gate buffer); `x`
+        // holds m × in, and `w` the span (`fits` above, or the widened copy).
         unsafe {
             gemm::gemm(
                 m,
                 n,
                 d_in,
-                out.at(c0),
+                dst,
                 1,
-                d_out as isize,
+                ds as isize,
                 false,
                 x.as_ptr(),
                 1,
@@ -364,35 +425,73 @@ fn span_products<E: SpanElem>(x: &[f32], m: usize, data: &[E], v: View, ys: &mut
             )
         }
     };
-    let task = |&(c0, c1): &(usize, usize)| {
-        let n = c1 - c0;
+    // The weight's columns c..c + n into `dst`, widened through `buf` when half precision.
+    let columns = |dst: *mut f32, ds: usize, c: usize, n: usize, buf: &mut Vec<f32>| {
         if let Some(w) = E::as_f32(data) {
             return match by_columns {
-                true => product(c0, n, &w[start + c0 * s1..], 1, s1),
-                false => product(c0, n, &w[start + c0..], s0, 1),
+                true => product(dst, ds, n, &w[start + c * s1..], 1, s1),
+                false => product(dst, ds, n, &w[start + c..], s0, 1),
             };
         }
+        if buf.len() < d_in * n {
+            buf.resize(d_in * n, 0.0);
+        }
+        let slab = &mut buf[..d_in * n];
+        // The span widened as `[n, in]` (by columns) or `[in, n]` (by rows).
+        match by_columns {
+            true => {
+                for (j, dst) in slab.chunks_mut(d_in).enumerate() {
+                    E::widen(&data[start + (c + j) * s1..][..d_in], dst);
+                }
+                product(dst, ds, n, slab, 1, d_in)
+            }
+            false => {
+                for (i, dst) in slab.chunks_mut(n).enumerate() {
+                    E::widen(&data[start + i * s0 + c..][..n], dst);
+                }
+                product(dst, ds, n, slab, n, 1)
+            }
+        }
+    };
+    let task = |&(c0, c1): &(usize, usize)| {
+        let n = c1 - c0;
+        // SAFETY: column c0 of row 0 lies in `ys` (m × width, c0 < width).
+        let own = unsafe { out.at(c0) };
         SLAB_BUF.with(|buf| {
             let mut buf = buf.borrow_mut();
-            if buf.len() < d_in * n {
-                buf.resize(d_in * n, 0.0);
-            }
-            let slab = &mut buf[..d_in * n];
-            // The span widened as `[n, in]` (by columns) or `[in, n]` (by rows).
-            match by_columns {
-                true => {
-                    for (j, dst) in slab.chunks_mut(d_in).enumerate() {
-                        E::widen(&data[start + (c0 + j) * s1..][..d_in], dst);
+            if !swiglu {
+                columns(own, width, c0, n, &mut buf);
+                let act = epilogue.act;
+                for r in 0..m {
+                    // SAFETY: row r's columns c0..c1 of `ys`, written by this task alone.
+                    let row = unsafe { std::slice::from_raw_parts_mut(own.add(r * width), n) };
+                    if let Some(b) = epilogue.bias {
+                        simd::add(row, &b[c0..c1]);
                     }
-                    product(c0, n, slab, 1, d_in)
-                }
-                false => {
-                    for (i, dst) in slab.chunks_mut(n).enumerate() {
-                        E::widen(&data[start + i * s0 + c0..][..n], dst);
+                    if act == Some(OutputAct::GeluTanh) {
+                        simd::gelu_tanh_in_place(row);
                     }
-                    product(c0, n, slab, n, 1)
                 }
+                return;
             }
+            GATE_BUF.with(|gate| {
+                let mut gate = gate.borrow_mut();
+                if gate.len() < m * n {
+                    gate.resize(m * n, 0.0);
+                }
+                let gate = &mut gate[..m * n];
+                columns(gate.as_mut_ptr(), n, c0, n, &mut buf);
+                columns(own, width, width + c0, n, &mut buf);
+                for (r, g) in gate.chunks_mut(n).enumerate() {
+                    // SAFETY: row r's columns c0..c1 of `ys`, written by this task alone.
+                    let up = unsafe { std::slice::from_raw_parts_mut(own.add(r * width), n) };
+                    if let Some(b) = epilogue.bias {
+                        simd::add(g, &b[c0..c1]);
+                        simd::add(up, &b[width + c0..width + c1]);
+                    }
+                    simd::silu_mul_in_place(g, up);
+                }
+            })
         })
     };
     match parallel && spans.len() > 1 {

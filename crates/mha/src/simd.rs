@@ -118,6 +118,32 @@ fn silu_mul_impl(g: &[f32], u: &[f32], ys: &mut [f32]) {
     }
 }
 
+/// [`gelu_tanh_impl`] over `xs` itself (a product's outputs, as it writes them).
+#[inline(always)]
+fn gelu_tanh_in_place_impl(xs: &mut [f32]) {
+    const C: f32 = 0.797_884_6; // sqrt(2/π)
+    for x in xs {
+        let u = C * (*x + 0.044_715 * *x * *x * *x);
+        *x /= 1.0 + exp(-2.0 * u);
+    }
+}
+
+/// [`silu_mul_impl`] into `u` itself.
+#[inline(always)]
+fn silu_mul_in_place_impl(g: &[f32], u: &mut [f32]) {
+    for (u, &g) in u.iter_mut().zip(g) {
+        *u = g * *u / (1.0 + exp(-g));
+    }
+}
+
+/// `xs[i] += b[i]`.
+#[inline(always)]
+fn add_impl(xs: &mut [f32], b: &[f32]) {
+    for (x, &b) in xs.iter_mut().zip(b) {
+        *x += b;
+    }
+}
+
 /// `gs[i] *= d gelu_tanh(x) / dx` at `x = xs[i]`: with `s = 1 / (1 + exp(-2u))` the GELU
 /// is `x·s`, whose derivative is `s + 2·x·s·(1 - s)·u'`, again one `exp`.
 #[inline(always)]
@@ -487,6 +513,18 @@ dispatch!(
 dispatch!(
     /// `ys[i] = silu(g[i])·u[i]` over the shortest of the three slices.
     silu_mul, silu_mul_impl, (g: &[f32], u: &[f32], ys: &mut [f32]) -> ()
+);
+dispatch!(
+    /// `xs[i] = gelu_tanh(xs[i])`.
+    gelu_tanh_in_place, gelu_tanh_in_place_impl, (xs: &mut [f32]) -> ()
+);
+dispatch!(
+    /// `u[i] = silu(g[i])·u[i]` over the shorter of the two slices.
+    silu_mul_in_place, silu_mul_in_place_impl, (g: &[f32], u: &mut [f32]) -> ()
+);
+dispatch!(
+    /// `xs[i] += b[i]` over the shorter of the two slices.
+    add, add_impl, (xs: &mut [f32], b: &[f32]) -> ()
 );
 dispatch!(
     /// `gs[i] *= gelu_tanh'(xs[i])` over the shorter of the two slices.

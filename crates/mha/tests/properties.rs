@@ -1086,6 +1086,72 @@ fn dense_weights_with_f32_activations_equal_the_product_of_their_values() -> Res
     Ok(())
 }
 
+/// A projection with its activation applied as the product writes its outputs (a
+/// prefill through dense weights) gives the f64 reference: `gelu_tanh(x·w + b)`, and
+/// SwiGLU's `silu(g)·u` with the gate's outputs first. For every weight dtype, both stored
+/// layouts, with and without a bias, row counts taking the decoding kernels (then the
+/// activation) and the prefill product, and a width split into many tasks.
+#[test]
+fn projections_with_their_activation_equal_the_f64_reference() -> Result<()> {
+    use mha::{OutputAct, Proj};
+    let f64 = |t: &Tensor| t.to_dtype(DType::F64);
+    let gelu = |y: &Tensor| -> Result<Tensor> {
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let u = ((y.powf(3.0)? * 0.044_715)? + y)?.affine(c, 0.0)?;
+        (y * 0.5)?.mul(&(u.tanh()? + 1.0)?)
+    };
+    // (64, 96): one task; (300, 1000): many tasks, a last span narrower than 16 columns
+    // (500 = 31·16 + 4, for SwiGLU's 500 outputs).
+    for (d_in, d_out) in [(64, 96), (300, 1000)] {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let w_t = randn(&[d_in, d_out]).to_dtype(dtype)?;
+            let linear = randn(&[d_out, d_in]).to_dtype(dtype)?;
+            let b = randn(&[d_out]).to_dtype(dtype)?;
+            for bias in [None, Some(b.clone())] {
+                let cases = [
+                    ("conv1d", Proj::new(w_t.clone(), bias.clone()), w_t.clone()),
+                    (
+                        "linear",
+                        Proj::from_linear(&linear, bias.clone())?,
+                        linear.t()?,
+                    ),
+                ];
+                for (name, proj, dense) in &cases {
+                    for rows in [1, 5, 40, 300] {
+                        // Outputs of about unit size, as a model's (the f32 sums'
+                        // rounding grows with them, and SwiGLU multiplies two).
+                        let xs = (randn(&[rows, d_in]) / (d_in as f64).sqrt())?;
+                        let mut y = f64(&xs)?.matmul(&f64(dense)?)?;
+                        if let Some(b) = &bias {
+                            y = y.broadcast_add(&f64(b)?)?;
+                        }
+                        let half = d_out / 2;
+                        let (g, u) = (y.narrow(1, 0, half)?, y.narrow(1, half, half)?);
+                        let swiglu = ((&g / (g.neg()?.exp()? + 1.0)?)? * u)?;
+                        for (act, want) in [
+                            (OutputAct::GeluTanh, gelu(&y)?),
+                            (OutputAct::SwiGlu, swiglu),
+                        ] {
+                            let what = format!(
+                                "{name} {dtype:?} [{d_in}, {d_out}], bias {}, {rows} rows, {act:?}",
+                                bias.is_some()
+                            );
+                            let got = proj.forward_act(&xs, act)?;
+                            assert_close(&got, &want, 1e-4, 1e-4, &what);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let odd = Proj::new(randn(&[8, 7]), None);
+    let err = odd
+        .forward_act(&randn(&[40, 8]), OutputAct::SwiGlu)
+        .unwrap_err();
+    assert!(err.to_string().contains("even number of outputs"), "{err}");
+    Ok(())
+}
+
 /// `xs [rows, 1, in]` against `w_t [in, out]` and `linear [out, in]` in `half`.
 fn half_case(xs: &Tensor, w_t: &Tensor, linear: &Tensor, b: &Tensor, half: DType) -> Result<()> {
     use mha::Proj;
