@@ -71,6 +71,8 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
         let t0 = Instant::now();
         let logits = model.infer(&prompt, None, Some(&mut cache), Logits::Last)?;
         let mut rows = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        // As `generate` does after its prefill (counted in the prefill's time).
+        crate::release_freed_memory();
         let t1 = Instant::now();
         for _ in 0..a.new_tokens {
             let next: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();

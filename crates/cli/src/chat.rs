@@ -162,7 +162,12 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
         let mut shown = 0;
         let mut reply = String::new();
         let mut error = None;
+        let mut prefilled = false;
         gpt_blocks::generate(&model, &[prompt], &opts, |_, t| {
+            if !std::mem::replace(&mut prefilled, true) {
+                // The turn's prefill is done: its temporaries go back before decoding.
+                crate::release_freed_memory();
+            }
             if !stop_tokens.contains(&t) {
                 new.push(t);
             }

@@ -203,7 +203,11 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
     let started = Instant::now();
     let mut first_token_at = None;
     let out = gpt_blocks::generate(&model, &fitted, &opts, |row, t| {
-        first_token_at.get_or_insert_with(Instant::now);
+        if first_token_at.is_none() {
+            // The prefill is done: its temporaries go back to the OS before decoding.
+            crate::release_freed_memory();
+            first_token_at = Some(Instant::now());
+        }
         news[row].push(t);
         match visible(tok, &reply(&news[row]), &stops, false) {
             Ok((text, stop)) => {

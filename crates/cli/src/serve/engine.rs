@@ -147,6 +147,7 @@ pub fn run(model: &Gpt, jobs: Receiver<Job>, shared: &Shared, max_batch: usize, 
                     admitted.push(job); // else the client left while queued
                 }
             }
+            let prefilled = !admitted.is_empty();
             for group in prefill_groups(admitted) {
                 let senders: Vec<_> = group.iter().map(|j| (j.index, j.events.clone())).collect();
                 match catch(|| prefill(model, group, metrics)) {
@@ -157,6 +158,10 @@ pub fn run(model: &Gpt, jobs: Receiver<Job>, shared: &Shared, max_batch: usize, 
                         }
                     }
                 }
+            }
+            if prefilled {
+                // The prefills' temporaries go back before the decoding steps.
+                crate::release_freed_memory();
             }
         }
         // A client that disconnected frees its slot now.
