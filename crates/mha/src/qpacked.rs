@@ -20,7 +20,9 @@
 //! The k-quants tile 16 rows × one super-block of 256 values: each sub-block's values laid
 //! out as above, its integer scales (and minima) unpacked into bytes, one lane per row, and
 //! multiplied in as integers, as ggml does, with `x` quantized per 256 values as ggml's
-//! q8_K, so the products track llama.cpp's to rounding. Candle 0.11 repacks q8_0 this way
+//! q8_K, so the products track llama.cpp's to rounding. A prefill (8 rows of `x` or more)
+//! unpacks each column of five- and six-bit tiles once, into a buffer of operands its
+//! thread reuses, instead of in every pass of four rows. Candle 0.11 repacks q8_0 this way
 //! (and q4_K, q6_K its own way) for its x86 kernels, but keeps the copy *beside* the
 //! original; here it replaces it, so a model holds one copy of each weight (a few % more
 //! bytes for the k-quants, whose scales are unpacked). Rows past the end of the last tile
@@ -368,35 +370,26 @@ struct SuperRows {
 
 impl SuperRows {
     fn new(x: &[f32], k: usize) -> Self {
+        let blocks = x.len() / QK_K;
         let mut q = vec![0i8; x.len()];
-        let mut d = vec![0f32; x.len() / QK_K];
-        for ((xs, qs), d) in x
-            .chunks_exact(QK_K)
-            .zip(q.chunks_exact_mut(QK_K))
-            .zip(&mut d)
-        {
-            let (mut amax, mut max) = (0f32, 0f32);
-            for &v in xs {
-                if amax < v.abs() {
-                    (amax, max) = (v.abs(), v);
-                }
-            }
-            if amax == 0.0 {
-                continue;
-            }
-            let iscale = -127.0 / max;
-            for (q, &v) in qs.iter_mut().zip(xs) {
-                // Rounded half away from zero as `f32::round`, without its libm call (see
-                // `qmatvec::quantize_blocks`).
-                let r = iscale * v;
-                *q = (r + 0.49999997f32.copysign(r)).clamp(-128.0, 127.0) as i8;
-            }
-            *d = 1.0 / iscale;
+        let mut d = vec![0f32; blocks];
+        let mut sum = vec![0i32; x.len() / 16];
+        if x.len() < 1 << 16 {
+            quantize_super(x, &mut q, &mut d, &mut sum);
+        } else {
+            // A prefill's rows, split across threads (one thread quantizing GPT-2's 512 ×
+            // 3072 MLP outputs took 12% of a q5_K_M prefill's profile, beside 30% for
+            // the products).
+            let per = (blocks / rayon::current_num_threads()).max(1);
+            use rayon::prelude::*;
+            x.par_chunks(per * QK_K)
+                .zip(q.par_chunks_mut(per * QK_K))
+                .zip(
+                    d.par_chunks_mut(per)
+                        .zip(sum.par_chunks_mut(per * QK_K / 16)),
+                )
+                .for_each(|((x, q), (d, sum))| quantize_super(x, q, d, sum));
         }
-        let sum = q
-            .chunks_exact(16)
-            .map(|c| c.iter().map(|&v| v as i32).sum())
-            .collect();
         Self { q, d, sum, k }
     }
 
@@ -407,6 +400,44 @@ impl SuperRows {
             &self.d[r * self.k / QK_K..][..self.k / QK_K],
             &self.sum[r * self.k / 16..][..self.k / 16],
         )
+    }
+}
+
+/// Super-blocks of 256 values of `x` quantized as ggml's q8_K (see [`SuperRows`]).
+fn quantize_super(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
+    for (((xs, qs), d), sum) in x
+        .chunks_exact(QK_K)
+        .zip(q.chunks_exact_mut(QK_K))
+        .zip(d)
+        .zip(sum.chunks_exact_mut(QK_K / 16))
+    {
+        // The largest magnitude in eight running maxima (a form the compiler vectorises),
+        // then the first value of that magnitude: ggml keeps the first of equals, and its
+        // sign sets the scale's.
+        let mut m = [0f32; 8];
+        for c in xs.chunks_exact(8) {
+            for i in 0..8 {
+                m[i] = m[i].max(c[i].abs());
+            }
+        }
+        let amax = m.iter().fold(0f32, |a, &v| a.max(v));
+        let Some(&max) = xs.iter().find(|v| v.abs() == amax).filter(|_| amax != 0.0) else {
+            qs.fill(0);
+            *d = 0.0;
+            sum.fill(0);
+            continue;
+        };
+        let iscale = -127.0 / max;
+        for (q, &v) in qs.iter_mut().zip(xs) {
+            // Rounded half away from zero as `f32::round`, without its libm call (see
+            // `qmatvec::quantize_blocks`).
+            let r = iscale * v;
+            *q = (r + 0.49999997f32.copysign(r)).clamp(-128.0, 127.0) as i8;
+        }
+        *d = 1.0 / iscale;
+        for (s, c) in sum.iter_mut().zip(qs.chunks_exact(16)) {
+            *s = c.iter().map(|&v| v as i32).sum();
+        }
     }
 }
 
@@ -621,42 +652,75 @@ impl Packed {
         let size = self.format.tile_bytes();
         let mut ys = vec![0f32; m * width];
         let out = SharedOut(ys.as_mut_ptr());
+        // A prefill unpacks each column of five- and six-bit tiles once, for all its rows
+        // of `x`: the kernels would or in the bit planes again for every four rows. (Four-
+        // bit tiles take a mask or a shift per operand: unpacking them ahead measured the
+        // same, and q8_0 tiles are their operands.)
+        let planes = matches!(
+            self.format,
+            Format::Q5_0 | Format::Q5_1 | Format::Q5K | Format::Q6K
+        );
+        let unpack = simd && planes && m >= UNPACK_ROWS;
+        let need = if unpack { self.k * TILE } else { 0 };
         // Each thread takes a contiguous range of tiles: one stream through memory.
         let parts = ranges(t1 - t0, 4, (t1 - t0) * TILE * self.k);
         map_ranges(&parts, |lo, hi| {
             let out = &out;
-            for t in lo..hi {
-                let tiles = &self.data[(t0 + t) * nb * size..][..nb * size];
-                // The tile's outputs are rows first..first + 16 of W; the asked-for ones
-                // land in columns c0..c1 of `ys`.
-                let first = (t0 + t) * TILE;
-                let (c0, c1) = (first.max(cols.start), (first + TILE).min(cols.end));
-                let mut r = 0;
-                while r < m {
-                    // Up to four rows of `x` per pass over the tile's blocks (from L1): four
-                    // independent sums in flight, the tile's loads shared. (Eight rows per
-                    // pass prefilled 10-20% slower: registers run out.)
-                    let rows = (m - r).min(4);
-                    let mut y = [[0f32; TILE]; 4];
-                    tile_rows(self.format, tiles, x, r, rows, &mut y, simd);
-                    for (j, y) in y.iter().enumerate().take(rows) {
-                        let at = (r + j) * width + c0 - cols.start;
-                        // SAFETY: `at..at + c1 - c0` lies in row r + j of `ys` (m rows of
-                        // `width`), and only the thread holding tile t writes its columns.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                y[c0 - first..].as_ptr(),
-                                out.0.add(at),
-                                c1 - c0,
-                            )
-                        };
-                    }
-                    r += rows;
+            OPERANDS.with(|ops| {
+                let mut ops = ops.borrow_mut();
+                if ops.len() < need {
+                    ops.resize(need, 0);
                 }
-            }
+                let ops = &mut ops[..need];
+                for t in lo..hi {
+                    let tiles = &self.data[(t0 + t) * nb * size..][..nb * size];
+                    #[cfg(target_arch = "x86_64")]
+                    if unpack {
+                        // SAFETY: `unpack` is only set where `Packed::available()` saw the
+                        // features; `ops` holds k·16 bytes, 512 per block of 32 values.
+                        unsafe { x86::unpack(self.format, tiles, ops) };
+                    }
+                    // The tile's outputs are rows first..first + 16 of W; the asked-for ones
+                    // land in columns c0..c1 of `ys`.
+                    let first = (t0 + t) * TILE;
+                    let (c0, c1) = (first.max(cols.start), (first + TILE).min(cols.end));
+                    let mut r = 0;
+                    while r < m {
+                        // Up to four rows of `x` per pass over the tile's blocks (from L1): four
+                        // independent sums in flight, the tile's loads shared. (Eight rows per
+                        // pass prefilled 10-20% slower: registers run out.)
+                        let rows = (m - r).min(4);
+                        let mut y = [[0f32; TILE]; 4];
+                        tile_rows(self.format, tiles, ops, x, r, rows, &mut y, simd);
+                        for (j, y) in y.iter().enumerate().take(rows) {
+                            let at = (r + j) * width + c0 - cols.start;
+                            // SAFETY: `at..at + c1 - c0` lies in row r + j of `ys` (m rows of
+                            // `width`), and only the thread holding tile t writes its columns.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    y[c0 - first..].as_ptr(),
+                                    out.0.add(at),
+                                    c1 - c0,
+                                )
+                            };
+                        }
+                        r += rows;
+                    }
+                }
+            })
         });
         ys
     }
+}
+
+/// From this many rows of `x` on, [`Packed::product`] unpacks each column of tiles once
+/// into [`OPERANDS`] rather than in every pass of four rows.
+const UNPACK_ROWS: usize = 8;
+
+thread_local! {
+    /// A column of tiles' operands, unpacked: 512 bytes per block of 32 values (16 bytes
+    /// per value of a row of the weight: 48 KiB for GPT-2's 3072-wide MLP output).
+    static OPERANDS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The product's output, written by several threads at disjoint columns.
@@ -665,10 +729,13 @@ struct SharedOut(*mut f32);
 // outlives them (`map_ranges` returns when they are done).
 unsafe impl Sync for SharedOut {}
 
-/// `y[j] += x row r + j · tile rows`, for `rows` (1–4) rows of `x` and one column of tiles.
+/// `y[j] += x row r + j · tile rows`, for `rows` (1–4) rows of `x` and one column of tiles;
+/// `ops` holds the column's operands unpacked by `x86::unpack`, or is empty.
+#[allow(clippy::too_many_arguments)]
 fn tile_rows(
     format: Format,
     tiles: &[u8],
+    ops: &[u8],
     x: &XRows,
     r: usize,
     rows: usize,
@@ -705,20 +772,30 @@ fn tile_rows(
                 };
             }
             match (format, x) {
-                (Format::Q8_0, XRows::Blocks(x)) => by_rows!(legacy::<R, 8, false>(tiles, x, r, y)),
-                (Format::Q4_0, XRows::Blocks(x)) => by_rows!(legacy::<R, 4, false>(tiles, x, r, y)),
-                (Format::Q5_0, XRows::Blocks(x)) => by_rows!(legacy::<R, 5, false>(tiles, x, r, y)),
-                (Format::Q4_1, XRows::Blocks(x)) => by_rows!(legacy::<R, 4, true>(tiles, x, r, y)),
-                (Format::Q5_1, XRows::Blocks(x)) => by_rows!(legacy::<R, 5, true>(tiles, x, r, y)),
-                (Format::Q4K, XRows::Super(x)) => by_rows!(q4k::<R, false>(tiles, x, r, y)),
-                (Format::Q5K, XRows::Super(x)) => by_rows!(q4k::<R, true>(tiles, x, r, y)),
-                (Format::Q6K, XRows::Super(x)) => by_rows!(q6k::<R>(tiles, x, r, y)),
+                (Format::Q8_0, XRows::Blocks(x)) => {
+                    by_rows!(legacy::<R, 8, false>(tiles, ops, x, r, y))
+                }
+                (Format::Q4_0, XRows::Blocks(x)) => {
+                    by_rows!(legacy::<R, 4, false>(tiles, ops, x, r, y))
+                }
+                (Format::Q5_0, XRows::Blocks(x)) => {
+                    by_rows!(legacy::<R, 5, false>(tiles, ops, x, r, y))
+                }
+                (Format::Q4_1, XRows::Blocks(x)) => {
+                    by_rows!(legacy::<R, 4, true>(tiles, ops, x, r, y))
+                }
+                (Format::Q5_1, XRows::Blocks(x)) => {
+                    by_rows!(legacy::<R, 5, true>(tiles, ops, x, r, y))
+                }
+                (Format::Q4K, XRows::Super(x)) => by_rows!(q4k::<R, false>(tiles, ops, x, r, y)),
+                (Format::Q5K, XRows::Super(x)) => by_rows!(q4k::<R, true>(tiles, ops, x, r, y)),
+                (Format::Q6K, XRows::Super(x)) => by_rows!(q6k::<R>(tiles, ops, x, r, y)),
                 _ => unreachable!("{format:?} weights with rows of x quantized for another"),
             }
         }
         return;
     }
-    let _ = simd;
+    let _ = (simd, ops);
     // The scalar version of the kernels' arithmetic: exact integer sums per block (per
     // super-block for the k-quants, scaled within it by the integer scales), then f32.
     let size = format.tile_bytes();
@@ -773,7 +850,7 @@ fn tile_rows(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{q4k, q6k, QRows, SuperRows, QK, QK_K, SCALES, TILE};
+    use super::{q4k, q6k, Format, QRows, SuperRows, QK, QK_K, SCALES, TILE};
     use std::arch::x86_64::*;
 
     /// The low (or, `HIGH`, the high) nibbles of the 64 bytes at `p`, as bytes. (A function
@@ -848,6 +925,120 @@ mod x86 {
         }
     }
 
+    /// The operands of sub-block `j` of a q4_K (`FIVE`: q5_K) tile at `tile`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn q4k_operands<const FIVE: bool>(tile: *const u8, j: usize) -> [__m512i; 8] {
+        // SAFETY (caller): a whole tile at `tile`, j < 8.
+        unsafe {
+            let mut w = q4_operands(tile.add(q4k::QS + 256 * j));
+            if FIVE {
+                add_fifth_bits(&mut w, tile.add(q4k::BYTES + 64 * j));
+            }
+            w
+        }
+    }
+
+    /// The six-bit operands of block `j` (of 32 values) of a q6_K tile at `tile`: the
+    /// q4_0 layout's nibbles with two more bits or-ed in above them.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn q6k_operands(tile: *const u8, j: usize) -> [__m512i; 8] {
+        let bits = _mm512_set1_epi8(0x30);
+        // SAFETY (caller): a whole tile at `tile`, j < 8.
+        unsafe {
+            let mut w = q4_operands(tile.add(q6k::QL + 256 * j));
+            let qh = tile.add(q6k::QH + 128 * j);
+            for (h, w) in w.chunks_exact_mut(4).enumerate() {
+                // Bits 2f..2f + 1 of each byte go to bits 4..5 of group 4h + f.
+                let v = _mm512_loadu_si512(qh.add(64 * h).cast());
+                let high = [
+                    _mm512_slli_epi16::<4>(v),
+                    _mm512_slli_epi16::<2>(v),
+                    v,
+                    _mm512_srli_epi16::<2>(v),
+                ];
+                for (w, high) in w.iter_mut().zip(high) {
+                    // w | (high & bits) in one instruction.
+                    *w = _mm512_ternarylogic_epi32::<0xf8>(*w, high, bits);
+                }
+            }
+            w
+        }
+    }
+
+    /// The operands of a q4_0/q4_1 (`BITS` 4) or q5_0/q5_1 (5) tile whose nibbles start
+    /// at `q`, or the bytes of a q8_0 tile's.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn legacy_operands<const BITS: u8>(q: *const u8) -> [__m512i; 8] {
+        // SAFETY (caller): the tile's values at `q` (256, 320 or 512 bytes).
+        unsafe {
+            match BITS {
+                4 => q4_operands(q),
+                5 => {
+                    let mut w = q4_operands(q);
+                    add_fifth_bits(&mut w, q.add(256));
+                    w
+                }
+                _ => load8(q),
+            }
+        }
+    }
+
+    /// Eight operands stored one after another at `p`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load8(p: *const u8) -> [__m512i; 8] {
+        // SAFETY (caller): 512 readable bytes at `p`. (Written out: a closure would not
+        // inherit the target features.)
+        unsafe {
+            [
+                _mm512_loadu_si512(p.cast()),
+                _mm512_loadu_si512(p.add(64).cast()),
+                _mm512_loadu_si512(p.add(128).cast()),
+                _mm512_loadu_si512(p.add(192).cast()),
+                _mm512_loadu_si512(p.add(256).cast()),
+                _mm512_loadu_si512(p.add(320).cast()),
+                _mm512_loadu_si512(p.add(384).cast()),
+                _mm512_loadu_si512(p.add(448).cast()),
+            ]
+        }
+    }
+
+    /// Every operand of one column of `format` tiles into `ops`, block after block of 32
+    /// values (512 bytes each), as the kernels below would build them: unpacked once for
+    /// all the rows of `x` of a prefill instead of once per four rows.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn unpack(format: Format, tiles: &[u8], ops: &mut [u8]) {
+        let size = format.tile_bytes();
+        let blocks = format.values() / QK;
+        let nb = tiles.len() / size;
+        assert!(ops.len() >= nb * blocks * 512);
+        for b in 0..nb {
+            for j in 0..blocks {
+                // SAFETY: tile b lies in `tiles`; block (b, j)'s 512 bytes in `ops`.
+                unsafe {
+                    let tile = tiles.as_ptr().add(b * size);
+                    let w = match format {
+                        Format::Q4K => q4k_operands::<false>(tile, j),
+                        Format::Q5K => q4k_operands::<true>(tile, j),
+                        Format::Q6K => q6k_operands(tile, j),
+                        Format::Q4_0 => legacy_operands::<4>(tile.add(SCALES)),
+                        Format::Q5_0 => legacy_operands::<5>(tile.add(SCALES)),
+                        Format::Q4_1 => legacy_operands::<4>(tile.add(2 * SCALES)),
+                        Format::Q5_1 => legacy_operands::<5>(tile.add(2 * SCALES)),
+                        Format::Q8_0 => legacy_operands::<8>(tile.add(SCALES)),
+                    };
+                    let at = ops.as_mut_ptr().add((b * blocks + j) * 512);
+                    for (g, w) in w.iter().enumerate() {
+                        _mm512_storeu_si512(at.add(64 * g).cast(), *w);
+                    }
+                }
+            }
+        }
+    }
+
     /// The pointers to rows `r..r + R` of `x` (values, scales, sums of 16), checked to
     /// hold `blocks` super-blocks.
     fn super_rows<const R: usize>(x: &SuperRows, r: usize, blocks: usize) -> [XRow; R] {
@@ -892,6 +1083,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
     pub unsafe fn q4k_rows<const R: usize, const FIVE: bool>(
         tiles: &[u8],
+        ops: &[u8],
         x: &SuperRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
@@ -899,10 +1091,12 @@ mod x86 {
         let size = if FIVE { q4k::Q5_BYTES } else { q4k::BYTES };
         let nb = tiles.len() / size;
         let xs = super_rows::<R>(x, r, nb);
+        let pre = !ops.is_empty();
+        assert!(!pre || ops.len() >= nb * 8 * 512);
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..nb {
-            // SAFETY: tile b is `size` readable bytes; super-block b of each row of `x` is
-            // in bounds (checked by `super_rows`).
+            // SAFETY: tile b is `size` readable bytes, its operands in `ops` when given;
+            // super-block b of each row of `x` is in bounds (checked by `super_rows`).
             unsafe {
                 let tile = tiles.as_ptr().add(b * size);
                 let mut sums = [_mm512_setzero_si512(); R];
@@ -910,10 +1104,10 @@ mod x86 {
                 for j in 0..8 {
                     let sc = lanes::<false>(tile.add(q4k::SC + 16 * j));
                     let m = lanes::<false>(tile.add(q4k::MIN + 16 * j));
-                    let mut w = q4_operands(tile.add(q4k::QS + 256 * j));
-                    if FIVE {
-                        add_fifth_bits(&mut w, tile.add(q4k::BYTES + 64 * j));
-                    }
+                    let w = match pre {
+                        true => load8(ops.as_ptr().add((8 * b + j) * 512)),
+                        false => q4k_operands::<FIVE>(tile, j),
+                    };
                     for i in 0..R {
                         let x = xs[i];
                         let p = x.q.add(b * QK_K + QK * j).cast();
@@ -949,37 +1143,27 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
     pub unsafe fn q6k_rows<const R: usize>(
         tiles: &[u8],
+        ops: &[u8],
         x: &SuperRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
     ) {
         let nb = tiles.len() / q6k::BYTES;
         let xs = super_rows::<R>(x, r, nb);
+        let pre = !ops.is_empty();
+        assert!(!pre || ops.len() >= nb * 8 * 512);
         let mut acc = [_mm512_setzero_ps(); R];
-        let bits = _mm512_set1_epi8(0x30);
         for b in 0..nb {
-            // SAFETY: tile b is `q6k::BYTES` readable bytes; super-block b of each row of
-            // `x` is in bounds (checked by `super_rows`).
+            // SAFETY: tile b is `q6k::BYTES` readable bytes, its operands in `ops` when
+            // given; super-block b of each row of `x` is in bounds (`super_rows`).
             unsafe {
                 let tile = tiles.as_ptr().add(b * q6k::BYTES);
                 let mut sums = [_mm512_setzero_si512(); R];
                 for j in 0..8 {
-                    let mut w = q4_operands(tile.add(q6k::QL + 256 * j));
-                    let qh = tile.add(q6k::QH + 128 * j);
-                    for (h, w) in w.chunks_exact_mut(4).enumerate() {
-                        // Bits 2f..2f + 1 of each byte go to bits 4..5 of group 4h + f.
-                        let v = _mm512_loadu_si512(qh.add(64 * h).cast());
-                        let high = [
-                            _mm512_slli_epi16::<4>(v),
-                            _mm512_slli_epi16::<2>(v),
-                            v,
-                            _mm512_srli_epi16::<2>(v),
-                        ];
-                        for (w, high) in w.iter_mut().zip(high) {
-                            // w | (high & bits) in one instruction.
-                            *w = _mm512_ternarylogic_epi32::<0xf8>(*w, high, bits);
-                        }
-                    }
+                    let w = match pre {
+                        true => load8(ops.as_ptr().add((8 * b + j) * 512)),
+                        false => q6k_operands(tile, j),
+                    };
                     let sc_lo = lanes::<true>(tile.add(q6k::SC + 32 * j));
                     let sc_hi = lanes::<true>(tile.add(q6k::SC + 32 * j + 16));
                     for i in 0..R {
@@ -1016,6 +1200,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
     pub unsafe fn legacy_rows<const R: usize, const BITS: u8, const MIN: bool>(
         tiles: &[u8],
+        ops: &[u8],
         x: &QRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
@@ -1030,6 +1215,8 @@ mod x86 {
             _ => (head + 512, 128),
         };
         let nb = tiles.len() / size;
+        let pre = !ops.is_empty();
+        assert!(!pre || ops.len() >= nb * 512);
         let mut xq = [std::ptr::null::<i8>(); R];
         let mut xd = [std::ptr::null::<f32>(); R];
         let mut xs = [std::ptr::null::<i32>(); R];
@@ -1046,25 +1233,10 @@ mod x86 {
                 let tile = tiles.as_ptr().add(b * size);
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
                 let m = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(SCALES).cast()));
-                let q = tile.add(head);
                 // w[g] pairs with values 4g..4g+3 of `x`'s block.
-                let w = if BITS == 5 {
-                    let mut w = q4_operands(q);
-                    add_fifth_bits(&mut w, q.add(256));
-                    w
-                } else if BITS == 4 {
-                    q4_operands(q)
-                } else {
-                    [
-                        _mm512_loadu_si512(q.cast()),
-                        _mm512_loadu_si512(q.add(64).cast()),
-                        _mm512_loadu_si512(q.add(128).cast()),
-                        _mm512_loadu_si512(q.add(192).cast()),
-                        _mm512_loadu_si512(q.add(256).cast()),
-                        _mm512_loadu_si512(q.add(320).cast()),
-                        _mm512_loadu_si512(q.add(384).cast()),
-                        _mm512_loadu_si512(q.add(448).cast()),
-                    ]
+                let w = match pre {
+                    true => load8(ops.as_ptr().add(b * 512)),
+                    false => legacy_operands::<BITS>(tile.add(head)),
                 };
                 for j in 0..R {
                     let p = xq[j].add(b * QK).cast::<i32>();
@@ -1189,18 +1361,22 @@ mod tests {
 
     #[test]
     fn rows_of_x_for_k_quants_are_ggmls_q8_k() {
-        // Rows with a zero block, one whose largest value is negative, one positive.
-        let k = 3 * QK_K;
-        let mut x: Vec<f32> = (0..2 * k).map(|i| ((i * 37) % 101) as f32 - 50.5).collect();
+        // Rows with a zero block, one whose largest value is negative, one positive, one
+        // where the largest magnitude comes twice with both signs; 90 rows (69,120
+        // values) are quantized by several threads.
+        let (k, m) = (3 * QK_K, 90);
+        let mut x: Vec<f32> = (0..m * k).map(|i| ((i * 37) % 101) as f32 - 50.5).collect();
         x[k..k + QK_K].fill(0.0);
         x[7] = -300.0;
         x[QK_K + 9] = 250.0;
+        x[2 * QK_K + 3] = -400.0;
+        x[2 * QK_K + 5] = 400.0;
         let ours = SuperRows::new(&x, k);
-        let x8k = Tensor::from_vec(x.clone(), (2, k), &Device::Cpu).unwrap();
+        let x8k = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
         let theirs = candle_values(&QTensor::quantize(&x8k, GgmlDType::Q8K).unwrap());
-        assert_eq!(dequantized_x(&XRows::Super(ours), 2), theirs);
+        assert_eq!(dequantized_x(&XRows::Super(ours), m), theirs);
         let ours = SuperRows::new(&x, k);
-        for r in 0..2 {
+        for r in 0..m {
             let (q, _, sums) = ours.row(r);
             for (c, &s) in q.chunks_exact(16).zip(sums) {
                 assert_eq!(c.iter().map(|&v| v as i32).sum::<i32>(), s);
@@ -1218,6 +1394,9 @@ mod tests {
                 (9, 33, 1, 5..33),
                 // Split across threads, a partial tile at either end.
                 (5, 200, 2, 23..190),
+                // A prefill: each column's operands unpacked once (UNPACK_ROWS), for three
+                // passes of four rows and one of one, on several threads.
+                (13, 200, 3, 23..190),
             ]
             .map(|s| (d, s))
         }) {
