@@ -269,7 +269,8 @@ fn cached_decoding_equals_the_full_pass() {
 /// product) computes what the file's separate projections do: f32, q/k/v biases (Qwen2),
 /// q8_0, q4_0 and q4_K_M (packed where the CPU has the kernels), an f16 file computing in
 /// f32, a full pass and cached decoding. Files whose projections are stored fused (GPT-2,
-/// NeoX) or cannot be concatenated (q3_K, which is not packed) load as they are.
+/// NeoX) or cannot be concatenated (q3_K_M's q and k are q3_K, its v q5_K) load as they
+/// are.
 #[test]
 fn fused_loading_computes_what_the_separate_projections_do() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,4 +1,4 @@
-//! Block-quantized matrices (ggml's q8_0, q4_0, q5_0, q4_1, q5_1, q4_K, q5_K and q6_K)
+//! Block-quantized matrices (ggml's q8_0, q4_0, q5_0, q4_1, q5_1, q3_K, q4_K, q5_K and q6_K)
 //! repacked for the CPU's 8-bit dot-product instructions, held as the only copy of the
 //! weight.
 //!
@@ -76,6 +76,18 @@ mod q6k {
     pub const BYTES: usize = QH + 8 * 128;
 }
 
+/// Where the parts of a q3_K tile (16 rows × one super-block of 16 sub-blocks of 16) start:
+/// 16 f16 `d`, the signed 8-bit scales less 32 (`[16][16]`, as q6_K's), then per block of
+/// 32 the low two bits of each value laid out as q6_K's high bit pairs (128 bytes), then
+/// per block of 32 the third bits laid out as q5_0's fifth bits (64 bytes). 1824 bytes
+/// against the file's 1760 (the scales unpacked from their 12 bytes).
+mod q3k {
+    pub const SC: usize = 32;
+    pub const QL: usize = 288;
+    pub const QH: usize = QL + 8 * 128;
+    pub const BYTES: usize = QH + 8 * 64;
+}
+
 /// The formats packed here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Format {
@@ -87,6 +99,7 @@ enum Format {
     Q4K,
     Q5K,
     Q6K,
+    Q3K,
 }
 
 impl Format {
@@ -100,6 +113,7 @@ impl Format {
             GgmlDType::Q5K => Some(Self::Q5K),
             GgmlDType::Q4K => Some(Self::Q4K),
             GgmlDType::Q6K => Some(Self::Q6K),
+            GgmlDType::Q3K => Some(Self::Q3K),
             _ => None,
         }
     }
@@ -108,7 +122,7 @@ impl Format {
     fn values(self) -> usize {
         match self {
             Self::Q8_0 | Self::Q4_0 | Self::Q5_0 | Self::Q4_1 | Self::Q5_1 => QK,
-            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
+            Self::Q4K | Self::Q5K | Self::Q6K | Self::Q3K => QK_K,
         }
     }
 
@@ -123,6 +137,7 @@ impl Format {
             Self::Q4K => 4 + 12 + QK_K / 2,
             Self::Q5K => 4 + 12 + QK_K / 8 + QK_K / 2,
             Self::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
+            Self::Q3K => QK_K / 8 + QK_K / 4 + 12 + 2,
         }
     }
 
@@ -135,6 +150,7 @@ impl Format {
             Self::Q4K => q4k::BYTES,
             Self::Q5K => q4k::Q5_BYTES,
             Self::Q6K => q6k::BYTES,
+            Self::Q3K => q3k::BYTES,
         }
     }
 
@@ -146,6 +162,7 @@ impl Format {
             Self::Q5_0 => 16,
             Self::Q4_1 | Self::Q5_1 | Self::Q4K | Self::Q5K => 0,
             Self::Q6K => 32,
+            Self::Q3K => 4,
         }
     }
 
@@ -191,6 +208,12 @@ impl Format {
                 let high = t[q6k::QH + b * 128 + (g / 4) * 64 + 4 * r + i] >> (2 * (g % 4)) & 3;
                 nibble(&t[q6k::QL + b * 256..], v) | (high as i32) << 4
             }
+            Self::Q3K => {
+                let (b, v) = (v / QK, v % QK);
+                let (g, i) = (v / 4, v % 4);
+                let low = t[q3k::QL + b * 128 + (g / 4) * 64 + 4 * r + i] >> (2 * (g % 4)) & 3;
+                low as i32 | fifth(&t[q3k::QH + b * 64..], v) >> 2
+            }
         }
     }
 
@@ -220,10 +243,11 @@ impl Format {
                     }
                 }
             }
-            Self::Q6K => {
+            Self::Q6K | Self::Q3K => {
+                // (q6k::SC == q3k::SC)
                 for (v, y) in out.iter_mut().enumerate() {
                     let sc = t[q6k::SC + 16 * (v / 16) + r] as i8;
-                    *y = d * sc as f32 * (self.operand(t, r, v) - 32) as f32;
+                    *y = d * sc as f32 * (self.operand(t, r, v) - self.offset()) as f32;
                 }
             }
         }
@@ -321,6 +345,33 @@ impl Format {
                     t[q6k::QH + b * 128 + (g / 4) * 64 + 4 * r + i] |= high << (2 * (g % 4));
                 }
             }
+            Self::Q3K => {
+                // Stored: 32 bytes of third bits (bit c of byte l for value 32c + l), 64
+                // of low bit pairs (bits 2c..2c + 1 of byte 32h + l for value 128h + 32c
+                // + l), 12 of 6-bit scales, d (see Candle's `BlockQ3K::to_float`).
+                let (hm, qs, sc) = (&src[..32], &src[32..96], &src[96..108]);
+                t[2 * r..2 * r + 2].copy_from_slice(&src[108..110]);
+                for j in 0..16 {
+                    // ggml's unpacking of the 12 bytes: the low four bits from bytes 0..8,
+                    // the high two from bytes 8..12.
+                    let (low, high) = match j {
+                        0..4 => (sc[j] & 15, sc[8 + j] & 3),
+                        4..8 => (sc[j] & 15, sc[8 + j - 4] >> 2 & 3),
+                        8..12 => (sc[j - 8] >> 4, sc[8 + j - 8] >> 4 & 3),
+                        _ => (sc[j - 8] >> 4, sc[8 + j - 12] >> 6),
+                    };
+                    t[q3k::SC + 16 * j + r] = ((low | high << 4) as i8 - 32) as u8;
+                }
+                for v in 0..QK_K {
+                    let (half, c, l) = (v / 128, v % 128 / 32, v % 32);
+                    let low = qs[32 * half + l] >> (2 * c) & 3;
+                    let third = hm[l] >> (4 * half + c) & 1;
+                    let (b, v) = (v / QK, v % QK);
+                    let (g, i) = (v / 4, v % 4);
+                    t[q3k::QL + b * 128 + (g / 4) * 64 + 4 * r + i] |= low << (2 * (g % 4));
+                    put_fifth(&mut t[q3k::QH + b * 64..], v, third);
+                }
+            }
         }
     }
 }
@@ -349,7 +400,9 @@ enum XRows {
 impl XRows {
     fn new(format: Format, x: &[f32], k: usize) -> Self {
         match format {
-            Format::Q4K | Format::Q5K | Format::Q6K => Self::Super(SuperRows::new(x, k)),
+            Format::Q4K | Format::Q5K | Format::Q6K | Format::Q3K => {
+                Self::Super(SuperRows::new(x, k))
+            }
             _ => Self::Blocks(QRows::new(x, k)),
         }
     }
@@ -441,7 +494,7 @@ fn quantize_super(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
     }
 }
 
-/// A q8_0, q4_0, q4_K or q6_K matrix `[n, k]` in tiles of 16 rows (see the module's
+/// A block-quantized matrix `[n, k]` in tiles of 16 rows (see the module's
 /// description).
 pub struct Packed {
     format: Format,
@@ -476,8 +529,8 @@ impl Packed {
         Format::of(dtype).is_some()
     }
 
-    /// `w` repacked, or `None` when it is not a q8_0, q4_0, q4_K or q6_K matrix on the CPU
-    /// or the CPU lacks the kernels.
+    /// `w` repacked, or `None` when it is not a matrix of a format packed here (see the
+    /// module's description) on the CPU, or the CPU lacks the kernels.
     pub fn new(w: &QTensor) -> Result<Option<Self>> {
         if !Self::available() {
             return Ok(None);
@@ -658,7 +711,7 @@ impl Packed {
         // same, and q8_0 tiles are their operands.)
         let planes = matches!(
             self.format,
-            Format::Q5_0 | Format::Q5_1 | Format::Q5K | Format::Q6K
+            Format::Q5_0 | Format::Q5_1 | Format::Q5K | Format::Q6K | Format::Q3K
         );
         let unpack = simd && planes && m >= UNPACK_ROWS;
         let need = if unpack { self.k * TILE } else { 0 };
@@ -789,7 +842,8 @@ fn tile_rows(
                 }
                 (Format::Q4K, XRows::Super(x)) => by_rows!(q4k::<R, false>(tiles, ops, x, r, y)),
                 (Format::Q5K, XRows::Super(x)) => by_rows!(q4k::<R, true>(tiles, ops, x, r, y)),
-                (Format::Q6K, XRows::Super(x)) => by_rows!(q6k::<R>(tiles, ops, x, r, y)),
+                (Format::Q6K, XRows::Super(x)) => by_rows!(q6k::<R, false>(tiles, ops, x, r, y)),
+                (Format::Q3K, XRows::Super(x)) => by_rows!(q6k::<R, true>(tiles, ops, x, r, y)),
                 _ => unreachable!("{format:?} weights with rows of x quantized for another"),
             }
         }
@@ -824,7 +878,7 @@ fn tile_rows(
                         let (xq, xd, xs) = x.row(r + j);
                         let xs = &xs[b * QK_K / 16..][..QK_K / 16];
                         let (mut sum, mut mins) = (0i32, 0i32);
-                        if format != Format::Q6K {
+                        if matches!(format, Format::Q4K | Format::Q5K) {
                             for s in 0..8 {
                                 let sc = tile[q4k::SC + 16 * s + row] as i32;
                                 let m = tile[q4k::MIN + 16 * s + row] as i32;
@@ -832,13 +886,15 @@ fn tile_rows(
                                 mins += m * (xs[2 * s] + xs[2 * s + 1]);
                             }
                         } else {
+                            // q6_K and q3_K: 16 signed scales at the same place.
+                            let offset = format.offset();
                             for s in 0..16 {
                                 let sc = tile[q6k::SC + 16 * s + row] as i8 as i32;
-                                sum += sc * (dot(xq, 16 * s..16 * (s + 1)) - 32 * xs[s]);
+                                sum += sc * (dot(xq, 16 * s..16 * (s + 1)) - offset * xs[s]);
                             }
                         }
                         *y += d * xd[b] * sum as f32;
-                        if format != Format::Q6K {
+                        if matches!(format, Format::Q4K | Format::Q5K) {
                             *y -= half(tile, q4k::DMIN, row) * xd[b] * mins as f32;
                         }
                     }
@@ -850,7 +906,7 @@ fn tile_rows(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{q4k, q6k, Format, QRows, SuperRows, QK, QK_K, SCALES, TILE};
+    use super::{q3k, q4k, q6k, Format, QRows, SuperRows, QK, QK_K, SCALES, TILE};
     use std::arch::x86_64::*;
 
     /// The low (or, `HIGH`, the high) nibbles of the 64 bytes at `p`, as bytes. (A function
@@ -967,6 +1023,52 @@ mod x86 {
         }
     }
 
+    /// The three-bit operands of block `j` (of 32 values) of a q3_K tile at `tile`: the two
+    /// low bits of group `4h + f` at bits `2f..2f + 1` of the h-th 64 bytes, the third
+    /// bit or-ed in from its plane.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn q3k_operands(tile: *const u8, j: usize) -> [__m512i; 8] {
+        let pair = _mm512_set1_epi8(0x03);
+        let bit = _mm512_set1_epi8(0x04);
+        // SAFETY (caller): a whole tile at `tile`, j < 8.
+        unsafe {
+            let ql = tile.add(q3k::QL + 128 * j);
+            let (v0, v1) = (
+                _mm512_loadu_si512(ql.cast()),
+                _mm512_loadu_si512(ql.add(64).cast()),
+            );
+            let mut w = [
+                _mm512_and_si512(v0, pair),
+                _mm512_and_si512(_mm512_srli_epi16::<2>(v0), pair),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(v0), pair),
+                _mm512_and_si512(_mm512_srli_epi16::<6>(v0), pair),
+                _mm512_and_si512(v1, pair),
+                _mm512_and_si512(_mm512_srli_epi16::<2>(v1), pair),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(v1), pair),
+                _mm512_and_si512(_mm512_srli_epi16::<6>(v1), pair),
+            ];
+            // Bit g of each byte to bit 2 of w[g] (16-bit shifts: the mask keeps bit 2 of
+            // each byte, which came from the same byte).
+            let v = _mm512_loadu_si512(tile.add(q3k::QH + 64 * j).cast());
+            let high = [
+                _mm512_slli_epi16::<2>(v),
+                _mm512_slli_epi16::<1>(v),
+                v,
+                _mm512_srli_epi16::<1>(v),
+                _mm512_srli_epi16::<2>(v),
+                _mm512_srli_epi16::<3>(v),
+                _mm512_srli_epi16::<4>(v),
+                _mm512_srli_epi16::<5>(v),
+            ];
+            for (w, high) in w.iter_mut().zip(high) {
+                // w | (high & bit) in one instruction.
+                *w = _mm512_ternarylogic_epi32::<0xf8>(*w, high, bit);
+            }
+            w
+        }
+    }
+
     /// The operands of a q4_0/q4_1 (`BITS` 4) or q5_0/q5_1 (5) tile whose nibbles start
     /// at `q`, or the bytes of a q8_0 tile's.
     #[target_feature(enable = "avx512f,avx512bw")]
@@ -1024,6 +1126,7 @@ mod x86 {
                         Format::Q4K => q4k_operands::<false>(tile, j),
                         Format::Q5K => q4k_operands::<true>(tile, j),
                         Format::Q6K => q6k_operands(tile, j),
+                        Format::Q3K => q3k_operands(tile, j),
                         Format::Q4_0 => legacy_operands::<4>(tile.add(SCALES)),
                         Format::Q5_0 => legacy_operands::<5>(tile.add(SCALES)),
                         Format::Q4_1 => legacy_operands::<4>(tile.add(2 * SCALES)),
@@ -1135,34 +1238,41 @@ mod x86 {
         }
     }
 
-    /// `R` rows of `x` against one column of q6_K tiles, as ggml's q6_K · q8_K: per block
-    /// of 32 and row of `x`, eight `vpdpbusd` in two halves of 16 values (each less 32
-    /// times the half's sum of `x`) and an integer multiply of each by its scales; per
-    /// super-block one multiply-add. The six-bit operands are the q4_0 layout's nibbles
-    /// with two more bits or-ed in above them, built once for the `R` rows.
+    /// `R` rows of `x` against one column of q6_K (`Q3`: q3_K) tiles, as ggml's q6_K ·
+    /// q8_K (q3_K · q8_K): per block of 32 and row of `x`, eight `vpdpbusd` in two halves
+    /// of 16 values (each less the offset, 32 or 4, times the half's sum of `x`) and an
+    /// integer multiply of each by its scales; per super-block one multiply-add. The
+    /// operands are built once for the `R` rows.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub unsafe fn q6k_rows<const R: usize>(
+    pub unsafe fn q6k_rows<const R: usize, const Q3: bool>(
         tiles: &[u8],
         ops: &[u8],
         x: &SuperRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
     ) {
-        let nb = tiles.len() / q6k::BYTES;
+        // (The scales lie at the same place in both tiles: q6k::SC == q3k::SC.)
+        let (size, offset) = if Q3 {
+            (q3k::BYTES, 4)
+        } else {
+            (q6k::BYTES, 32)
+        };
+        let nb = tiles.len() / size;
         let xs = super_rows::<R>(x, r, nb);
         let pre = !ops.is_empty();
         assert!(!pre || ops.len() >= nb * 8 * 512);
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..nb {
-            // SAFETY: tile b is `q6k::BYTES` readable bytes, its operands in `ops` when
-            // given; super-block b of each row of `x` is in bounds (`super_rows`).
+            // SAFETY: tile b is `size` readable bytes, its operands in `ops` when given;
+            // super-block b of each row of `x` is in bounds (`super_rows`).
             unsafe {
-                let tile = tiles.as_ptr().add(b * q6k::BYTES);
+                let tile = tiles.as_ptr().add(b * size);
                 let mut sums = [_mm512_setzero_si512(); R];
                 for j in 0..8 {
-                    let w = match pre {
-                        true => load8(ops.as_ptr().add((8 * b + j) * 512)),
-                        false => q6k_operands(tile, j),
+                    let w = match (pre, Q3) {
+                        (true, _) => load8(ops.as_ptr().add((8 * b + j) * 512)),
+                        (false, true) => q3k_operands(tile, j),
+                        (false, false) => q6k_operands(tile, j),
                     };
                     let sc_lo = lanes::<true>(tile.add(q6k::SC + 32 * j));
                     let sc_hi = lanes::<true>(tile.add(q6k::SC + 32 * j + 16));
@@ -1170,8 +1280,9 @@ mod x86 {
                         let x = xs[i];
                         let p = x.q.add(b * QK_K + QK * j).cast::<i32>();
                         let s = x.s.add(16 * b + 2 * j);
-                        let lo = dot_groups(&w[..4], p, _mm512_set1_epi32(-32 * *s));
-                        let hi = dot_groups(&w[4..], p.add(4), _mm512_set1_epi32(-32 * *s.add(1)));
+                        let lo = dot_groups(&w[..4], p, _mm512_set1_epi32(-offset * *s));
+                        let hi =
+                            dot_groups(&w[4..], p.add(4), _mm512_set1_epi32(-offset * *s.add(1)));
                         let sum = _mm512_add_epi32(
                             _mm512_mullo_epi32(lo, sc_lo),
                             _mm512_mullo_epi32(hi, sc_hi),
@@ -1276,7 +1387,7 @@ mod tests {
         QTensor::quantize(&w, dtype).unwrap()
     }
 
-    const FORMATS: [GgmlDType; 8] = [
+    const FORMATS: [GgmlDType; 9] = [
         GgmlDType::Q8_0,
         GgmlDType::Q4_0,
         GgmlDType::Q5_0,
@@ -1285,6 +1396,7 @@ mod tests {
         GgmlDType::Q5K,
         GgmlDType::Q4K,
         GgmlDType::Q6K,
+        GgmlDType::Q3K,
     ];
 
     /// Candle's dequantized values of `q`, row-major.
@@ -1320,7 +1432,12 @@ mod tests {
     fn k_quant_tiles_hold_every_scale_sign_and_value() {
         // Rows whose scales, minima and values reach the formats' ends: quantized from
         // rows of mixed magnitudes and signs, some all negative, some all zero.
-        for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
+        for dtype in [
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+            GgmlDType::Q3K,
+        ] {
             let (n, k) = (20, 512);
             let w: Vec<f32> = (0..n * k)
                 .map(|i| {
@@ -1466,7 +1583,9 @@ mod tests {
     #[test]
     fn other_formats_are_not_packed() {
         let w = Tensor::randn(0f32, 1.0, (16, 256), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&w, GgmlDType::Q3K).unwrap();
-        assert!(Packed::pack(&q).unwrap().is_none());
+        for dtype in [GgmlDType::Q2K, GgmlDType::Q8K] {
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            assert!(Packed::pack(&q).unwrap().is_none(), "{dtype:?}");
+        }
     }
 }
