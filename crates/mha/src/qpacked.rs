@@ -1,6 +1,6 @@
-//! Block-quantized matrices (ggml's q8_0, q4_0, q5_0, q4_1, q5_1, q3_K, q4_K, q5_K and q6_K)
-//! repacked for the CPU's 8-bit dot-product instructions, held as the only copy of the
-//! weight.
+//! Block-quantized matrices (ggml's q8_0, q4_0, q5_0, q4_1, q5_1 and the k-quants q2_K to
+//! q6_K) repacked for the CPU's 8-bit dot-product instructions, held as the only copy of
+//! the weight.
 //!
 //! A q8_0 matrix `[n, k]` is stored by GGUF (and Candle) row after row of blocks (an f16
 //! scale and 32 signed bytes). A product with that layout must reduce each block's sums
@@ -18,11 +18,12 @@
 //! add a plane of 64 bytes per block whose bit `g` is the fifth bit of group `g`'s operand;
 //! q4_1 and q5_1 keep their minima beside the scales, multiplied by the block sums of `x`.
 //! The k-quants tile 16 rows × one super-block of 256 values: each sub-block's values laid
-//! out as above, its integer scales (and minima) unpacked into bytes, one lane per row, and
-//! multiplied in as integers, as ggml does, with `x` quantized per 256 values as ggml's
-//! q8_K, so the products track llama.cpp's to rounding. A prefill (8 rows of `x` or more)
-//! unpacks each column of five- and six-bit tiles once, into a buffer of operands its
-//! thread reuses, instead of in every pass of four rows. Candle 0.11 repacks q8_0 this way
+//! out as above (q2_K's and q3_K's two low bits as bit pairs, four groups to 64 bytes), its
+//! integer scales (and minima) in bytes, one lane per row, and multiplied in as integers,
+//! as ggml does, with `x` quantized per 256 values as ggml's q8_K, so the products track
+//! llama.cpp's to rounding. A prefill (8 rows of `x` or more) unpacks each column of
+//! three-, five- and six-bit tiles once, into a buffer of operands its thread reuses,
+//! instead of in every pass of four rows. Candle 0.11 repacks q8_0 this way
 //! (and q4_K, q6_K its own way) for its x86 kernels, but keeps the copy *beside* the
 //! original; here it replaces it, so a model holds one copy of each weight (a few % more
 //! bytes for the k-quants, whose scales are unpacked). Rows past the end of the last tile
@@ -88,6 +89,17 @@ mod q3k {
     pub const BYTES: usize = QH + 8 * 64;
 }
 
+/// Where the parts of a q2_K tile (16 rows × one super-block of 16 sub-blocks of 16) start:
+/// 16 f16 `d`, 16 f16 `dmin`, the stored bytes of 4-bit scale and minimum (`[16][16]`, one
+/// lane per row), then per block of 32 the values' bit pairs laid out as q3_K's. The same
+/// 1344 bytes as the file's 16 blocks.
+mod q2k {
+    pub const DMIN: usize = 32;
+    pub const SC: usize = 64;
+    pub const QL: usize = 320;
+    pub const BYTES: usize = QL + 8 * 128;
+}
+
 /// The formats packed here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Format {
@@ -100,6 +112,7 @@ enum Format {
     Q5K,
     Q6K,
     Q3K,
+    Q2K,
 }
 
 impl Format {
@@ -114,6 +127,7 @@ impl Format {
             GgmlDType::Q4K => Some(Self::Q4K),
             GgmlDType::Q6K => Some(Self::Q6K),
             GgmlDType::Q3K => Some(Self::Q3K),
+            GgmlDType::Q2K => Some(Self::Q2K),
             _ => None,
         }
     }
@@ -122,7 +136,7 @@ impl Format {
     fn values(self) -> usize {
         match self {
             Self::Q8_0 | Self::Q4_0 | Self::Q5_0 | Self::Q4_1 | Self::Q5_1 => QK,
-            Self::Q4K | Self::Q5K | Self::Q6K | Self::Q3K => QK_K,
+            Self::Q4K | Self::Q5K | Self::Q6K | Self::Q3K | Self::Q2K => QK_K,
         }
     }
 
@@ -138,6 +152,7 @@ impl Format {
             Self::Q5K => 4 + 12 + QK_K / 8 + QK_K / 2,
             Self::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
             Self::Q3K => QK_K / 8 + QK_K / 4 + 12 + 2,
+            Self::Q2K => QK_K / 16 + QK_K / 4 + 2 + 2,
         }
     }
 
@@ -151,6 +166,7 @@ impl Format {
             Self::Q5K => q4k::Q5_BYTES,
             Self::Q6K => q6k::BYTES,
             Self::Q3K => q3k::BYTES,
+            Self::Q2K => q2k::BYTES,
         }
     }
 
@@ -160,7 +176,7 @@ impl Format {
             Self::Q8_0 => 128,
             Self::Q4_0 => 8,
             Self::Q5_0 => 16,
-            Self::Q4_1 | Self::Q5_1 | Self::Q4K | Self::Q5K => 0,
+            Self::Q4_1 | Self::Q5_1 | Self::Q4K | Self::Q5K | Self::Q2K => 0,
             Self::Q6K => 32,
             Self::Q3K => 4,
         }
@@ -208,11 +224,15 @@ impl Format {
                 let high = t[q6k::QH + b * 128 + (g / 4) * 64 + 4 * r + i] >> (2 * (g % 4)) & 3;
                 nibble(&t[q6k::QL + b * 256..], v) | (high as i32) << 4
             }
-            Self::Q3K => {
+            Self::Q3K | Self::Q2K => {
+                let at = if self == Self::Q3K { q3k::QL } else { q2k::QL };
                 let (b, v) = (v / QK, v % QK);
                 let (g, i) = (v / 4, v % 4);
-                let low = t[q3k::QL + b * 128 + (g / 4) * 64 + 4 * r + i] >> (2 * (g % 4)) & 3;
-                low as i32 | fifth(&t[q3k::QH + b * 64..], v) >> 2
+                let low = t[at + b * 128 + (g / 4) * 64 + 4 * r + i] >> (2 * (g % 4)) & 3;
+                match self {
+                    Self::Q3K => low as i32 | fifth(&t[q3k::QH + b * 64..], v) >> 2,
+                    _ => low as i32,
+                }
             }
         }
     }
@@ -248,6 +268,14 @@ impl Format {
                 for (v, y) in out.iter_mut().enumerate() {
                     let sc = t[q6k::SC + 16 * (v / 16) + r] as i8;
                     *y = d * sc as f32 * (self.operand(t, r, v) - self.offset()) as f32;
+                }
+            }
+            Self::Q2K => {
+                let dmin = half(q2k::DMIN);
+                for (v, y) in out.iter_mut().enumerate() {
+                    let sc = t[q2k::SC + 16 * (v / 16) + r];
+                    let (dl, ml) = (d * (sc & 15) as f32, dmin * (sc >> 4) as f32);
+                    *y = dl * self.operand(t, r, v) as f32 - ml;
                 }
             }
         }
@@ -372,6 +400,23 @@ impl Format {
                     put_fifth(&mut t[q3k::QH + b * 64..], v, third);
                 }
             }
+            Self::Q2K => {
+                // Stored: 16 bytes of scale (low nibble) and minimum (high), 64 of bit
+                // pairs as q3_K's, d, dmin (see Candle's `BlockQ2K::to_float`).
+                let (sc, qs) = (&src[..16], &src[16..80]);
+                t[2 * r..2 * r + 2].copy_from_slice(&src[80..82]);
+                t[q2k::DMIN + 2 * r..][..2].copy_from_slice(&src[82..84]);
+                for (j, &s) in sc.iter().enumerate() {
+                    t[q2k::SC + 16 * j + r] = s;
+                }
+                for v in 0..QK_K {
+                    let (half, c, l) = (v / 128, v % 128 / 32, v % 32);
+                    let pair = qs[32 * half + l] >> (2 * c) & 3;
+                    let (b, v) = (v / QK, v % QK);
+                    let (g, i) = (v / 4, v % 4);
+                    t[q2k::QL + b * 128 + (g / 4) * 64 + 4 * r + i] |= pair << (2 * (g % 4));
+                }
+            }
         }
     }
 }
@@ -400,7 +445,7 @@ enum XRows {
 impl XRows {
     fn new(format: Format, x: &[f32], k: usize) -> Self {
         match format {
-            Format::Q4K | Format::Q5K | Format::Q6K | Format::Q3K => {
+            Format::Q4K | Format::Q5K | Format::Q6K | Format::Q3K | Format::Q2K => {
                 Self::Super(SuperRows::new(x, k))
             }
             _ => Self::Blocks(QRows::new(x, k)),
@@ -800,7 +845,7 @@ fn tile_rows(
         // SAFETY: `simd` is only set where `Packed::available()` saw the features; the
         // kernels check the lengths.
         unsafe {
-            use x86::{legacy_rows as legacy, q4k_rows as q4k, q6k_rows as q6k};
+            use x86::{legacy_rows as legacy, q2k_rows as q2k, q4k_rows as q4k, q6k_rows as q6k};
             // The kernels take the rows of `x` (1–4) as a constant: `R` in each arm.
             macro_rules! by_rows {
                 ($call:expr) => {
@@ -844,6 +889,7 @@ fn tile_rows(
                 (Format::Q5K, XRows::Super(x)) => by_rows!(q4k::<R, true>(tiles, ops, x, r, y)),
                 (Format::Q6K, XRows::Super(x)) => by_rows!(q6k::<R, false>(tiles, ops, x, r, y)),
                 (Format::Q3K, XRows::Super(x)) => by_rows!(q6k::<R, true>(tiles, ops, x, r, y)),
+                (Format::Q2K, XRows::Super(x)) => by_rows!(q2k::<R>(tiles, x, r, y)),
                 _ => unreachable!("{format:?} weights with rows of x quantized for another"),
             }
         }
@@ -878,7 +924,13 @@ fn tile_rows(
                         let (xq, xd, xs) = x.row(r + j);
                         let xs = &xs[b * QK_K / 16..][..QK_K / 16];
                         let (mut sum, mut mins) = (0i32, 0i32);
-                        if matches!(format, Format::Q4K | Format::Q5K) {
+                        if format == Format::Q2K {
+                            for s in 0..16 {
+                                let sc = tile[q2k::SC + 16 * s + row] as i32;
+                                sum += (sc & 15) * dot(xq, 16 * s..16 * (s + 1));
+                                mins += (sc >> 4) * xs[s];
+                            }
+                        } else if matches!(format, Format::Q4K | Format::Q5K) {
                             for s in 0..8 {
                                 let sc = tile[q4k::SC + 16 * s + row] as i32;
                                 let m = tile[q4k::MIN + 16 * s + row] as i32;
@@ -894,7 +946,8 @@ fn tile_rows(
                             }
                         }
                         *y += d * xd[b] * sum as f32;
-                        if matches!(format, Format::Q4K | Format::Q5K) {
+                        if matches!(format, Format::Q4K | Format::Q5K | Format::Q2K) {
+                            // (q4k::DMIN == q2k::DMIN)
                             *y -= half(tile, q4k::DMIN, row) * xd[b] * mins as f32;
                         }
                     }
@@ -906,7 +959,7 @@ fn tile_rows(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{q3k, q4k, q6k, Format, QRows, SuperRows, QK, QK_K, SCALES, TILE};
+    use super::{q2k, q3k, q4k, q6k, Format, QRows, SuperRows, QK, QK_K, SCALES, TILE};
     use std::arch::x86_64::*;
 
     /// The low (or, `HIGH`, the high) nibbles of the 64 bytes at `p`, as bytes. (A function
@@ -1029,25 +1082,10 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
     unsafe fn q3k_operands(tile: *const u8, j: usize) -> [__m512i; 8] {
-        let pair = _mm512_set1_epi8(0x03);
         let bit = _mm512_set1_epi8(0x04);
         // SAFETY (caller): a whole tile at `tile`, j < 8.
         unsafe {
-            let ql = tile.add(q3k::QL + 128 * j);
-            let (v0, v1) = (
-                _mm512_loadu_si512(ql.cast()),
-                _mm512_loadu_si512(ql.add(64).cast()),
-            );
-            let mut w = [
-                _mm512_and_si512(v0, pair),
-                _mm512_and_si512(_mm512_srli_epi16::<2>(v0), pair),
-                _mm512_and_si512(_mm512_srli_epi16::<4>(v0), pair),
-                _mm512_and_si512(_mm512_srli_epi16::<6>(v0), pair),
-                _mm512_and_si512(v1, pair),
-                _mm512_and_si512(_mm512_srli_epi16::<2>(v1), pair),
-                _mm512_and_si512(_mm512_srli_epi16::<4>(v1), pair),
-                _mm512_and_si512(_mm512_srli_epi16::<6>(v1), pair),
-            ];
+            let mut w = bit_pairs(tile.add(q3k::QL + 128 * j));
             // Bit g of each byte to bit 2 of w[g] (16-bit shifts: the mask keeps bit 2 of
             // each byte, which came from the same byte).
             let v = _mm512_loadu_si512(tile.add(q3k::QH + 64 * j).cast());
@@ -1067,6 +1105,31 @@ mod x86 {
             }
             w
         }
+    }
+
+    /// The eight operands of a block of 32 two-bit values at `p` laid out as q3_K's and
+    /// q2_K's low bits: group `4h + f` at bits `2f..2f + 1` of the h-th 64 bytes.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn bit_pairs(p: *const u8) -> [__m512i; 8] {
+        let pair = _mm512_set1_epi8(0x03);
+        // SAFETY (caller): 128 readable bytes at `p`.
+        let (v0, v1) = unsafe {
+            (
+                _mm512_loadu_si512(p.cast()),
+                _mm512_loadu_si512(p.add(64).cast()),
+            )
+        };
+        [
+            _mm512_and_si512(v0, pair),
+            _mm512_and_si512(_mm512_srli_epi16::<2>(v0), pair),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(v0), pair),
+            _mm512_and_si512(_mm512_srli_epi16::<6>(v0), pair),
+            _mm512_and_si512(v1, pair),
+            _mm512_and_si512(_mm512_srli_epi16::<2>(v1), pair),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(v1), pair),
+            _mm512_and_si512(_mm512_srli_epi16::<6>(v1), pair),
+        ]
     }
 
     /// The operands of a q4_0/q4_1 (`BITS` 4) or q5_0/q5_1 (5) tile whose nibbles start
@@ -1127,6 +1190,7 @@ mod x86 {
                         Format::Q5K => q4k_operands::<true>(tile, j),
                         Format::Q6K => q6k_operands(tile, j),
                         Format::Q3K => q3k_operands(tile, j),
+                        Format::Q2K => bit_pairs(tile.add(q2k::QL + 128 * j)),
                         Format::Q4_0 => legacy_operands::<4>(tile.add(SCALES)),
                         Format::Q5_0 => legacy_operands::<5>(tile.add(SCALES)),
                         Format::Q4_1 => legacy_operands::<4>(tile.add(2 * SCALES)),
@@ -1304,6 +1368,70 @@ mod x86 {
         }
     }
 
+    /// `R` rows of `x` against one column of q2_K tiles, as ggml's q2_K · q8_K: per block
+    /// of 32 and row of `x`, eight `vpdpbusd` in two halves of 16 values, each multiplied
+    /// by its 4-bit scale as an integer, and the halves' sums of `x` by their minima; per
+    /// super-block two multiply-adds.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn q2k_rows<const R: usize>(
+        tiles: &[u8],
+        x: &SuperRows,
+        r: usize,
+        y: &mut [[f32; TILE]; 4],
+    ) {
+        let nb = tiles.len() / q2k::BYTES;
+        let xs = super_rows::<R>(x, r, nb);
+        let low = _mm512_set1_epi32(15);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            // SAFETY: tile b is `q2k::BYTES` readable bytes; super-block b of each row of
+            // `x` is in bounds (checked by `super_rows`).
+            unsafe {
+                let tile = tiles.as_ptr().add(b * q2k::BYTES);
+                let mut sums = [_mm512_setzero_si512(); R];
+                let mut mins = [_mm512_setzero_si512(); R];
+                for j in 0..8 {
+                    let w = bit_pairs(tile.add(q2k::QL + 128 * j));
+                    // Scale in the low nibble, minimum in the high one, a lane per row.
+                    let s_lo = lanes::<false>(tile.add(q2k::SC + 32 * j));
+                    let s_hi = lanes::<false>(tile.add(q2k::SC + 32 * j + 16));
+                    let (sc_lo, sc_hi) = (_mm512_and_si512(s_lo, low), _mm512_and_si512(s_hi, low));
+                    let (m_lo, m_hi) = (_mm512_srli_epi32::<4>(s_lo), _mm512_srli_epi32::<4>(s_hi));
+                    for i in 0..R {
+                        let x = xs[i];
+                        let p = x.q.add(b * QK_K + QK * j).cast::<i32>();
+                        let s = x.s.add(16 * b + 2 * j);
+                        let lo = dot_groups(&w[..4], p, _mm512_setzero_si512());
+                        let hi = dot_groups(&w[4..], p.add(4), _mm512_setzero_si512());
+                        let sum = _mm512_add_epi32(
+                            _mm512_mullo_epi32(lo, sc_lo),
+                            _mm512_mullo_epi32(hi, sc_hi),
+                        );
+                        sums[i] = _mm512_add_epi32(sums[i], sum);
+                        let m = _mm512_add_epi32(
+                            _mm512_mullo_epi32(m_lo, _mm512_set1_epi32(*s)),
+                            _mm512_mullo_epi32(m_hi, _mm512_set1_epi32(*s.add(1))),
+                        );
+                        mins[i] = _mm512_add_epi32(mins[i], m);
+                    }
+                }
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(q2k::DMIN).cast()));
+                for i in 0..R {
+                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
+                    let s = _mm512_cvtepi32_ps(sums[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
+                    let m = _mm512_cvtepi32_ps(mins[i]);
+                    acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), m, acc[i]);
+                }
+            }
+        }
+        for (y, acc) in y.iter_mut().zip(acc) {
+            // SAFETY: 16 floats to a [f32; 16].
+            unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
+        }
+    }
+
     /// `R` rows of `x` (from row `r`) against one column of tiles of `BITS`-bit values
     /// (q8_0, q4_0 or q5_0; with `MIN`, q4_1 or q5_1). Per block and row of `x`: eight
     /// `vpdpbusd` (in two chains), one conversion and one multiply-add (two with minima);
@@ -1387,7 +1515,7 @@ mod tests {
         QTensor::quantize(&w, dtype).unwrap()
     }
 
-    const FORMATS: [GgmlDType; 9] = [
+    const FORMATS: [GgmlDType; 10] = [
         GgmlDType::Q8_0,
         GgmlDType::Q4_0,
         GgmlDType::Q5_0,
@@ -1397,6 +1525,7 @@ mod tests {
         GgmlDType::Q4K,
         GgmlDType::Q6K,
         GgmlDType::Q3K,
+        GgmlDType::Q2K,
     ];
 
     /// Candle's dequantized values of `q`, row-major.
@@ -1437,6 +1566,7 @@ mod tests {
             GgmlDType::Q5K,
             GgmlDType::Q6K,
             GgmlDType::Q3K,
+            GgmlDType::Q2K,
         ] {
             let (n, k) = (20, 512);
             let w: Vec<f32> = (0..n * k)
@@ -1583,7 +1713,7 @@ mod tests {
     #[test]
     fn other_formats_are_not_packed() {
         let w = Tensor::randn(0f32, 1.0, (16, 256), &Device::Cpu).unwrap();
-        for dtype in [GgmlDType::Q2K, GgmlDType::Q8K] {
+        for dtype in [GgmlDType::Q8K, GgmlDType::Q8_1] {
             let q = QTensor::quantize(&w, dtype).unwrap();
             assert!(Packed::pack(&q).unwrap().is_none(), "{dtype:?}");
         }
