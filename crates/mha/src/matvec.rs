@@ -659,19 +659,9 @@ fn rows_dot_w<'a, E: Elem>(
         let n = hi - lo;
         let mut out = vec![0f32; m * n];
         if m == 1 {
-            // Nothing reuses a column. Four streams, as in `rows_times_w`: columns lo + j,
-            // lo + q + j, lo + 2q + j and lo + 3q + j, each quarter of the range read
-            // front to back, four dot products in flight. (The last quarter is short when
-            // 4 does not divide the range: its missing columns repeat the last one.)
-            let q = n.div_ceil(4);
-            for j in 0..q {
-                let at = [0, 1, 2, 3].map(|s| lo + s * q + j);
-                let d = E::dot4(&x[..d_in], at.map(|o| col(o.min(hi - 1))));
-                for (o, d) in at.into_iter().zip(d) {
-                    if o < hi {
-                        out[o - lo] = d;
-                    }
-                }
+            // Nothing reuses a column: read them one after another, one stream.
+            for (o, y) in (lo..hi).zip(&mut out) {
+                *y = E::dot(&x[..d_in], col(o));
             }
             return out;
         }
