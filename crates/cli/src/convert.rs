@@ -3,12 +3,14 @@
 //! GGUF file can be requantized).
 
 use std::path::PathBuf;
+use std::sync::LazyLock;
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::GgmlDType;
+use clap::builder::PossibleValue;
 use clap::{Args, ValueEnum};
 
-use crate::common::{self, Loaded, ModelArgs};
+use crate::common::{self, Loaded, ModelArgs, QuantizeArg};
 use crate::gguf_tokenizer;
 
 /// The formats written.
@@ -18,32 +20,37 @@ pub enum ToFormat {
     Gguf,
 }
 
-/// The matrices' format in the written file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+/// The matrices' format in the written file: f32, f16, or one of `--quantize`'s formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgufType {
     /// 32-bit floats.
     F32,
     /// 16-bit floats.
     F16,
-    /// 8-bit blocks of 32 (8.5 bits per weight).
-    #[value(name = "q8_0")]
-    Q8_0,
-    /// 4-bit blocks of 32 (4.5 bits per weight).
-    #[value(name = "q4_0")]
-    Q4_0,
-    /// 5-bit blocks of 32 (5.5 bits per weight).
-    #[value(name = "q5_0")]
-    Q5_0,
-    /// llama.cpp's 4-bit k-quant (4.5 bits per weight; rows that are not whole
-    /// super-blocks of 256 take q5_0).
-    #[value(name = "q4_k")]
-    Q4K,
-    /// The 5-bit k-quant (5.5 bits per weight; else q5_1).
-    #[value(name = "q5_k")]
-    Q5K,
-    /// The 6-bit k-quant (6.56 bits per weight; else q8_0).
-    #[value(name = "q6_k")]
-    Q6K,
+    /// Block-quantized.
+    Quantized(QuantizeArg),
+}
+
+impl ValueEnum for GgufType {
+    fn value_variants<'a>() -> &'a [Self] {
+        // f32, f16, then `--quantize`'s values with their help.
+        static VARIANTS: LazyLock<Vec<GgufType>> = LazyLock::new(|| {
+            let quantized = QuantizeArg::value_variants().iter();
+            [GgufType::F32, GgufType::F16]
+                .into_iter()
+                .chain(quantized.map(|&q| GgufType::Quantized(q)))
+                .collect()
+        });
+        &VARIANTS
+    }
+
+    fn to_possible_value(&self) -> Option<PossibleValue> {
+        match self {
+            GgufType::F32 => Some(PossibleValue::new("f32").help("32-bit floats")),
+            GgufType::F16 => Some(PossibleValue::new("f16").help("16-bit floats")),
+            GgufType::Quantized(q) => q.to_possible_value(),
+        }
+    }
 }
 
 /// Options of `gpt convert`.
@@ -83,20 +90,17 @@ pub fn run(a: &ConvertArgs, margs: &ModelArgs) -> Result<()> {
     let dtype = match a.kind {
         GgufType::F32 => GgmlDType::F32,
         GgufType::F16 => GgmlDType::F16,
-        GgufType::Q8_0 => GgmlDType::Q8_0,
-        GgufType::Q4_0 => GgmlDType::Q4_0,
-        GgufType::Q5_0 => GgmlDType::Q5_0,
-        GgufType::Q4K => GgmlDType::Q4K,
-        GgufType::Q5K => GgmlDType::Q5K,
-        GgufType::Q6K => GgmlDType::Q6K,
+        GgufType::Quantized(q) => q.into(),
     };
     gpt_blocks::save_gguf(&model, &a.out, dtype, vocab.as_ref(), chat.own_template())
         .with_context(|| format!("writing {}", a.out.display()))?;
     let bytes = std::fs::metadata(&a.out)?.len();
+    // The format as the user names it (`q4_k`).
+    let kind = a.kind.to_possible_value().map(|v| v.get_name().to_owned());
     eprintln!(
-        "{source} -> {} ({:?}, {:.1} MiB{})",
+        "{source} -> {} ({}, {:.1} MiB{})",
         a.out.display(),
-        a.kind,
+        kind.unwrap_or_default(),
         bytes as f64 / (1 << 20) as f64,
         if vocab.is_some() {
             ", with its tokenizer"
