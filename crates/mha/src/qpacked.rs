@@ -40,7 +40,7 @@ use candle_core::{bail, Result};
 use half::f16;
 
 use crate::matvec::{map_ranges, ranges};
-use crate::qmatvec::QRows;
+use crate::qmatvec::{quantize_in_parts, QRows};
 
 /// Rows per tile.
 const TILE: usize = 16;
@@ -468,26 +468,7 @@ struct SuperRows {
 
 impl SuperRows {
     fn new(x: &[f32], k: usize) -> Self {
-        let blocks = x.len() / QK_K;
-        let mut q = vec![0i8; x.len()];
-        let mut d = vec![0f32; blocks];
-        let mut sum = vec![0i32; x.len() / 16];
-        if x.len() < 1 << 16 {
-            quantize_super(x, &mut q, &mut d, &mut sum);
-        } else {
-            // A prefill's rows, split across threads (one thread quantizing GPT-2's 512 ×
-            // 3072 MLP outputs took 12% of a q5_K_M prefill's profile, beside 30% for
-            // the products).
-            let per = (blocks / rayon::current_num_threads()).max(1);
-            use rayon::prelude::*;
-            x.par_chunks(per * QK_K)
-                .zip(q.par_chunks_mut(per * QK_K))
-                .zip(
-                    d.par_chunks_mut(per)
-                        .zip(sum.par_chunks_mut(per * QK_K / 16)),
-                )
-                .for_each(|((x, q), (d, sum))| quantize_super(x, q, d, sum));
-        }
+        let (q, d, sum) = quantize_in_parts(x, QK_K, QK_K / 16, quantize_super);
         Self { q, d, sum, k }
     }
 
