@@ -455,9 +455,18 @@ impl CustomOp3 for FlashAttn {
         if (k.is_half() || v.is_half()) && self.drop.is_some() {
             bail!("flash_attn_cpu: half-precision keys and values are for inference")
         }
-        // Scratch for a block of widened keys and values (none when they are f32).
-        let half = |kv: &KvRows, width: usize| if kv.is_half() { BC * width } else { 0 };
+        // Scratch sized by what the blocks use: scores for up to BR rows, and a block of
+        // widened keys and values where they are half precision and some block has more
+        // than DIRECT_ROWS rows (decoding reads them in place). Each head of each step
+        // allocates and zeroes it: sized for a whole block, decoding SmolLM-135M from an
+        // f16 cache zeroed 96 KiB per head per layer, 26 MB a token (1–2% of its profile).
+        let widened = tq > DIRECT_ROWS;
+        let half = |kv: &KvRows, width: usize| match kv.is_half() && widened {
+            true => BC * width,
+            false => 0,
+        };
         let (k_buf, v_buf) = (half(&k, d), half(&v, dv));
+        let score_rows = tq.min(BR);
         if let Some(keep) = &self.keep {
             if keep.len() != b * tk {
                 bail!(
@@ -485,7 +494,7 @@ impl CustomOp3 for FlashAttn {
                     .enumerate()
                     .for_each_init(
                         || Scratch {
-                            scores: vec![0f32; BR * BC],
+                            scores: vec![0f32; score_rows * BC],
                             k: vec![0f32; k_buf],
                             v: vec![0f32; v_buf],
                         },
