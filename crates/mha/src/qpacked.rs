@@ -834,6 +834,8 @@ fn prefetch(bytes: &[u8]) {
             _mm_prefetch::<_MM_HINT_NTA>(line.as_ptr() as *const i8)
         };
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes; // only x86 gets the hint
 }
 
 /// From this many rows of `x` on, [`Packed::product`] unpacks each column of tiles once
