@@ -20,15 +20,14 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::dropout::DropMask;
-use crate::matvec::Elem;
-use crate::{simd, Dropout, Mask};
+use crate::{decode, simd, Dropout, Mask};
 
 /// Query rows per block.
 pub(crate) const BR: usize = 64;
 /// Keys per block.
 pub(crate) const BC: usize = 128;
-/// The most query rows a block may have for the direct (dot product) path over a
-/// half-precision cache: decoding, one row per sequence.
+/// The most query rows per head that take [`crate::decode`] (decoding: one row per
+/// sequence) rather than blocks of BR rows, when no dropout is asked for.
 const DIRECT_ROWS: usize = 4;
 
 /// Fused attention of `q [b, h, tq, d]` over `k [b, h_kv, tk, d]`, `v [b, h_kv, tk, dv]`
@@ -198,7 +197,7 @@ impl<'a, T> Rows<'a, T> {
 /// Keys or values: f32 rows read in place, or f16/bf16 rows (a half-precision KV cache)
 /// widened block by block into a task's scratch.
 #[derive(Clone, Copy)]
-enum KvRows<'a> {
+pub(crate) enum KvRows<'a> {
     F32(Rows<'a>),
     F16(Rows<'a, f16>),
     BF16(Rows<'a, bf16>),
@@ -214,7 +213,7 @@ impl<'a> KvRows<'a> {
         })
     }
 
-    fn st(&self) -> usize {
+    pub(crate) fn st(&self) -> usize {
         match self {
             Self::F32(r) => r.st,
             Self::F16(r) => r.st,
@@ -222,7 +221,7 @@ impl<'a> KvRows<'a> {
         }
     }
 
-    fn ptr(&self, b: usize, h: usize, t: usize) -> KvPtr {
+    pub(crate) fn ptr(&self, b: usize, h: usize, t: usize) -> KvPtr {
         match self {
             Self::F32(r) => KvPtr::F32(r.ptr(b, h, t)),
             Self::F16(r) => KvPtr::F16(r.ptr(b, h, t)),
@@ -235,108 +234,15 @@ impl<'a> KvRows<'a> {
     }
 }
 
-/// Rows `j0..` of one head's keys or values, `st` apart, in the element type stored.
-///
-/// # Safety
-/// The rows asked for must lie inside the storage `p` came from.
-unsafe fn row<'a, E>(p: *const E, j0: usize, st: usize, j: usize, width: usize) -> &'a [E] {
-    std::slice::from_raw_parts(p.add((j0 + j) * st), width)
-}
-
-/// `s[j] = scale · q · key(j0 + j)` for every `j` of `s`, four keys per pass (`q` read
-/// once for the four), widening half-precision keys in registers.
-///
-/// # Safety
-/// Keys `j0..j0 + s.len()` (each `q.len()` long, `st` apart) must lie in the storage.
-unsafe fn dot_rows<E: Elem>(
-    p: *const E,
-    j0: usize,
-    st: usize,
-    q: &[f32],
-    scale: f32,
-    s: &mut [f32],
-) {
-    let d = q.len();
-    let n4 = s.len() / 4 * 4;
-    for j in (0..n4).step_by(4) {
-        let w = [0, 1, 2, 3].map(|i| row(p, j0, st, j + i, d));
-        for (s, x) in s[j..j + 4].iter_mut().zip(E::dot4(q, w)) {
-            *s = x * scale;
-        }
-    }
-    for (j, s) in s.iter_mut().enumerate().skip(n4) {
-        *s = E::dot(q, row(p, j0, st, j, d)) * scale;
-    }
-}
-
-/// `y += Σ_j p[j] · value(j0 + j)`, four values per pass (`y` loaded and stored once for
-/// the four), widening half-precision values in registers.
-///
-/// # Safety
-/// Values `j0..j0 + a.len()` (each `y.len()` long, `st` apart) must lie in the storage.
-unsafe fn add_rows<E: Elem>(p: *const E, j0: usize, st: usize, a: &[f32], y: &mut [f32]) {
-    let dv = y.len();
-    let n4 = a.len() / 4 * 4;
-    for j in (0..n4).step_by(4) {
-        let w = [0, 1, 2, 3].map(|i| row(p, j0, st, j + i, dv));
-        E::axpy4(y, [a[j], a[j + 1], a[j + 2], a[j + 3]], w);
-    }
-    // The last one to three rows, each weight split in equal halves or quarters over
-    // repeated rows (exact in binary): a zero weight on a padding row would turn an
-    // infinite value into NaN.
-    let w = |i: usize| row(p, j0, st, i, dv);
-    match a.len() - n4 {
-        0 => {}
-        1 => E::axpy4(y, [a[n4] / 4.0; 4], [w(n4); 4]),
-        2 => {
-            let (x, z) = (a[n4] / 2.0, a[n4 + 1] / 2.0);
-            E::axpy4(y, [x, x, z, z], [w(n4), w(n4), w(n4 + 1), w(n4 + 1)])
-        }
-        _ => {
-            let z = a[n4 + 2] / 2.0;
-            let w2 = w(n4 + 2);
-            E::axpy4(y, [a[n4], a[n4 + 1], z, z], [w(n4), w(n4 + 1), w2, w2])
-        }
-    }
-}
-
 /// The first row of one head's keys or values.
 #[derive(Clone, Copy)]
-enum KvPtr {
+pub(crate) enum KvPtr {
     F32(*const f32),
     F16(*const f16),
     BF16(*const bf16),
 }
 
 impl KvPtr {
-    fn is_half(self) -> bool {
-        !matches!(self, Self::F32(_))
-    }
-
-    /// Scores of a query row against keys `j0..j0 + s.len()` (see [`dot_rows`]).
-    ///
-    /// # Safety
-    /// As [`dot_rows`].
-    unsafe fn dots(self, j0: usize, st: usize, q: &[f32], scale: f32, s: &mut [f32]) {
-        match self {
-            Self::F32(p) => dot_rows(p, j0, st, q, scale, s),
-            Self::F16(p) => dot_rows(p, j0, st, q, scale, s),
-            Self::BF16(p) => dot_rows(p, j0, st, q, scale, s),
-        }
-    }
-
-    /// A row of weights times values `j0..j0 + a.len()`, added to `y` (see [`add_rows`]).
-    ///
-    /// # Safety
-    /// As [`add_rows`].
-    unsafe fn weighted_sum(self, j0: usize, st: usize, a: &[f32], y: &mut [f32]) {
-        match self {
-            Self::F32(p) => add_rows(p, j0, st, a, y),
-            Self::F16(p) => add_rows(p, j0, st, a, y),
-            Self::BF16(p) => add_rows(p, j0, st, a, y),
-        }
-    }
-
     /// Rows `j0..j0 + n` (each `width` long, `st` apart) as f32: a pointer and a row stride,
     /// into the storage itself or, for half precision, into `buf` after widening them.
     ///
@@ -445,8 +351,16 @@ impl CustomOp3 for FlashAttn {
         lv: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (b, h, tq, d) = lq.shape().dims4()?;
-        let (_, h_kv, tk, _) = lk.shape().dims4()?;
-        let dv = lv.shape().dims4()?.3;
+        let (bk, h_kv, tk, dk) = lk.shape().dims4()?;
+        let (bv, hv, tv, dv) = lv.shape().dims4()?;
+        if bk != b || bv != b || hv != h_kv || tv != tk || dk != d || h_kv == 0 || h % h_kv != 0 {
+            bail!(
+                "flash_attn_cpu: q {:?}, k {:?} and v {:?} do not fit [b, h, tq, d], [b, h_kv, tk, d], [b, h_kv, tk, dv] with h a multiple of h_kv",
+                lq.dims(),
+                lk.dims(),
+                lv.dims()
+            )
+        }
         let (q, k, v) = (
             Rows::new(sq, lq, "q")?,
             KvRows::new(sk, lk, "k")?,
@@ -455,18 +369,6 @@ impl CustomOp3 for FlashAttn {
         if (k.is_half() || v.is_half()) && self.drop.is_some() {
             bail!("flash_attn_cpu: half-precision keys and values are for inference")
         }
-        // Scratch sized by what the blocks use: scores for up to BR rows, and a block of
-        // widened keys and values where they are half precision and some block has more
-        // than DIRECT_ROWS rows (decoding reads them in place). Each head of each step
-        // allocates and zeroes it: sized for a whole block, decoding SmolLM-135M from an
-        // f16 cache zeroed 96 KiB per head per layer, 26 MB a token (1–2% of its profile).
-        let widened = tq > DIRECT_ROWS;
-        let half = |kv: &KvRows, width: usize| match kv.is_half() && widened {
-            true => BC * width,
-            false => 0,
-        };
-        let (k_buf, v_buf) = (half(&k, d), half(&v, dv));
-        let score_rows = tq.min(BR);
         if let Some(keep) = &self.keep {
             if keep.len() != b * tk {
                 bail!(
@@ -482,6 +384,31 @@ impl CustomOp3 for FlashAttn {
         if out.is_empty() {
             return Ok((CpuStorage::F32(out), Shape::from((b, h, tq, dv))));
         }
+        if tq <= DIRECT_ROWS && self.drop.is_none() {
+            let dims = decode::Dims {
+                b,
+                h,
+                h_kv,
+                tq,
+                tk,
+                d,
+                dv,
+            };
+            decode::run(self, q, k, v, dims, &mut out, &mut lse);
+            if let Ok(mut slot) = self.lse.lock() {
+                *slot = lse;
+            }
+            return Ok((CpuStorage::F32(out), Shape::from((b, h, tq, dv))));
+        }
+        // Scratch sized by what the blocks use: scores for up to BR rows, and a block of
+        // widened keys and values where they are half precision. Each head of each step
+        // allocates and zeroes it.
+        let half = |kv: &KvRows, width: usize| match kv.is_half() {
+            true => BC * width,
+            false => 0,
+        };
+        let (k_buf, v_buf) = (half(&k, d), half(&v, dv));
+        let score_rows = tq.min(BR);
         out.par_chunks_mut(tq * dv)
             .zip(lse.par_chunks_mut(tq))
             .enumerate()
@@ -575,54 +502,37 @@ impl Block<'_> {
         let mut l = [0f32; BR];
         out.fill(0.0);
         let keys = self.vis.key_range(rows);
-        // Decoding from a half-precision cache: dot products and row updates that widen
-        // keys and values in registers, rather than widening every block into scratch
-        // for a GEMM of a few rows (with GQA, each query head of a group would widen the
-        // same block). f16 models with an f16 cache, 128 tokens decoded, medians of 6
-        // alternating with the scratch version: SmolLM-135M 147.0 -> 151.5 tok/s, GPT-2
-        // 124M 198.0 -> 202.5.
-        let direct = rows <= DIRECT_ROWS && (self.k.is_half() || self.v.is_half());
-        // SAFETY: query row r of the block lies in the storage (see `Rows::ptr`).
-        let q_row =
-            |r: usize| unsafe { std::slice::from_raw_parts(self.q.add(r * self.q_st), self.d) };
         for j0 in keys.clone().step_by(BC) {
             let bc = BC.min(keys.end - j0);
             let s = &mut scores[..rows * bc];
-            if direct {
-                for (r, s) in s.chunks_mut(bc).enumerate() {
-                    // SAFETY: key rows j0..j0 + bc lie in the storage.
-                    unsafe { self.k.dots(j0, self.k_st, q_row(r), self.scale, s) };
-                }
-            } else {
-                // SAFETY: key rows j0..j0 + bc lie in the storage (see `Rows::ptr`).
-                let (k, k_st) = unsafe { self.k.rows(j0, bc, self.k_st, self.d, k_buf) };
-                // S[rows, bc] = scale · Q[rows, d] · K[j0.., d]ᵀ
-                // SAFETY: the pointers address `rows` query rows and `bc` key rows of length
-                // `d` with the given strides, all inside the storages (see `Rows::ptr`) or the
-                // scratch.
-                unsafe {
-                    gemm::gemm(
-                        rows,
-                        bc,
-                        self.d,
-                        s.as_mut_ptr(),
-                        1,
-                        bc as isize,
-                        false,
-                        self.q,
-                        1,
-                        self.q_st as isize,
-                        k,
-                        k_st as isize,
-                        1,
-                        0.0,
-                        self.scale,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
+            // SAFETY: key rows j0..j0 + bc lie in the storage (see `Rows::ptr`).
+            let (k, k_st) = unsafe { self.k.rows(j0, bc, self.k_st, self.d, k_buf) };
+            // S[rows, bc] = scale · Q[rows, d] · K[j0.., d]ᵀ
+            // SAFETY: the pointers address `rows` query rows and `bc` key rows of length
+            // `d` with the given strides, all inside the storages (see `Rows::ptr`) or the
+            // scratch.
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    bc,
+                    self.d,
+                    s.as_mut_ptr(),
+                    1,
+                    bc as isize,
+                    false,
+                    self.q,
+                    1,
+                    self.q_st as isize,
+                    k,
+                    k_st as isize,
+                    1,
+                    0.0,
+                    self.scale,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
             }
             for r in 0..rows {
                 let row = &mut s[r * bc..(r + 1) * bc];
@@ -649,14 +559,6 @@ impl Block<'_> {
                         *x *= mask.factor(first + c as u64);
                     }
                 }
-            }
-            if direct {
-                for (r, p) in s.chunks(bc).enumerate() {
-                    let y = &mut out[r * self.dv..(r + 1) * self.dv];
-                    // SAFETY: value rows j0..j0 + bc lie in the storage.
-                    unsafe { self.v.weighted_sum(j0, self.v_st, p, y) };
-                }
-                continue;
             }
             // SAFETY: value rows j0..j0 + bc lie in the storage.
             let (v, v_st) = unsafe { self.v.rows(j0, bc, self.v_st, self.dv, v_buf) };

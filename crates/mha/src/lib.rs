@@ -73,6 +73,7 @@
 mod attention;
 mod cache;
 mod config;
+mod decode;
 mod dropout;
 mod flash_backward;
 pub mod kernel;

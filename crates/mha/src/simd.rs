@@ -296,7 +296,7 @@ fn dot4_bf16_impl(x: &[f32], w: [&[half::bf16]; 4]) -> [f32; 4] {
 /// adds: f32 decoding read its weights at 0.71 of the read floor where f16 reached 0.89).
 /// Without AVX-512, f16 products stay on Candle's f16 GEMM: see [`f16_kernels`].
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(crate) mod avx512 {
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 

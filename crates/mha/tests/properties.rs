@@ -633,7 +633,9 @@ proptest! {
         rep in 1usize..4,
         tq in 1usize..40,
         extra in 0usize..300,
-        d in 1usize..20,
+        // Widths that take the AVX-512 decoding kernels (multiples of 16) and others.
+        d in prop_oneof![1usize..20, Just(32), Just(64)],
+        dv in prop_oneof![1usize..20, Just(16), Just(64)],
         causal in any::<bool>(),
         padded in any::<bool>(),
         window in proptest::option::of(1usize..200),
@@ -656,7 +658,7 @@ proptest! {
         };
         let q = gen(&[b, h, tq, d], 1);
         let k = gen(&[b, h_kv, tk, d], 2);
-        let v = gen(&[b, h_kv, tk, d + 1], 3);
+        let v = gen(&[b, h_kv, tk, dv], 3);
         let keep = keep_mask(b, tk, bits);
         let mut mask = if causal { Mask::causal(tk - tq) } else { Mask::NONE };
         if padded {
@@ -680,34 +682,47 @@ proptest! {
     }
 }
 
-/// Decoding rows of the fused kernel (a single query, and the last block of a prompt of
-/// 65 rows) equal the reference with and without causal offsets, padding and GQA, across
-/// key blocks, for f32 keys and values and for a half-precision cache (read by dot
-/// products and row updates, not the GEMM: blocks of 1 to 3 keys past a multiple of four
-/// take its remainder paths).
+/// Decoding rows of the fused kernel (one to four query rows per head, which take
+/// `mha::decode`, and the last block of a prompt of 65 rows) equal the reference with and
+/// without causal offsets, padding and GQA, across key blocks, for f32 keys and values
+/// and for a half-precision cache. Widths of 24 and 27 take the generic decoding kernels,
+/// multiples of 16 the AVX-512 ones where the CPU has them; blocks of 1 to 15 keys past a
+/// multiple of 16 take their remainder paths; calls of at least 512 key and query-head
+/// pairs run in parallel, caches of more than 256 keys split into ranges merged at the
+/// end (on a machine with more than one thread).
 #[test]
 fn fused_decode_rows_equal_reference() {
-    for (tq, tk, h_kv, rep, causal, padded, window) in [
-        (1, 1, 1, 1, false, false, None),
-        (1, 2, 1, 2, false, false, None),
-        (1, 3, 1, 1, true, false, None),
-        (1, 300, 2, 3, true, false, None),
-        (1, 257, 1, 4, false, true, None),
-        (1, 129, 2, 1, true, true, None),
-        (1, 130, 2, 3, true, false, None),
-        (1, 131, 1, 2, false, false, None),
-        (3, 131, 1, 2, true, false, Some(9)),
-        (65, 65, 2, 2, true, false, None),
-        (65, 200, 1, 3, true, true, None),
+    for (tq, tk, h_kv, rep, causal, padded, window, d, dv) in [
+        (1, 1, 1, 1, false, false, None, 24, 27),
+        (1, 2, 1, 2, false, false, None, 24, 27),
+        (1, 3, 1, 1, true, false, None, 24, 27),
+        (1, 300, 2, 3, true, false, None, 24, 27),
+        (1, 257, 1, 4, false, true, None, 24, 27),
+        (1, 129, 2, 1, true, true, None, 24, 27),
+        (1, 130, 2, 3, true, false, None, 24, 27),
+        (1, 131, 1, 2, false, false, None, 24, 27),
+        (3, 131, 1, 2, true, false, Some(9), 24, 27),
+        (65, 65, 2, 2, true, false, None, 24, 27),
+        (65, 200, 1, 3, true, true, None, 24, 27),
         // Windows that end inside a key block, span several, or hold one key.
-        (1, 300, 2, 3, true, false, Some(130)),
-        (65, 200, 1, 3, true, true, Some(7)),
-        (65, 65, 2, 2, true, false, Some(1)),
+        (1, 300, 2, 3, true, false, Some(130), 24, 27),
+        (65, 200, 1, 3, true, true, Some(7), 24, 27),
+        (65, 65, 2, 2, true, false, Some(1), 24, 27),
+        // The AVX-512 kernels: head widths of 64 and 80 (a 64-column tile and 16-column
+        // ones), one to four query rows per group and more (8 query heads to a key head).
+        (1, 17, 1, 1, true, false, None, 64, 64),
+        (1, 300, 2, 3, true, false, None, 64, 64),
+        (4, 131, 1, 2, true, true, Some(40), 80, 80),
+        (2, 1000, 1, 8, true, false, None, 64, 128),
+        // Split over threads: ranges merged, windowed and padded.
+        (1, 1500, 2, 4, true, true, None, 64, 64),
+        (3, 2000, 1, 4, true, false, Some(300), 80, 64),
+        (1, 1200, 3, 1, false, true, None, 24, 27),
     ] {
-        let (b, d) = (2, 24);
+        let b = 2;
         let q = randn(&[b, h_kv * rep, tq, d]);
         let k = randn(&[b, h_kv, tk, d]);
-        let v = randn(&[b, h_kv, tk, d + 3]);
+        let v = randn(&[b, h_kv, tk, dv]);
         let keep = keep_mask(b, tk, 0x5555_0f0f_3333_00ff);
         let mut mask = if causal {
             Mask::causal(tk - tq)
@@ -733,6 +748,40 @@ fn fused_decode_rows_equal_reference() {
                 &format!("decode rows tq={tq} tk={tk} window={window:?} {kv_dtype:?}"),
             );
         }
+    }
+}
+
+/// Decoding a left-padded batch (the first sequence's prompt padded to the second's
+/// length) over a cache long enough to be split over threads: ranges that the first
+/// sequence's rows do not see at all drop out of the merge, and a sequence padded
+/// throughout gets zeros, as the reference does.
+#[test]
+fn fused_decode_merges_ranges_hidden_by_padding() {
+    let (b, h_kv, rep, tk, d) = (3, 2, 3, 1800, 64);
+    let q = randn(&[b, h_kv * rep, 1, d]);
+    let k = randn(&[b, h_kv, tk, d]);
+    let v = randn(&[b, h_kv, tk, d]);
+    // Sequence 0 keeps its last 200 keys, sequence 1 all, sequence 2 none.
+    let keep: Vec<u8> = (0..b * tk)
+        .map(|i| u8::from(i / tk == 1 || (i / tk == 0 && i % tk >= tk - 200)))
+        .collect();
+    let keep = Tensor::from_vec(keep, (b, tk), &DEV).unwrap();
+    let mask = Mask::causal(tk - 1).with_keep(&keep);
+    let p = SdpaParams::inference(1.0 / (d as f64).sqrt());
+    for kv_dtype in [DType::F32, DType::F16] {
+        let (k, v) = (k.to_dtype(kv_dtype).unwrap(), v.to_dtype(kv_dtype).unwrap());
+        let fast = mha::kernel::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let (slow, _) = sdpa_reference(&q, &f32(&k), &f32(&v), &mask, &p).unwrap();
+        assert_close(
+            &fast,
+            &slow,
+            1e-5,
+            1e-4,
+            &format!("left padding, {kv_dtype:?}"),
+        );
+        let padded = fast.get(2).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(padded.to_scalar::<f32>().unwrap(), 0.0);
     }
 }
 

@@ -1,0 +1,570 @@
+//! Attention for decoding: a few query rows per head (one per sequence and step) over a
+//! long key/value cache, where [`crate::kernel`]'s blocks of 64 query rows would each hold
+//! one row.
+//!
+//! A task takes one key/value head of one sequence, every query head that shares it
+//! (`n_rep` of them under grouped-query attention, each with its `tq ≤ 4` rows) and a
+//! range of its keys. Keys and values are read, and widened from half precision, once for
+//! the whole group rather than once per query head, 16 rows at a time into f32; the
+//! scores of one query against 16 keys are summed across vector lanes together (a
+//! transposing reduction: 45 instructions where 16 separate sums take about 130). A long
+//! cache is split into ranges that run in parallel, each keeping its rows' running
+//! maximum, sum and weighted values, merged at the end through their log-sum-exp
+//! (flash-decoding).
+
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+use rayon::prelude::*;
+
+use crate::kernel::{FlashAttn, KvPtr, KvRows, Rows};
+use crate::simd;
+
+/// Keys per block of the online softmax (the weighted values are rescaled once a block).
+const BLOCK: usize = 128;
+/// Key or value rows widened and multiplied together.
+const SUB: usize = 16;
+/// The fewest keys a range of a split cache holds (SmolLM-135M decoding after 300
+/// positions, q4_0: 348/365/352 tok/s against 335/340/333 with ranges of 64).
+const MIN_RANGE: usize = 256;
+/// Calls with fewer (key, query head) pairs than this run on the calling thread. Even
+/// short caches gain from two threads (SmolLM-135M after 300 positions: 318–357 tok/s in
+/// parallel, 259–301 on one thread); below this the hand-off is all there is to measure.
+const PARALLEL_PAIRS: usize = 512;
+
+/// The shapes of a call: `q [b, h, tq, d]`, `k [b, h_kv, tk, d]`, `v [b, h_kv, tk, dv]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Dims {
+    pub b: usize,
+    pub h: usize,
+    pub h_kv: usize,
+    pub tq: usize,
+    pub tk: usize,
+    pub d: usize,
+    pub dv: usize,
+}
+
+/// The running softmax of one group's `nq = n_rep · tq` query rows over a range of keys.
+struct Partial {
+    /// `[nq]`: the largest visible score (`-inf` while none is).
+    m: Vec<f32>,
+    /// `[nq]`: `Σ exp(s - m)` over the visible keys.
+    l: Vec<f32>,
+    /// `[nq, dv]`: `Σ exp(s - m) · value`.
+    acc: Vec<f32>,
+}
+
+/// Writes `out [b, h, tq, dv]` and each row's log-sum-exp `lse [b, h, tq]` (`+inf` for a
+/// row that sees no key) as [`FlashAttn`]'s blocks would, without dropout.
+pub(crate) fn run(
+    op: &FlashAttn,
+    q: Rows,
+    k: KvRows,
+    v: KvRows,
+    dims: Dims,
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    let Dims {
+        b,
+        h,
+        h_kv,
+        tq,
+        tk,
+        dv,
+        ..
+    } = dims;
+    let (n_rep, nq) = (h / h_kv, h / h_kv * tq);
+    // The keys any row may see: the same for every sequence (key padding aside, which
+    // masking handles).
+    let keys = op.visibility(0, tk, 0).key_range(tq);
+    let groups = b * h_kv;
+    let pairs = b * h * keys.len();
+    let threads = rayon::current_num_threads();
+    let parallel = pairs >= PARALLEL_PAIRS && threads > 1;
+    // Enough tasks to even out two or four threads, none shorter than MIN_RANGE keys.
+    let ranges = match parallel {
+        true => (4 * threads)
+            .div_ceil(groups)
+            .min(keys.len().div_ceil(MIN_RANGE))
+            .max(1),
+        false => 1,
+    };
+    let span = keys.len().div_ceil(ranges).max(1);
+    let task = |t: usize| {
+        let (g, r) = (t / ranges, t % ranges);
+        let start = (keys.start + r * span).min(keys.end);
+        let end = (start + span).min(keys.end);
+        group_range(op, q, k, v, dims, g / h_kv, g % h_kv, start..end)
+    };
+    let partials: Vec<Partial> = match parallel && groups * ranges > 1 {
+        true => (0..groups * ranges).into_par_iter().map(task).collect(),
+        false => (0..groups * ranges).map(task).collect(),
+    };
+    // Merge each row's ranges: weights exp(m_r - m) bring them to the common maximum.
+    for (g, parts) in partials.chunks(ranges).enumerate() {
+        let (bi, hk) = (g / h_kv, g % h_kv);
+        for qi in 0..nq {
+            let row = (bi * h + hk * n_rep + qi / tq) * tq + qi % tq;
+            let y = &mut out[row * dv..(row + 1) * dv];
+            let m = parts.iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.m[qi]));
+            if m == f32::NEG_INFINITY {
+                // A row that saw no key keeps zeros, and its weights are all 0.
+                y.fill(0.0);
+                lse[row] = f32::INFINITY;
+                continue;
+            }
+            y.fill(0.0);
+            let mut l = 0f32;
+            for p in parts.iter().filter(|p| p.m[qi] > f32::NEG_INFINITY) {
+                let w = (p.m[qi] - m).exp();
+                l += w * p.l[qi];
+                for (y, &a) in y.iter_mut().zip(&p.acc[qi * dv..(qi + 1) * dv]) {
+                    *y += w * a;
+                }
+            }
+            simd::scale(y, 1.0 / l);
+            lse[row] = m + l.ln();
+        }
+    }
+}
+
+/// The partial softmax of key/value head `hk` of sequence `bi` with its `n_rep` query
+/// heads over the keys `range`.
+#[allow(clippy::too_many_arguments)]
+fn group_range(
+    op: &FlashAttn,
+    q: Rows,
+    k: KvRows,
+    v: KvRows,
+    dims: Dims,
+    bi: usize,
+    hk: usize,
+    range: std::ops::Range<usize>,
+) -> Partial {
+    let Dims {
+        h,
+        h_kv,
+        tq,
+        tk,
+        d,
+        dv,
+        ..
+    } = dims;
+    let n_rep = h / h_kv;
+    let nq = n_rep * tq;
+    let vis = op.visibility(bi, tk, 0);
+    // Query row `qi` is row `qi % tq` of head `hk · n_rep + qi / tq`.
+    let queries: Vec<&[f32]> = (0..nq)
+        // SAFETY: every row of every head of `q` lies in its storage (see `Rows::ptr`).
+        .map(|qi| unsafe {
+            std::slice::from_raw_parts(q.ptr(bi, hk * n_rep + qi / tq, qi % tq), d)
+        })
+        .collect();
+    let (kp, vp) = (k.ptr(bi, hk, 0), v.ptr(bi, hk, 0));
+    let (k_st, v_st) = (k.st(), v.st());
+    let mut scores = vec![0f32; nq * BLOCK.min(range.len())];
+    let mut buf = vec![0f32; SUB * d.max(dv)];
+    let mut part = Partial {
+        m: vec![f32::NEG_INFINITY; nq],
+        l: vec![0f32; nq],
+        acc: vec![0f32; nq * dv],
+    };
+    for j0 in range.clone().step_by(BLOCK) {
+        let bc = BLOCK.min(range.end - j0);
+        let s = &mut scores[..nq * bc];
+        // S[nq, bc] = scale · Q[nq, d] · K[j0.., d]ᵀ
+        for sb in (0..bc).step_by(SUB) {
+            let n = SUB.min(bc - sb);
+            // SAFETY: key rows j0 + sb.. + n lie in the storage (`key_range` is within tk).
+            let (rows, st) = unsafe { widen(kp, k_st, j0 + sb, n, d, &mut buf) };
+            for (qi, x) in queries.iter().enumerate() {
+                let s = &mut s[qi * bc + sb..qi * bc + sb + n];
+                // SAFETY: `rows` holds SUB rows of `d` values, `st` apart (`widen`).
+                unsafe { scores16(rows, st, n, x, op.scale, s) };
+            }
+        }
+        for qi in 0..nq {
+            let row = &mut s[qi * bc..(qi + 1) * bc];
+            let visible = vis.mask_row(row, qi % tq, j0);
+            let m_new = part.m[qi].max(simd::max(&row[..visible]));
+            if m_new == f32::NEG_INFINITY {
+                // Nothing visible yet: this block contributes nothing to the row.
+                row.fill(0.0);
+                continue;
+            }
+            let corr = (part.m[qi] - m_new).exp();
+            // Hidden keys hold -inf and become exactly 0.
+            let sum = simd::exp_sub_sum(row, m_new);
+            part.l[qi] = part.l[qi] * corr + sum;
+            part.m[qi] = m_new;
+            if corr != 1.0 {
+                simd::scale(&mut part.acc[qi * dv..(qi + 1) * dv], corr);
+            }
+        }
+        // ACC[nq, dv] += P[nq, bc] · V[j0.., dv]
+        for sb in (0..bc).step_by(SUB) {
+            let n = SUB.min(bc - sb);
+            // SAFETY: value rows j0 + sb.. + n lie in the storage.
+            let (rows, st) = unsafe { widen(vp, v_st, j0 + sb, n, dv, &mut buf) };
+            // SAFETY: `rows` holds n rows of `dv` values, `st` apart; `s` holds nq rows of
+            // bc weights and `acc` nq rows of dv.
+            unsafe { add_weighted(rows, st, n, s, bc, sb, &mut part.acc, dv) };
+        }
+    }
+    part
+}
+
+/// Rows `j..j + n` (`n ≤ SUB`) of one head's keys or values as f32, `width` values each:
+/// a pointer and row stride into the storage for SUB f32 rows, otherwise into `buf`
+/// (widened, or copied), with rows `n..SUB` zero.
+///
+/// # Safety
+/// The rows must lie inside the storage `p` points into; `buf` holds `SUB · width`.
+unsafe fn widen(
+    p: KvPtr,
+    st: usize,
+    j: usize,
+    n: usize,
+    width: usize,
+    buf: &mut [f32],
+) -> (*const f32, usize) {
+    unsafe fn rows<'a, E>(p: *const E, st: usize, j: usize, r: usize, w: usize) -> &'a [E] {
+        std::slice::from_raw_parts(p.add((j + r) * st), w)
+    }
+    let buf = &mut buf[..SUB * width];
+    #[cfg(target_arch = "x86_64")]
+    if width.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
+        // `half`'s slice conversion takes 8 values a call, not inlined: it was a sixth of
+        // decoding SmolLM-135M over 1024 cached positions.
+        match p {
+            KvPtr::F16(p) => avx512::widen(p.add(j * st), st, n, width, buf),
+            KvPtr::BF16(p) => avx512::widen(p.add(j * st), st, n, width, buf),
+            KvPtr::F32(p) if n == SUB => return (p.add(j * st), st),
+            KvPtr::F32(p) => avx512::widen(p.add(j * st), st, n, width, buf),
+        }
+        buf[n * width..].fill(0.0);
+        return (buf.as_ptr(), width);
+    }
+    match p {
+        KvPtr::F32(p) if n == SUB => return (p.add(j * st), st),
+        KvPtr::F32(p) => {
+            for (r, dst) in buf.chunks_exact_mut(width).take(n).enumerate() {
+                dst.copy_from_slice(rows(p, st, j, r, width));
+            }
+        }
+        KvPtr::F16(p) => {
+            for (r, dst) in buf.chunks_exact_mut(width).take(n).enumerate() {
+                rows::<f16>(p, st, j, r, width).convert_to_f32_slice(dst);
+            }
+        }
+        KvPtr::BF16(p) => {
+            for (r, dst) in buf.chunks_exact_mut(width).take(n).enumerate() {
+                rows::<bf16>(p, st, j, r, width).convert_to_f32_slice(dst);
+            }
+        }
+    }
+    buf[n * width..].fill(0.0);
+    (buf.as_ptr(), width)
+}
+
+/// `s[j] = scale · x · row(j)` for the first `s.len() = n` of SUB rows of `x.len()`
+/// values, `st` apart.
+///
+/// # Safety
+/// SUB rows at `rows` (`st` apart, `x.len()` each) must be readable.
+unsafe fn scores16(rows: *const f32, st: usize, n: usize, x: &[f32], scale: f32, s: &mut [f32]) {
+    let d = x.len();
+    let row = |j: usize| std::slice::from_raw_parts(rows.add(j * st), d);
+    #[cfg(target_arch = "x86_64")]
+    if d.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
+        let sums = avx512::scores16(rows, st, x);
+        for (s, &v) in s.iter_mut().zip(&sums[..n]) {
+            *s = v * scale;
+        }
+        return;
+    }
+    for j in (0..n).step_by(4) {
+        let dots = simd::dot4(x, [row(j), row(j + 1), row(j + 2), row(j + 3)]);
+        for (s, v) in s[j..n.min(j + 4)].iter_mut().zip(dots) {
+            *s = v * scale;
+        }
+    }
+}
+
+/// `acc[i] += Σ_j p[i·bc + sb + j] · row(j)` for the `acc.len() / dv` query rows `i` and
+/// the `n` rows at `rows` (`st` apart, `dv` values each).
+///
+/// # Safety
+/// `n` rows at `rows` must be readable; `p` holds `acc.len() / dv` rows of `bc` weights.
+#[allow(clippy::too_many_arguments)]
+unsafe fn add_weighted(
+    rows: *const f32,
+    st: usize,
+    n: usize,
+    p: &[f32],
+    bc: usize,
+    sb: usize,
+    acc: &mut [f32],
+    dv: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if dv.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
+        return avx512::add_weighted(rows, st, n, p, bc, sb, acc, dv);
+    }
+    let row = |j: usize| std::slice::from_raw_parts(rows.add(j * st), dv);
+    for (y, p) in acc.chunks_exact_mut(dv).zip(p.chunks_exact(bc)) {
+        let p = &p[sb..sb + n];
+        let n4 = n / 4 * 4;
+        for j in (0..n4).step_by(4) {
+            simd::axpy4(
+                y,
+                [p[j], p[j + 1], p[j + 2], p[j + 3]],
+                [row(j), row(j + 1), row(j + 2), row(j + 3)],
+            );
+        }
+        for (j, &a) in p.iter().enumerate().skip(n4) {
+            for (y, &w) in y.iter_mut().zip(row(j)) {
+                *y += a * w;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use crate::simd::avx512::Load;
+
+    /// Rows `0..n` at `p` (`st` apart, `width` values each, a multiple of 16) as f32 rows of
+    /// `buf`, `width` apart.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn widen<E: Load>(p: *const E, st: usize, n: usize, width: usize, buf: &mut [f32]) {
+        for (r, dst) in buf.chunks_exact_mut(width).take(n).enumerate() {
+            let src = p.add(r * st);
+            for c in (0..width).step_by(16) {
+                _mm512_storeu_ps(dst.as_mut_ptr().add(c), E::load16(src.add(c)));
+            }
+        }
+    }
+
+    /// Lanes 0, 2 of `x` and `y` plus lanes 1, 3 (of 128 bits): `[x0+x1, x2+x3, y0+y1, y2+y3]`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn pair(x: __m512, y: __m512) -> __m512 {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+        )
+    }
+
+    /// Lane `j` of the result: the sum of the 16 lanes of `t[j]`. Pairs of registers are
+    /// interleaved and added, halving the registers and doubling the sums each holds, four
+    /// times (as a 16 × 16 transpose would, adding as it goes). No closures: one would be
+    /// compiled without AVX-512 and pass the vectors in another convention.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn reduce16(t: &[__m512; 16]) -> __m512 {
+        // Lanes of 128 bits: [a0+a2, b0+b2, a1+a3, b1+b3] for a = t[2i], b = t[2i + 1].
+        let mut u = [_mm512_setzero_ps(); 8];
+        for i in 0..8 {
+            let (a, b) = (t[2 * i], t[2 * i + 1]);
+            u[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        // Lanes of 128 bits: the sums over that lane of keys 4i..4i + 4.
+        let mut w = [_mm512_setzero_ps(); 4];
+        for i in 0..4 {
+            let (a, b) = (_mm512_castps_pd(u[2 * i]), _mm512_castps_pd(u[2 * i + 1]));
+            // Interleaved as pairs of lanes, added as f32.
+            w[i] = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+            );
+        }
+        pair(pair(w[0], w[1]), pair(w[2], w[3]))
+    }
+
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn reduce_rows(v: &[f32]) -> [f32; 16] {
+        let mut t = [_mm512_setzero_ps(); 16];
+        for (j, t) in t.iter_mut().enumerate() {
+            *t = _mm512_loadu_ps(v.as_ptr().add(16 * j));
+        }
+        let mut out = [0f32; 16];
+        _mm512_storeu_ps(out.as_mut_ptr(), reduce16(&t));
+        out
+    }
+
+    /// The dot products of `x` (a multiple of 16 long) with 16 rows `st` apart.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores16(rows: *const f32, st: usize, x: &[f32]) -> [f32; 16] {
+        let mut t = [_mm512_setzero_ps(); 16];
+        for c in (0..x.len()).step_by(16) {
+            let xv = _mm512_loadu_ps(x.as_ptr().add(c));
+            for (j, t) in t.iter_mut().enumerate() {
+                *t = _mm512_fmadd_ps(xv, _mm512_loadu_ps(rows.add(j * st + c)), *t);
+            }
+        }
+        let mut out = [0f32; 16];
+        _mm512_storeu_ps(out.as_mut_ptr(), reduce16(&t));
+        out
+    }
+
+    /// `Q` query rows by `16·C` columns from `c0`: `acc[q] += Σ_j p[q][j] · row(j)`, the
+    /// accumulators held in registers across the `n` rows.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::needless_range_loop)] // a[q][c] beside acc[q], p[q] and v[c]
+    unsafe fn tile<const Q: usize, const C: usize>(
+        rows: *const f32,
+        st: usize,
+        n: usize,
+        p: [*const f32; Q],
+        acc: [*mut f32; Q],
+        c0: usize,
+    ) {
+        let mut a = [[_mm512_setzero_ps(); C]; Q];
+        for q in 0..Q {
+            for c in 0..C {
+                a[q][c] = _mm512_loadu_ps(acc[q].add(c0 + 16 * c));
+            }
+        }
+        for j in 0..n {
+            let r = rows.add(j * st + c0);
+            let mut v = [_mm512_setzero_ps(); C];
+            for (c, v) in v.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(r.add(16 * c));
+            }
+            for q in 0..Q {
+                let w = _mm512_set1_ps(*p[q].add(j));
+                for c in 0..C {
+                    a[q][c] = _mm512_fmadd_ps(w, v[c], a[q][c]);
+                }
+            }
+        }
+        for q in 0..Q {
+            for c in 0..C {
+                _mm512_storeu_ps(acc[q].add(c0 + 16 * c), a[q][c]);
+            }
+        }
+    }
+
+    /// As [`super::add_weighted`], `dv` a multiple of 16: up to four query rows by 64
+    /// columns at a time (16 accumulators), then 16 columns at a time.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn add_weighted(
+        rows: *const f32,
+        st: usize,
+        n: usize,
+        p: &[f32],
+        bc: usize,
+        sb: usize,
+        acc: &mut [f32],
+        dv: usize,
+    ) {
+        let nq = acc.len() / dv;
+        let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
+        for q0 in (0..nq).step_by(4) {
+            let ps = |i: usize| pp.add((q0 + i) * bc + sb);
+            let accs = |i: usize| ap.add((q0 + i) * dv);
+            macro_rules! tiles {
+                ($q:literal) => {{
+                    let p: [*const f32; $q] = std::array::from_fn(ps);
+                    let a: [*mut f32; $q] = std::array::from_fn(accs);
+                    let mut c0 = 0;
+                    while c0 + 64 <= dv {
+                        tile::<$q, 4>(rows, st, n, p, a, c0);
+                        c0 += 64;
+                    }
+                    while c0 < dv {
+                        tile::<$q, 1>(rows, st, n, p, a, c0);
+                        c0 += 16;
+                    }
+                }};
+            }
+            match nq - q0 {
+                1 => tiles!(1),
+                2 => tiles!(2),
+                3 => tiles!(3),
+                _ => tiles!(4),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, salt: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| ((i.wrapping_mul(2_654_435_761) ^ salt) % 1000) as f32 / 250.0 - 2.0)
+            .collect()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn reduce16_sums_each_register() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let v: Vec<f32> = values(256, 1);
+        // SAFETY: AVX-512F is present; 256 values are 16 rows of 16.
+        let got = unsafe { avx512::reduce_rows(&v) };
+        for j in 0..16 {
+            let want: f32 = v[j * 16..(j + 1) * 16].iter().sum();
+            assert!((got[j] - want).abs() < 1e-4, "{j}: {got:?}");
+        }
+    }
+
+    /// The kernels (AVX-512 where the CPU has it and the width is a multiple of 16, the
+    /// generic loops elsewhere) against the f64 sums of the same values.
+    #[test]
+    fn kernels_equal_f64_sums() {
+        for (width, st, n) in [
+            (64, 64, 16),
+            (64, 80, 5),
+            (80, 96, 16),
+            (24, 24, 13),
+            (16, 16, 1),
+        ] {
+            let rows = values(SUB * st, 7);
+            let x = values(width, 3);
+            let mut s = vec![0f32; n];
+            // SAFETY: SUB rows of `st` values hold `width` values each.
+            unsafe { scores16(rows.as_ptr(), st, n, &x, 0.5, &mut s) };
+            for (j, &got) in s.iter().enumerate() {
+                let want: f64 = (0..width)
+                    .map(|c| x[c] as f64 * rows[j * st + c] as f64)
+                    .sum::<f64>()
+                    * 0.5;
+                assert!(
+                    (got as f64 - want).abs() < 1e-4,
+                    "scores width {width} n {n} row {j}: {got} vs {want}"
+                );
+            }
+            for nq in 1..=6 {
+                let bc = n + 3;
+                let p = values(nq * bc, 11);
+                let mut acc = values(nq * width, 5);
+                let before = acc.clone();
+                // SAFETY: n rows of `st` values; p holds nq rows of bc, acc nq rows of width.
+                unsafe { add_weighted(rows.as_ptr(), st, n, &p, bc, 2, &mut acc, width) };
+                for i in 0..nq {
+                    for c in 0..width {
+                        let want = before[i * width + c] as f64
+                            + (0..n)
+                                .map(|j| p[i * bc + 2 + j] as f64 * rows[j * st + c] as f64)
+                                .sum::<f64>();
+                        let got = acc[i * width + c] as f64;
+                        assert!(
+                            (got - want).abs() < 1e-4,
+                            "values width {width} nq {nq} n {n}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
