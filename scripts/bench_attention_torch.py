@@ -33,3 +33,23 @@ with torch.inference_mode():
             F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             times.append(time.perf_counter() - t0)
         print(f"torch sdpa {name:18} median {statistics.median(times) * 1e3:8.3f} ms  (threads {threads})")
+
+# Decoding one token over a long cache with grouped-query heads (the `decode` group of the
+# criterion bench): (name, heads, key/value heads, head width, cached positions), f32.
+with torch.inference_mode():
+    for name, h, h_kv, d, tk in [
+        ("gqa_9_3_d64_t1024", 9, 3, 64, 1024),
+        ("gqa_9_3_d64_t4096", 9, 3, 64, 4096),
+        ("gqa_32_8_d128_t2048", 32, 8, 128, 2048),
+    ]:
+        q = torch.randn(1, h, 1, d)
+        k = torch.randn(1, h_kv, tk, d)
+        v = torch.randn(1, h_kv, tk, d)
+        for _ in range(5):
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        times = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            times.append(time.perf_counter() - t0)
+        print(f"torch sdpa {name:22} median {statistics.median(times) * 1e6:8.1f} us  (threads {threads})")

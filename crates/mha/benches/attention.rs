@@ -44,6 +44,32 @@ fn bench_sdpa(c: &mut Criterion) {
     group.finish();
 }
 
+/// Decoding one token over a long cache with grouped-query heads (`mha::decode`): SmolLM's
+/// 9 query heads over 3 key/value heads of 64, and Llama-3-8B's 32 over 8 of 128; the
+/// cache in f32 (PyTorch's script runs the same) and in f16 (`gpt`'s `--kv-dtype f16`).
+fn bench_decode(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decode");
+    group.sample_size(20);
+    for (name, h, h_kv, d, tk) in [
+        ("gqa_9_3_d64_t1024", 9, 3, 64, 1024),
+        ("gqa_9_3_d64_t4096", 9, 3, 64, 4096),
+        ("gqa_32_8_d128_t2048", 32, 8, 128, 2048),
+    ] {
+        let q = heads(1, h, 1, d);
+        let (k, v) = (heads(1, h_kv, tk, d), heads(1, h_kv, tk, d));
+        let p = SdpaParams::inference(1.0 / (d as f64).sqrt());
+        let mask = Mask::causal(tk - 1);
+        for dtype in [DType::F32, DType::F16] {
+            let (k, v) = (k.to_dtype(dtype).unwrap(), v.to_dtype(dtype).unwrap());
+            let id = BenchmarkId::new(format!("fused_{dtype:?}"), name);
+            group.bench_function(id, |bench| {
+                bench.iter(|| sdpa(&q, &k, &v, &mask, &p).unwrap())
+            });
+        }
+    }
+    group.finish();
+}
+
 fn bench_module(c: &mut Criterion) {
     let mut group = c.benchmark_group("mha_forward");
     group.sample_size(10);
@@ -75,7 +101,7 @@ fn bench_gelu(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_sdpa, bench_module, bench_gelu);
+criterion_group!(benches, bench_sdpa, bench_decode, bench_module, bench_gelu);
 
 /// Runs on a worker of rayon's pool, as `gpt` runs its commands (and as PyTorch's
 /// callers take part in its OpenMP work): the kernels split from a thread that takes a
