@@ -14,6 +14,20 @@ import torch.nn.functional as F
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 torch.set_num_threads(threads)
+
+
+def median_time(call, runs):
+    """Median seconds of `runs` calls after 5 to warm up."""
+    for _ in range(5):
+        call()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 shapes = [
     ("b1_t512", 1, 512, 512, False),
     ("b8_t128", 8, 128, 128, False),
@@ -25,14 +39,8 @@ with torch.inference_mode():
         q = torch.randn(b, 12, tq, 64)
         k = torch.randn(b, 12, tk, 64)
         v = torch.randn(b, 12, tk, 64)
-        for _ in range(5):
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        times = []
-        for _ in range(30):
-            t0 = time.perf_counter()
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            times.append(time.perf_counter() - t0)
-        print(f"torch sdpa {name:18} median {statistics.median(times) * 1e3:8.3f} ms  (threads {threads})")
+        t = median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), 30)
+        print(f"torch sdpa {name:18} median {t * 1e3:8.3f} ms  (threads {threads})")
 
 # Decoding one token over a long cache with grouped-query heads (the `decode` group of the
 # criterion bench): (name, heads, key/value heads, head width, cached positions), f32.
@@ -45,11 +53,5 @@ with torch.inference_mode():
         q = torch.randn(1, h, 1, d)
         k = torch.randn(1, h_kv, tk, d)
         v = torch.randn(1, h_kv, tk, d)
-        for _ in range(5):
-            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        times = []
-        for _ in range(50):
-            t0 = time.perf_counter()
-            F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-            times.append(time.perf_counter() - t0)
-        print(f"torch sdpa {name:22} median {statistics.median(times) * 1e6:8.1f} us  (threads {threads})")
+        t = median_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), 50)
+        print(f"torch sdpa {name:22} median {t * 1e6:8.1f} us  (threads {threads})")

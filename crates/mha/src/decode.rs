@@ -12,7 +12,6 @@
 //! maximum, sum and weighted values, merged at the end through their log-sum-exp
 //! (flash-decoding).
 
-use half::{bf16, f16, slice::HalfFloatSliceExt};
 use rayon::prelude::*;
 
 use crate::kernel::{FlashAttn, KvPtr, KvRows, Rows};
@@ -227,9 +226,6 @@ unsafe fn widen(
     width: usize,
     buf: &mut [f32],
 ) -> (*const f32, usize) {
-    unsafe fn rows<'a, E>(p: *const E, st: usize, j: usize, r: usize, w: usize) -> &'a [E] {
-        std::slice::from_raw_parts(p.add((j + r) * st), w)
-    }
     let buf = &mut buf[..SUB * width];
     #[cfg(target_arch = "x86_64")]
     if width.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
@@ -248,18 +244,12 @@ unsafe fn widen(
         KvPtr::F32(p) if n == SUB => return (p.add(j * st), st),
         KvPtr::F32(p) => {
             for (r, dst) in buf.chunks_exact_mut(width).take(n).enumerate() {
-                dst.copy_from_slice(rows(p, st, j, r, width));
+                dst.copy_from_slice(std::slice::from_raw_parts(p.add((j + r) * st), width));
             }
         }
-        KvPtr::F16(p) => {
-            for (r, dst) in buf.chunks_exact_mut(width).take(n).enumerate() {
-                rows::<f16>(p, st, j, r, width).convert_to_f32_slice(dst);
-            }
-        }
-        KvPtr::BF16(p) => {
-            for (r, dst) in buf.chunks_exact_mut(width).take(n).enumerate() {
-                rows::<bf16>(p, st, j, r, width).convert_to_f32_slice(dst);
-            }
+        // Half precision, widened into `buf` as the blocks of the prefill path are.
+        _ => {
+            p.rows(j, n, st, width, buf);
         }
     }
     buf[n * width..].fill(0.0);

@@ -248,7 +248,7 @@ impl KvPtr {
     ///
     /// # Safety
     /// The rows must lie inside the storage the pointer came from.
-    unsafe fn rows(
+    pub(crate) unsafe fn rows(
         self,
         j0: usize,
         n: usize,
