@@ -51,6 +51,23 @@ struct Partial {
     acc: Vec<f32>,
 }
 
+impl Dims {
+    /// Query heads per key/value head.
+    fn n_rep(&self) -> usize {
+        self.h / self.h_kv
+    }
+}
+
+/// One call's operation and inputs.
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    op: &'a FlashAttn,
+    q: Rows<'a>,
+    k: KvRows<'a>,
+    v: KvRows<'a>,
+    dims: Dims,
+}
+
 /// Writes `out [b, h, tq, dv]` and each row's log-sum-exp `lse [b, h, tq]` (`+inf` for a
 /// row that sees no key) as [`FlashAttn`]'s blocks would, without dropout.
 pub(crate) fn run(
@@ -62,6 +79,7 @@ pub(crate) fn run(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
+    let call = Call { op, q, k, v, dims };
     let Dims {
         b,
         h,
@@ -71,7 +89,7 @@ pub(crate) fn run(
         dv,
         ..
     } = dims;
-    let (n_rep, nq) = (h / h_kv, h / h_kv * tq);
+    let (n_rep, nq) = (dims.n_rep(), dims.n_rep() * tq);
     // The keys any row may see: the same for every sequence (key padding aside, which
     // masking handles).
     let keys = op.visibility(0, tk, 0).key_range(tq);
@@ -92,7 +110,7 @@ pub(crate) fn run(
         let (g, r) = (t / ranges, t % ranges);
         let start = (keys.start + r * span).min(keys.end);
         let end = (start + span).min(keys.end);
-        group_range(op, q, k, v, dims, g / h_kv, g % h_kv, start..end)
+        call.group_range(g / h_kv, g % h_kv, start..end)
     };
     let partials: Vec<Partial> = match parallel && groups * ranges > 1 {
         true => (0..groups * ranges).into_par_iter().map(task).collect(),
@@ -126,90 +144,75 @@ pub(crate) fn run(
     }
 }
 
-/// The partial softmax of key/value head `hk` of sequence `bi` with its `n_rep` query
-/// heads over the keys `range`.
-#[allow(clippy::too_many_arguments)]
-fn group_range(
-    op: &FlashAttn,
-    q: Rows,
-    k: KvRows,
-    v: KvRows,
-    dims: Dims,
-    bi: usize,
-    hk: usize,
-    range: std::ops::Range<usize>,
-) -> Partial {
-    let Dims {
-        h,
-        h_kv,
-        tq,
-        tk,
-        d,
-        dv,
-        ..
-    } = dims;
-    let n_rep = h / h_kv;
-    let nq = n_rep * tq;
-    let vis = op.visibility(bi, tk, 0);
-    // Query row `qi` is row `qi % tq` of head `hk · n_rep + qi / tq`.
-    let queries: Vec<&[f32]> = (0..nq)
-        // SAFETY: every row of every head of `q` lies in its storage (see `Rows::ptr`).
-        .map(|qi| unsafe {
-            std::slice::from_raw_parts(q.ptr(bi, hk * n_rep + qi / tq, qi % tq), d)
-        })
-        .collect();
-    let (kp, vp) = (k.ptr(bi, hk, 0), v.ptr(bi, hk, 0));
-    let (k_st, v_st) = (k.st(), v.st());
-    let mut scores = vec![0f32; nq * BLOCK.min(range.len())];
-    let mut buf = vec![0f32; SUB * d.max(dv)];
-    let mut part = Partial {
-        m: vec![f32::NEG_INFINITY; nq],
-        l: vec![0f32; nq],
-        acc: vec![0f32; nq * dv],
-    };
-    for j0 in range.clone().step_by(BLOCK) {
-        let bc = BLOCK.min(range.end - j0);
-        let s = &mut scores[..nq * bc];
-        // S[nq, bc] = scale · Q[nq, d] · K[j0.., d]ᵀ
-        for sb in (0..bc).step_by(SUB) {
-            let n = SUB.min(bc - sb);
-            // SAFETY: key rows j0 + sb.. + n lie in the storage (`key_range` is within tk).
-            let (rows, st) = unsafe { widen(kp, k_st, j0 + sb, n, d, &mut buf) };
-            for (qi, x) in queries.iter().enumerate() {
-                let s = &mut s[qi * bc + sb..qi * bc + sb + n];
-                // SAFETY: `rows` holds SUB rows of `d` values, `st` apart (`widen`).
-                unsafe { scores16(rows, st, n, x, op.scale, s) };
+impl Call<'_> {
+    /// The partial softmax of key/value head `hk` of sequence `bi` with its `n_rep` query
+    /// heads over the keys `range`.
+    fn group_range(&self, bi: usize, hk: usize, range: std::ops::Range<usize>) -> Partial {
+        let Call { op, q, k, v, dims } = *self;
+        let Dims { tq, tk, d, dv, .. } = dims;
+        let n_rep = dims.n_rep();
+        let nq = n_rep * tq;
+        let vis = op.visibility(bi, tk, 0);
+        // Query row `qi` is row `qi % tq` of head `hk · n_rep + qi / tq`.
+        let queries: Vec<&[f32]> = (0..nq)
+            // SAFETY: every row of every head of `q` lies in its storage (see `Rows::ptr`).
+            .map(|qi| unsafe {
+                std::slice::from_raw_parts(q.ptr(bi, hk * n_rep + qi / tq, qi % tq), d)
+            })
+            .collect();
+        let (kp, vp) = (k.ptr(bi, hk, 0), v.ptr(bi, hk, 0));
+        let (k_st, v_st) = (k.st(), v.st());
+        let mut scores = vec![0f32; nq * BLOCK.min(range.len())];
+        let mut buf = vec![0f32; SUB * d.max(dv)];
+        let mut part = Partial {
+            m: vec![f32::NEG_INFINITY; nq],
+            l: vec![0f32; nq],
+            acc: vec![0f32; nq * dv],
+        };
+        for j0 in range.clone().step_by(BLOCK) {
+            let bc = BLOCK.min(range.end - j0);
+            let s = &mut scores[..nq * bc];
+            // S[nq, bc] = scale · Q[nq, d] · K[j0.., d]ᵀ
+            for sb in (0..bc).step_by(SUB) {
+                let n = SUB.min(bc - sb);
+                // SAFETY: key rows j0 + sb.. + n lie in the storage (`key_range` is within tk).
+                let (rows, st) = unsafe { widen(kp, k_st, j0 + sb, n, d, &mut buf) };
+                for (qi, x) in queries.iter().enumerate() {
+                    let s = &mut s[qi * bc + sb..qi * bc + sb + n];
+                    // SAFETY: `rows` holds SUB rows of `d` values, `st` apart (`widen`).
+                    unsafe { scores16(rows, st, n, x, op.scale, s) };
+                }
+            }
+            for qi in 0..nq {
+                let row = &mut s[qi * bc..(qi + 1) * bc];
+                let visible = vis.mask_row(row, qi % tq, j0);
+                let m_new = part.m[qi].max(simd::max(&row[..visible]));
+                if m_new == f32::NEG_INFINITY {
+                    // Nothing visible yet: this block contributes nothing to the row.
+                    row.fill(0.0);
+                    continue;
+                }
+                let corr = (part.m[qi] - m_new).exp();
+                // Hidden keys hold -inf and become exactly 0.
+                let sum = simd::exp_sub_sum(row, m_new);
+                part.l[qi] = part.l[qi] * corr + sum;
+                part.m[qi] = m_new;
+                if corr != 1.0 {
+                    simd::scale(&mut part.acc[qi * dv..(qi + 1) * dv], corr);
+                }
+            }
+            // ACC[nq, dv] += P[nq, bc] · V[j0.., dv]
+            for sb in (0..bc).step_by(SUB) {
+                let n = SUB.min(bc - sb);
+                // SAFETY: value rows j0 + sb.. + n lie in the storage.
+                let (rows, st) = unsafe { widen(vp, v_st, j0 + sb, n, dv, &mut buf) };
+                // SAFETY: `rows` holds n rows of `dv` values, `st` apart; `s` holds nq rows of
+                // bc weights and `acc` nq rows of dv.
+                unsafe { add_weighted(rows, st, n, s, bc, sb, &mut part.acc, dv) };
             }
         }
-        for qi in 0..nq {
-            let row = &mut s[qi * bc..(qi + 1) * bc];
-            let visible = vis.mask_row(row, qi % tq, j0);
-            let m_new = part.m[qi].max(simd::max(&row[..visible]));
-            if m_new == f32::NEG_INFINITY {
-                // Nothing visible yet: this block contributes nothing to the row.
-                row.fill(0.0);
-                continue;
-            }
-            let corr = (part.m[qi] - m_new).exp();
-            // Hidden keys hold -inf and become exactly 0.
-            let sum = simd::exp_sub_sum(row, m_new);
-            part.l[qi] = part.l[qi] * corr + sum;
-            part.m[qi] = m_new;
-            if corr != 1.0 {
-                simd::scale(&mut part.acc[qi * dv..(qi + 1) * dv], corr);
-            }
-        }
-        // ACC[nq, dv] += P[nq, bc] · V[j0.., dv]
-        for sb in (0..bc).step_by(SUB) {
-            let n = SUB.min(bc - sb);
-            // SAFETY: value rows j0 + sb.. + n lie in the storage.
-            let (rows, st) = unsafe { widen(vp, v_st, j0 + sb, n, dv, &mut buf) };
-            // SAFETY: `rows` holds n rows of `dv` values, `st` apart; `s` holds nq rows of
-            // bc weights and `acc` nq rows of dv.
-            unsafe { add_weighted(rows, st, n, s, bc, sb, &mut part.acc, dv) };
-        }
+        part
     }
-    part
 }
 
 /// Rows `j..j + n` (`n ≤ SUB`) of one head's keys or values as f32, `width` values each:

@@ -682,6 +682,26 @@ proptest! {
     }
 }
 
+/// The fused kernel on `k` and `v` stored as `kv_dtype` (a half-precision cache beside f32
+/// queries) equals the reference path on the same rounded values in f32 (scale
+/// `1/sqrt(d)`, tolerance 1e-5 + 1e-4 relative); returns the kernel's output.
+fn fused_equals_reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    kv_dtype: DType,
+    what: &str,
+) -> Tensor {
+    let p = SdpaParams::inference(1.0 / (q.dim(3).unwrap() as f64).sqrt());
+    let (k, v) = (k.to_dtype(kv_dtype).unwrap(), v.to_dtype(kv_dtype).unwrap());
+    let fast = mha::kernel::flash_attn_cpu(q, &k, &v, mask, p.scale).unwrap();
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let (slow, _) = sdpa_reference(q, &f32(&k), &f32(&v), mask, &p).unwrap();
+    assert_close(&fast, &slow, 1e-5, 1e-4, what);
+    fast
+}
+
 /// Decoding rows of the fused kernel (one to four query rows per head, which take
 /// `mha::decode`, and the last block of a prompt of 65 rows) equal the reference with and
 /// without causal offsets, padding and GQA, across key blocks, for f32 keys and values
@@ -733,20 +753,9 @@ fn fused_decode_rows_equal_reference() {
             mask = mask.with_keep(&keep);
         }
         mask.window = window;
-        let p = SdpaParams::inference(1.0 / (d as f64).sqrt());
         for kv_dtype in [DType::F32, DType::F16, DType::BF16] {
-            // The reference gets the same rounded values in f32.
-            let (k, v) = (k.to_dtype(kv_dtype).unwrap(), v.to_dtype(kv_dtype).unwrap());
-            let fast = mha::kernel::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
-            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-            let (slow, _) = sdpa_reference(&q, &f32(&k), &f32(&v), &mask, &p).unwrap();
-            assert_close(
-                &fast,
-                &slow,
-                1e-5,
-                1e-4,
-                &format!("decode rows tq={tq} tk={tk} window={window:?} {kv_dtype:?}"),
-            );
+            let what = format!("decode rows tq={tq} tk={tk} window={window:?} {kv_dtype:?}");
+            fused_equals_reference(&q, &k, &v, &mask, kv_dtype, &what);
         }
     }
 }
@@ -767,17 +776,13 @@ fn fused_decode_merges_ranges_hidden_by_padding() {
         .collect();
     let keep = Tensor::from_vec(keep, (b, tk), &DEV).unwrap();
     let mask = Mask::causal(tk - 1).with_keep(&keep);
-    let p = SdpaParams::inference(1.0 / (d as f64).sqrt());
     for kv_dtype in [DType::F32, DType::F16] {
-        let (k, v) = (k.to_dtype(kv_dtype).unwrap(), v.to_dtype(kv_dtype).unwrap());
-        let fast = mha::kernel::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
-        let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-        let (slow, _) = sdpa_reference(&q, &f32(&k), &f32(&v), &mask, &p).unwrap();
-        assert_close(
-            &fast,
-            &slow,
-            1e-5,
-            1e-4,
+        let fast = fused_equals_reference(
+            &q,
+            &k,
+            &v,
+            &mask,
+            kv_dtype,
             &format!("left padding, {kv_dtype:?}"),
         );
         let padded = fast.get(2).unwrap().abs().unwrap().max_all().unwrap();
