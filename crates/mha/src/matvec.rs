@@ -45,7 +45,8 @@ pub(crate) trait Elem: Widen {
     const ZERO: Self;
     fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[Self]; 4]);
     fn dot4(x: &[f32], w: [&[Self]; 4]) -> [f32; 4];
-    fn dot(x: &[f32], w: &[Self]) -> f32;
+    /// `out[j] = x · data[first + j·stride ..][..x.len()]` for every `j`.
+    fn dot_rows(x: &[f32], data: &[Self], first: usize, stride: usize, out: &mut [f32]);
 }
 
 impl Elem for f32 {
@@ -56,8 +57,8 @@ impl Elem for f32 {
     fn dot4(x: &[f32], w: [&[f32]; 4]) -> [f32; 4] {
         simd::dot4(x, w)
     }
-    fn dot(x: &[f32], w: &[f32]) -> f32 {
-        simd::dot(x, w)
+    fn dot_rows(x: &[f32], data: &[f32], first: usize, stride: usize, out: &mut [f32]) {
+        simd::dot_rows(x, data, first, stride, out)
     }
 }
 
@@ -69,8 +70,8 @@ impl Elem for bf16 {
     fn dot4(x: &[f32], w: [&[bf16]; 4]) -> [f32; 4] {
         simd::dot4_bf16(x, w)
     }
-    fn dot(x: &[f32], w: &[bf16]) -> f32 {
-        simd::dot_bf16(x, w)
+    fn dot_rows(x: &[f32], data: &[bf16], first: usize, stride: usize, out: &mut [f32]) {
+        simd::dot_rows_bf16(x, data, first, stride, out)
     }
 }
 
@@ -82,8 +83,8 @@ impl Elem for f16 {
     fn dot4(x: &[f32], w: [&[f16]; 4]) -> [f32; 4] {
         simd::dot4_f16(x, w)
     }
-    fn dot(x: &[f32], w: &[f16]) -> f32 {
-        simd::dot_f16(x, w)
+    fn dot_rows(x: &[f32], data: &[f16], first: usize, stride: usize, out: &mut [f32]) {
+        simd::dot_rows_f16(x, data, first, stride, out)
     }
 }
 
@@ -546,14 +547,7 @@ fn product<E: Elem>(
         true
     } else if stride[0] == 1 && stride[1] >= d_in && fits(d_out, stride[1], d_in) {
         // Column o of `[in, out]` (row o of the stored `[out, in]`) is data[start + o·s1 ..][..in].
-        rows_dot_w(
-            x,
-            m,
-            d_in,
-            d_out,
-            &|o| &data[start + o * stride[1]..][..d_in],
-            ys,
-        );
+        rows_dot_w(x, m, d_in, d_out, data, start, stride[1], ys);
         true
     } else {
         false
@@ -644,25 +638,29 @@ fn rows_times_w<'a, E: Elem>(
     }
 }
 
-/// `ys [m, out] += x [m, in] · w`, `w` given by its output columns.
-fn rows_dot_w<'a, E: Elem>(
+/// `ys [m, out] += x [m, in] · w`, `w` given by its output columns: column `o` is
+/// `data[start + o·s1 ..][..in]`.
+#[allow(clippy::too_many_arguments)]
+fn rows_dot_w<E: Elem>(
     x: &[f32],
     m: usize,
     d_in: usize,
     d_out: usize,
-    col: &(dyn Fn(usize) -> &'a [E] + Sync),
+    data: &[E],
+    start: usize,
+    s1: usize,
     ys: &mut [f32],
 ) {
+    let col = |o: usize| &data[start + o * s1..][..d_in];
     // Each thread computes the outputs of its columns for every row: `[m, hi - lo]`.
     let ranges = ranges(d_out, 64, d_in * d_out);
     let blocks = map_ranges(&ranges, |lo, hi| {
         let n = hi - lo;
         let mut out = vec![0f32; m * n];
         if m == 1 {
-            // Nothing reuses a column: read them one after another, one stream.
-            for (o, y) in (lo..hi).zip(&mut out) {
-                *y = E::dot(&x[..d_in], col(o));
-            }
+            // Nothing reuses a column: read them one after another, one stream, in one
+            // call (see `simd::avx512::dot_rows`).
+            E::dot_rows(&x[..d_in], data, start + lo * s1, s1, &mut out);
             return out;
         }
         let mut o = lo;
