@@ -633,7 +633,7 @@ impl Packed {
             Format::Q4_0 => 0x88,
             _ => 0,
         };
-        let mut tiles = crate::memory::weight_vec(n.div_ceil(TILE) * nb * size, empty);
+        let mut tiles = crate::memory::packed_weight_vec(n.div_ceil(TILE) * nb * size, empty);
         let mut rows = vec![0u8; TILE * nb * block];
         for (t, column) in tiles.chunks_exact_mut((nb * size).max(1)).enumerate() {
             let count = TILE.min(n - t * TILE);
@@ -669,7 +669,7 @@ impl Packed {
             return None;
         }
         let bytes: usize = parts.iter().map(|p| p.data.len()).sum();
-        let mut data = crate::memory::weight_vec(bytes, 0u8);
+        let mut data = crate::memory::packed_weight_vec(bytes, 0u8);
         let mut at = 0;
         for p in parts {
             data[at..at + p.data.len()].copy_from_slice(&p.data);
