@@ -44,7 +44,17 @@ const TILE: usize = 6144;
 pub(crate) trait Elem: Widen {
     const ZERO: Self;
     fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[Self]; 4]);
-    fn dot4(x: &[f32], w: [&[Self]; 4]) -> [f32; 4];
+    /// `out[r·cols + j] = x_r · data[first + j·stride ..]` for the `m` rows of `x`.
+    #[allow(clippy::too_many_arguments)]
+    fn dot_rows_multi(
+        x: &[f32],
+        m: usize,
+        data: &[Self],
+        first: usize,
+        stride: usize,
+        out: &mut [f32],
+        cols: usize,
+    );
     /// `out[j] = x · data[first + j·stride ..][..x.len()]` for every `j`.
     fn dot_rows(x: &[f32], data: &[Self], first: usize, stride: usize, out: &mut [f32]);
 }
@@ -54,8 +64,16 @@ impl Elem for f32 {
     fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[f32]; 4]) {
         simd::axpy4(y, a, w)
     }
-    fn dot4(x: &[f32], w: [&[f32]; 4]) -> [f32; 4] {
-        simd::dot4(x, w)
+    fn dot_rows_multi(
+        x: &[f32],
+        m: usize,
+        data: &[f32],
+        first: usize,
+        stride: usize,
+        out: &mut [f32],
+        cols: usize,
+    ) {
+        simd::dot_rows_multi(x, m, data, first, stride, out, cols)
     }
     fn dot_rows(x: &[f32], data: &[f32], first: usize, stride: usize, out: &mut [f32]) {
         simd::dot_rows(x, data, first, stride, out)
@@ -67,8 +85,16 @@ impl Elem for bf16 {
     fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[bf16]; 4]) {
         simd::axpy4_bf16(y, a, w)
     }
-    fn dot4(x: &[f32], w: [&[bf16]; 4]) -> [f32; 4] {
-        simd::dot4_bf16(x, w)
+    fn dot_rows_multi(
+        x: &[f32],
+        m: usize,
+        data: &[bf16],
+        first: usize,
+        stride: usize,
+        out: &mut [f32],
+        cols: usize,
+    ) {
+        simd::dot_rows_multi_bf16(x, m, data, first, stride, out, cols)
     }
     fn dot_rows(x: &[f32], data: &[bf16], first: usize, stride: usize, out: &mut [f32]) {
         simd::dot_rows_bf16(x, data, first, stride, out)
@@ -80,8 +106,16 @@ impl Elem for f16 {
     fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[f16]; 4]) {
         simd::axpy4_f16(y, a, w)
     }
-    fn dot4(x: &[f32], w: [&[f16]; 4]) -> [f32; 4] {
-        simd::dot4_f16(x, w)
+    fn dot_rows_multi(
+        x: &[f32],
+        m: usize,
+        data: &[f16],
+        first: usize,
+        stride: usize,
+        out: &mut [f32],
+        cols: usize,
+    ) {
+        simd::dot_rows_multi_f16(x, m, data, first, stride, out, cols)
     }
     fn dot_rows(x: &[f32], data: &[f16], first: usize, stride: usize, out: &mut [f32]) {
         simd::dot_rows_f16(x, data, first, stride, out)
@@ -651,7 +685,6 @@ fn rows_dot_w<E: Elem>(
     s1: usize,
     ys: &mut [f32],
 ) {
-    let col = |o: usize| &data[start + o * s1..][..d_in];
     // Each thread computes the outputs of its columns for every row: `[m, hi - lo]`.
     let ranges = ranges(d_out, 64, d_in * d_out);
     let blocks = map_ranges(&ranges, |lo, hi| {
@@ -663,17 +696,9 @@ fn rows_dot_w<E: Elem>(
             E::dot_rows(&x[..d_in], data, start + lo * s1, s1, &mut out);
             return out;
         }
-        let mut o = lo;
-        while o < hi {
-            // Four columns at a time; the last group repeats its last column.
-            let k = (hi - o).min(4);
-            let w = [0, 1, 2, 3].map(|j| col(o + j.min(k - 1)));
-            for r in 0..m {
-                let d = E::dot4(&x[r * d_in..][..d_in], w);
-                out[r * n + o - lo..][..k].copy_from_slice(&d[..k]);
-            }
-            o += k;
-        }
+        // Each 16-value slice of four columns is widened once for up to four rows
+        // (`simd::avx512::dot_rows_multi`).
+        E::dot_rows_multi(&x[..m * d_in], m, data, start + lo * s1, s1, &mut out, n);
         out
     });
     for (&(lo, hi), block) in ranges.iter().zip(&blocks) {

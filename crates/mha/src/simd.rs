@@ -394,6 +394,81 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// `out[r·cols + j] = x_r · data[first + j·stride ..][..d]` for the `m` rows `x_r` of
+    /// `x` (`[m, d]`) and `cols` weight rows: the weight rows four at a time, each 16-value
+    /// slice of them loaded and widened once for up to four rows of `x` (16 sums in
+    /// registers), where a `dot4` per row of `x` widened it again for every row.
+    #[target_feature(enable = "avx512f")]
+    pub fn dot_rows_multi<W: Load>(
+        x: &[f32],
+        m: usize,
+        data: &[W],
+        first: usize,
+        stride: usize,
+        out: &mut [f32],
+        cols: usize,
+    ) {
+        let d = x.len() / m;
+        let mut o = 0;
+        while o < cols {
+            // The last group repeats its last weight row.
+            let k = (cols - o).min(4);
+            let w = [0, 1, 2, 3].map(|j| &data[first + (o + j.min(k - 1)) * stride..][..d]);
+            let mut r = 0;
+            while r < m {
+                let sums = match m - r {
+                    1 => tile::<W, 1>(&x[r * d..], d, w),
+                    2 => tile::<W, 2>(&x[r * d..], d, w),
+                    3 => tile::<W, 3>(&x[r * d..], d, w),
+                    _ => tile::<W, 4>(&x[r * d..], d, w),
+                };
+                let rows = (m - r).min(4);
+                for (i, row) in sums.iter().enumerate().take(rows) {
+                    out[(r + i) * cols + o..][..k].copy_from_slice(&row[..k]);
+                }
+                r += rows;
+            }
+            o += k;
+        }
+    }
+
+    /// The dot products of `R` rows of `x` (`[R, d]`, at the start of `x`) with four weight
+    /// rows: `[row of x][weight row]`, rows past `R` zero.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn tile<W: Load, const R: usize>(x: &[f32], d: usize, w: [&[W]; 4]) -> [[f32; 4]; 4] {
+        let x: [&[f32]; R] = std::array::from_fn(|r| &x[r * d..][..d]);
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        let mut i = 0;
+        while i + 16 <= d {
+            let mut wv = [_mm512_setzero_ps(); 4];
+            for j in 0..4 {
+                // SAFETY: i + 16 <= d elements of every weight row (each is d long).
+                wv[j] = unsafe { W::load16(w[j].as_ptr().add(i)) };
+            }
+            for r in 0..R {
+                // SAFETY: i + 16 <= d elements of every row of `x`.
+                let xv = unsafe { _mm512_loadu_ps(x[r].as_ptr().add(i)) };
+                for j in 0..4 {
+                    acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+                }
+            }
+            i += 16;
+        }
+        let mut sums = [[0f32; 4]; 4];
+        for r in 0..R {
+            for j in 0..4 {
+                let tail: f32 = x[r][i..]
+                    .iter()
+                    .zip(&w[j][i..])
+                    .map(|(a, b)| a * b.widen())
+                    .sum();
+                sums[r][j] = _mm512_reduce_add_ps(acc[r][j]) + tail;
+            }
+        }
+        sums
+    }
+
     #[target_feature(enable = "avx512f")]
     pub fn dot4<W: Load>(x: &[f32], w: [&[W]; 4]) -> [f32; 4] {
         let n = x.len();
@@ -475,6 +550,85 @@ pub fn dot_rows_bf16(x: &[f32], data: &[half::bf16], first: usize, stride: usize
         avx512::dot_rows(x, data, first, stride, out),
         dot_rows_with(dot_bf16, x, data, first, stride, out)
     )
+}
+
+/// `out[r·cols + j] = x_r · data[first + j·stride ..][..d]` for the `m` rows of `x`
+/// (`[m, d]`) and `cols` f16 weight rows (each row's start and length checked).
+#[allow(clippy::too_many_arguments)]
+pub fn dot_rows_multi_f16(
+    x: &[f32],
+    m: usize,
+    data: &[half::f16],
+    first: usize,
+    stride: usize,
+    out: &mut [f32],
+    cols: usize,
+) {
+    avx512_dispatch!(
+        avx512::dot_rows_multi(x, m, data, first, stride, out, cols),
+        dot_rows_multi_with(dot4_f16, x, m, data, first, stride, out, cols)
+    )
+}
+
+/// [`dot_rows_multi_f16`] over f32 weight rows.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_rows_multi(
+    x: &[f32],
+    m: usize,
+    data: &[f32],
+    first: usize,
+    stride: usize,
+    out: &mut [f32],
+    cols: usize,
+) {
+    avx512_dispatch!(
+        avx512::dot_rows_multi(x, m, data, first, stride, out, cols),
+        dot_rows_multi_with(dot4, x, m, data, first, stride, out, cols)
+    )
+}
+
+/// [`dot_rows_multi_f16`] over bf16 weight rows.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_rows_multi_bf16(
+    x: &[f32],
+    m: usize,
+    data: &[half::bf16],
+    first: usize,
+    stride: usize,
+    out: &mut [f32],
+    cols: usize,
+) {
+    avx512_dispatch!(
+        avx512::dot_rows_multi(x, m, data, first, stride, out, cols),
+        dot_rows_multi_with(dot4_bf16, x, m, data, first, stride, out, cols)
+    )
+}
+
+/// `dot_rows_multi_*` by one `dot4` call per row of `x` and four weight rows (CPUs without
+/// AVX-512).
+#[allow(clippy::too_many_arguments)]
+fn dot_rows_multi_with<W>(
+    dot4: fn(&[f32], [&[W]; 4]) -> [f32; 4],
+    x: &[f32],
+    m: usize,
+    data: &[W],
+    first: usize,
+    stride: usize,
+    out: &mut [f32],
+    cols: usize,
+) {
+    let d = x.len() / m;
+    let mut o = 0;
+    while o < cols {
+        // Four weight rows at a time; the last group repeats its last row.
+        let k = (cols - o).min(4);
+        let w = [0, 1, 2, 3].map(|j| &data[first + (o + j.min(k - 1)) * stride..][..d]);
+        for r in 0..m {
+            let sums = dot4(&x[r * d..][..d], w);
+            out[r * cols + o..][..k].copy_from_slice(&sums[..k]);
+        }
+        o += k;
+    }
 }
 
 /// The rows of `dot_rows_*` one `dot` call each (CPUs without AVX-512).
@@ -795,5 +949,72 @@ mod tests {
         check(|v| v, dot_rows, dot);
         check(half::f16::from_f32, dot_rows_f16, dot_f16);
         check(half::bf16::from_f32, dot_rows_bf16, dot_bf16);
+    }
+
+    /// `dot_rows_multi_*` (several rows of `x`, four weight rows at a time) against the f64
+    /// sums and the `dot4` loop CPUs without AVX-512 run: 1–9 rows of `x` (tiles of 4, 3, 2
+    /// and 1), 1–7 weight rows (a short last group), widths with and without tails.
+    #[test]
+    fn dot_rows_multi_match_the_f64_product() {
+        type Multi<W> = fn(&[f32], usize, &[W], usize, usize, &mut [f32], usize);
+        fn check<W: Widen>(
+            widen: fn(f32) -> W,
+            multi: Multi<W>,
+            dot4_fn: fn(&[f32], [&[W]; 4]) -> [f32; 4],
+        ) {
+            let value = |i: usize| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 3.0;
+            for d in [1, 16, 17, 33, 64, 100] {
+                for m in 1..=9 {
+                    for cols in [1, 3, 4, 7] {
+                        let (stride, first) = (d + 3, 5);
+                        let data: Vec<W> = (0..first + cols * stride)
+                            .map(|i| widen(value(i)))
+                            .collect();
+                        let x: Vec<f32> = (0..m * d).map(|i| value(i + 700)).collect();
+                        let mut out = vec![f32::NAN; m * cols];
+                        multi(&x, m, &data, first, stride, &mut out, cols);
+                        let mut scalar = vec![f32::NAN; m * cols];
+                        dot_rows_multi_with(
+                            dot4_fn,
+                            &x,
+                            m,
+                            &data,
+                            first,
+                            stride,
+                            &mut scalar,
+                            cols,
+                        );
+                        for r in 0..m {
+                            for j in 0..cols {
+                                let (xr, w) = (&x[r * d..][..d], &data[first + j * stride..][..d]);
+                                let want: f64 = xr
+                                    .iter()
+                                    .zip(w)
+                                    .map(|(&a, b)| a as f64 * b.widen() as f64)
+                                    .sum();
+                                let scale: f64 = xr
+                                    .iter()
+                                    .zip(w)
+                                    .map(|(&a, b)| (a * b.widen()).abs() as f64)
+                                    .sum();
+                                let tol = 1e-6 * scale + 1e-12;
+                                let at = r * cols + j;
+                                assert!(
+                                    (out[at] as f64 - want).abs() <= tol,
+                                    "d {d} m {m} cols {cols} ({r}, {j})"
+                                );
+                                assert!(
+                                    (scalar[at] as f64 - want).abs() <= tol,
+                                    "d {d} m {m} (dot4 loop)"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        check(|v| v, dot_rows_multi, dot4);
+        check(half::f16::from_f32, dot_rows_multi_f16, dot4_f16);
+        check(half::bf16::from_f32, dot_rows_multi_bf16, dot4_bf16);
     }
 }
