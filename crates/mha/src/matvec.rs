@@ -46,7 +46,7 @@ pub(crate) trait Elem: Widen {
     fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[Self]; 4]);
     /// `out[r·cols + j] = x_r · data[first + j·stride ..]` for the `m` rows of `x`.
     #[allow(clippy::too_many_arguments)]
-    fn dot_rows_multi(
+    fn dot_rows(
         x: &[f32],
         m: usize,
         data: &[Self],
@@ -55,8 +55,6 @@ pub(crate) trait Elem: Widen {
         out: &mut [f32],
         cols: usize,
     );
-    /// `out[j] = x · data[first + j·stride ..][..x.len()]` for every `j`.
-    fn dot_rows(x: &[f32], data: &[Self], first: usize, stride: usize, out: &mut [f32]);
 }
 
 impl Elem for f32 {
@@ -64,7 +62,7 @@ impl Elem for f32 {
     fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[f32]; 4]) {
         simd::axpy4(y, a, w)
     }
-    fn dot_rows_multi(
+    fn dot_rows(
         x: &[f32],
         m: usize,
         data: &[f32],
@@ -73,10 +71,7 @@ impl Elem for f32 {
         out: &mut [f32],
         cols: usize,
     ) {
-        simd::dot_rows_multi(x, m, data, first, stride, out, cols)
-    }
-    fn dot_rows(x: &[f32], data: &[f32], first: usize, stride: usize, out: &mut [f32]) {
-        simd::dot_rows(x, data, first, stride, out)
+        simd::dot_rows(x, m, data, first, stride, out, cols)
     }
 }
 
@@ -85,7 +80,7 @@ impl Elem for bf16 {
     fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[bf16]; 4]) {
         simd::axpy4_bf16(y, a, w)
     }
-    fn dot_rows_multi(
+    fn dot_rows(
         x: &[f32],
         m: usize,
         data: &[bf16],
@@ -94,10 +89,7 @@ impl Elem for bf16 {
         out: &mut [f32],
         cols: usize,
     ) {
-        simd::dot_rows_multi_bf16(x, m, data, first, stride, out, cols)
-    }
-    fn dot_rows(x: &[f32], data: &[bf16], first: usize, stride: usize, out: &mut [f32]) {
-        simd::dot_rows_bf16(x, data, first, stride, out)
+        simd::dot_rows_bf16(x, m, data, first, stride, out, cols)
     }
 }
 
@@ -106,7 +98,7 @@ impl Elem for f16 {
     fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[f16]; 4]) {
         simd::axpy4_f16(y, a, w)
     }
-    fn dot_rows_multi(
+    fn dot_rows(
         x: &[f32],
         m: usize,
         data: &[f16],
@@ -115,10 +107,7 @@ impl Elem for f16 {
         out: &mut [f32],
         cols: usize,
     ) {
-        simd::dot_rows_multi_f16(x, m, data, first, stride, out, cols)
-    }
-    fn dot_rows(x: &[f32], data: &[f16], first: usize, stride: usize, out: &mut [f32]) {
-        simd::dot_rows_f16(x, data, first, stride, out)
+        simd::dot_rows_f16(x, m, data, first, stride, out, cols)
     }
 }
 
@@ -690,15 +679,10 @@ fn rows_dot_w<E: Elem>(
     let blocks = map_ranges(&ranges, |lo, hi| {
         let n = hi - lo;
         let mut out = vec![0f32; m * n];
-        if m == 1 {
-            // Nothing reuses a column: read them one after another, one stream, in one
-            // call (see `simd::avx512::dot_rows`).
-            E::dot_rows(&x[..d_in], data, start + lo * s1, s1, &mut out);
-            return out;
-        }
-        // Each 16-value slice of four columns is widened once for up to four rows
+        // One row of `x` reads the columns one after another, one stream; several widen
+        // each 16-value slice of four columns once for up to four rows
         // (`simd::avx512::dot_rows_multi`).
-        E::dot_rows_multi(&x[..m * d_in], m, data, start + lo * s1, s1, &mut out, n);
+        E::dot_rows(&x[..m * d_in], m, data, start + lo * s1, s1, &mut out, n);
         out
     });
     for (&(lo, hi), block) in ranges.iter().zip(&blocks) {

@@ -388,6 +388,7 @@ pub(crate) mod avx512 {
     /// tenth of a `dot` call per row on SmolLM-135M's 576-wide rows (its f16 decoding
     /// +10–24%, bf16 +20–45%).
     #[target_feature(enable = "avx512f")]
+    #[inline]
     pub fn dot_rows<W: Load>(x: &[f32], data: &[W], first: usize, stride: usize, out: &mut [f32]) {
         for (j, y) in out.iter_mut().enumerate() {
             *y = dot(x, &data[first + j * stride..][..x.len()]);
@@ -397,7 +398,8 @@ pub(crate) mod avx512 {
     /// `out[r·cols + j] = x_r · data[first + j·stride ..][..d]` for the `m` rows `x_r` of
     /// `x` (`[m, d]`) and `cols` weight rows: the weight rows four at a time, each 16-value
     /// slice of them loaded and widened once for up to four rows of `x` (16 sums in
-    /// registers), where a `dot4` per row of `x` widened it again for every row.
+    /// registers), where a `dot4` per row of `x` widened it again for every row. One row
+    /// of `x` takes [`dot_rows`]: one stream through the weight rows.
     #[target_feature(enable = "avx512f")]
     pub fn dot_rows_multi<W: Load>(
         x: &[f32],
@@ -408,6 +410,9 @@ pub(crate) mod avx512 {
         out: &mut [f32],
         cols: usize,
     ) {
+        if m == 1 {
+            return dot_rows(x, data, first, stride, &mut out[..cols]);
+        }
         let d = x.len() / m;
         let mut o = 0;
         while o < cols {
@@ -527,35 +532,11 @@ pub fn dot_f16(x: &[f32], w: &[half::f16]) -> f32 {
     avx512_dispatch!(avx512::dot(x, w), dot_impl(x, w))
 }
 
-/// `out[j] = x · data[first + j·stride ..][..x.len()]` over f16 rows (each row's start
-/// and length checked).
-pub fn dot_rows_f16(x: &[f32], data: &[half::f16], first: usize, stride: usize, out: &mut [f32]) {
-    avx512_dispatch!(
-        avx512::dot_rows(x, data, first, stride, out),
-        dot_rows_with(dot_f16, x, data, first, stride, out)
-    )
-}
-
-/// [`dot_rows_f16`] over f32 rows.
-pub fn dot_rows(x: &[f32], data: &[f32], first: usize, stride: usize, out: &mut [f32]) {
-    avx512_dispatch!(
-        avx512::dot_rows(x, data, first, stride, out),
-        dot_rows_with(dot, x, data, first, stride, out)
-    )
-}
-
-/// [`dot_rows_f16`] over bf16 rows.
-pub fn dot_rows_bf16(x: &[f32], data: &[half::bf16], first: usize, stride: usize, out: &mut [f32]) {
-    avx512_dispatch!(
-        avx512::dot_rows(x, data, first, stride, out),
-        dot_rows_with(dot_bf16, x, data, first, stride, out)
-    )
-}
-
 /// `out[r·cols + j] = x_r · data[first + j·stride ..][..d]` for the `m` rows of `x`
-/// (`[m, d]`) and `cols` f16 weight rows (each row's start and length checked).
+/// (`[m, d]`) and `cols` f16 weight rows (each row's start and length checked): the
+/// decoding products of weights stored `[out, in]`.
 #[allow(clippy::too_many_arguments)]
-pub fn dot_rows_multi_f16(
+pub fn dot_rows_f16(
     x: &[f32],
     m: usize,
     data: &[half::f16],
@@ -566,13 +547,13 @@ pub fn dot_rows_multi_f16(
 ) {
     avx512_dispatch!(
         avx512::dot_rows_multi(x, m, data, first, stride, out, cols),
-        dot_rows_multi_with(dot4_f16, x, m, data, first, stride, out, cols)
+        dot_rows_with(dot_f16, dot4_f16, x, m, data, first, stride, out, cols)
     )
 }
 
-/// [`dot_rows_multi_f16`] over f32 weight rows.
+/// [`dot_rows_f16`] over f32 weight rows.
 #[allow(clippy::too_many_arguments)]
-pub fn dot_rows_multi(
+pub fn dot_rows(
     x: &[f32],
     m: usize,
     data: &[f32],
@@ -583,13 +564,13 @@ pub fn dot_rows_multi(
 ) {
     avx512_dispatch!(
         avx512::dot_rows_multi(x, m, data, first, stride, out, cols),
-        dot_rows_multi_with(dot4, x, m, data, first, stride, out, cols)
+        dot_rows_with(dot, dot4, x, m, data, first, stride, out, cols)
     )
 }
 
-/// [`dot_rows_multi_f16`] over bf16 weight rows.
+/// [`dot_rows_f16`] over bf16 weight rows.
 #[allow(clippy::too_many_arguments)]
-pub fn dot_rows_multi_bf16(
+pub fn dot_rows_bf16(
     x: &[f32],
     m: usize,
     data: &[half::bf16],
@@ -600,14 +581,15 @@ pub fn dot_rows_multi_bf16(
 ) {
     avx512_dispatch!(
         avx512::dot_rows_multi(x, m, data, first, stride, out, cols),
-        dot_rows_multi_with(dot4_bf16, x, m, data, first, stride, out, cols)
+        dot_rows_with(dot_bf16, dot4_bf16, x, m, data, first, stride, out, cols)
     )
 }
 
-/// `dot_rows_multi_*` by one `dot4` call per row of `x` and four weight rows (CPUs without
-/// AVX-512).
+/// `dot_rows_*` on CPUs without AVX-512: one `dot` per weight row for one row of `x` (one
+/// stream), else one `dot4` per row of `x` and four weight rows.
 #[allow(clippy::too_many_arguments)]
-fn dot_rows_multi_with<W>(
+fn dot_rows_with<W>(
+    dot: fn(&[f32], &[W]) -> f32,
     dot4: fn(&[f32], [&[W]; 4]) -> [f32; 4],
     x: &[f32],
     m: usize,
@@ -618,6 +600,12 @@ fn dot_rows_multi_with<W>(
     cols: usize,
 ) {
     let d = x.len() / m;
+    if m == 1 {
+        for (j, y) in out[..cols].iter_mut().enumerate() {
+            *y = dot(x, &data[first + j * stride..][..d]);
+        }
+        return;
+    }
     let mut o = 0;
     while o < cols {
         // Four weight rows at a time; the last group repeats its last row.
@@ -628,20 +616,6 @@ fn dot_rows_multi_with<W>(
             out[r * cols + o..][..k].copy_from_slice(&sums[..k]);
         }
         o += k;
-    }
-}
-
-/// The rows of `dot_rows_*` one `dot` call each (CPUs without AVX-512).
-fn dot_rows_with<W>(
-    dot: fn(&[f32], &[W]) -> f32,
-    x: &[f32],
-    data: &[W],
-    first: usize,
-    stride: usize,
-    out: &mut [f32],
-) {
-    for (j, y) in out.iter_mut().enumerate() {
-        *y = dot(x, &data[first + j * stride..][..x.len()]);
     }
 }
 
@@ -900,72 +874,23 @@ mod tests {
         assert_eq!(half::bf16::from_f32(-1.5).widen(), -1.5);
     }
 
-    /// `dot_rows_*` (one call over a range of rows) against the f64 sums of the same
-    /// widened values and against the per-row kernels: lengths around the 32- and 16-wide
-    /// steps and their tails, rows with gaps between them, a range not starting at 0.
+    /// `dot_rows_*` (one call over a range of weight rows) against the f64 sums of the same
+    /// widened values and the loops CPUs without AVX-512 run: 1–9 rows of `x` (one stream
+    /// for one; tiles of 4, 3, 2 and 1 for more), 1–9 weight rows (a short last group) with
+    /// gaps between them and not starting at 0, widths around the 32- and 16-wide steps.
     #[test]
     fn dot_rows_match_the_f64_product() {
-        fn check<W: Widen>(
-            widen: fn(f32) -> W,
-            rows_fn: fn(&[f32], &[W], usize, usize, &mut [f32]),
-            dot_fn: fn(&[f32], &[W]) -> f32,
-        ) {
-            let value = |i: usize| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 3.0;
-            for n in [0, 1, 15, 16, 17, 31, 32, 33, 48, 63, 576, 583] {
-                let (stride, first, rows) = (n + 5, 3, 9);
-                let data: Vec<W> = (0..first + rows * stride)
-                    .map(|i| widen(value(i)))
-                    .collect();
-                let x: Vec<f32> = (0..n).map(|i| value(i + 500)).collect();
-                let mut out = vec![f32::NAN; rows];
-                rows_fn(&x, &data, first, stride, &mut out);
-                let mut scalar = vec![f32::NAN; rows];
-                dot_rows_with(dot_fn, &x, &data, first, stride, &mut scalar);
-                for j in 0..rows {
-                    let w = &data[first + j * stride..][..n];
-                    let want: f64 = x
-                        .iter()
-                        .zip(w)
-                        .map(|(&a, b)| a as f64 * b.widen() as f64)
-                        .sum();
-                    let scale: f64 = x
-                        .iter()
-                        .zip(w)
-                        .map(|(&a, b)| (a * b.widen()).abs() as f64)
-                        .sum();
-                    let tol = 1e-6 * scale + 1e-12;
-                    assert!(
-                        (out[j] as f64 - want).abs() <= tol,
-                        "n {n} row {j}: {} vs {want}",
-                        out[j]
-                    );
-                    assert!(
-                        (scalar[j] as f64 - want).abs() <= tol,
-                        "n {n} row {j} (per row)"
-                    );
-                }
-            }
-        }
-        check(|v| v, dot_rows, dot);
-        check(half::f16::from_f32, dot_rows_f16, dot_f16);
-        check(half::bf16::from_f32, dot_rows_bf16, dot_bf16);
-    }
-
-    /// `dot_rows_multi_*` (several rows of `x`, four weight rows at a time) against the f64
-    /// sums and the `dot4` loop CPUs without AVX-512 run: 1–9 rows of `x` (tiles of 4, 3, 2
-    /// and 1), 1–7 weight rows (a short last group), widths with and without tails.
-    #[test]
-    fn dot_rows_multi_match_the_f64_product() {
         type Multi<W> = fn(&[f32], usize, &[W], usize, usize, &mut [f32], usize);
         fn check<W: Widen>(
             widen: fn(f32) -> W,
             multi: Multi<W>,
+            dot_fn: fn(&[f32], &[W]) -> f32,
             dot4_fn: fn(&[f32], [&[W]; 4]) -> [f32; 4],
         ) {
             let value = |i: usize| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 3.0;
-            for d in [1, 16, 17, 33, 64, 100] {
+            for d in [0, 1, 15, 16, 17, 31, 32, 33, 48, 63, 100, 576, 583] {
                 for m in 1..=9 {
-                    for cols in [1, 3, 4, 7] {
+                    for cols in [1, 3, 4, 7, 9] {
                         let (stride, first) = (d + 3, 5);
                         let data: Vec<W> = (0..first + cols * stride)
                             .map(|i| widen(value(i)))
@@ -974,7 +899,8 @@ mod tests {
                         let mut out = vec![f32::NAN; m * cols];
                         multi(&x, m, &data, first, stride, &mut out, cols);
                         let mut scalar = vec![f32::NAN; m * cols];
-                        dot_rows_multi_with(
+                        dot_rows_with(
+                            dot_fn,
                             dot4_fn,
                             &x,
                             m,
@@ -1005,7 +931,7 @@ mod tests {
                                 );
                                 assert!(
                                     (scalar[at] as f64 - want).abs() <= tol,
-                                    "d {d} m {m} (dot4 loop)"
+                                    "d {d} m {m} (without AVX-512)"
                                 );
                             }
                         }
@@ -1013,8 +939,8 @@ mod tests {
                 }
             }
         }
-        check(|v| v, dot_rows_multi, dot4);
-        check(half::f16::from_f32, dot_rows_multi_f16, dot4_f16);
-        check(half::bf16::from_f32, dot_rows_multi_bf16, dot4_bf16);
+        check(|v| v, dot_rows, dot, dot4);
+        check(half::f16::from_f32, dot_rows_f16, dot_f16, dot4_f16);
+        check(half::bf16::from_f32, dot_rows_bf16, dot_bf16, dot4_bf16);
     }
 }
