@@ -209,6 +209,8 @@ const MIN_COLS: usize = 48;
 
 thread_local! {
     static SLAB_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A part's outputs in [`rows_dot_w`], before they are added to the result.
+    static DOT_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// A task's gate outputs in a SwiGLU product ([`OutputAct::SwiGlu`]).
     static GATE_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -697,23 +699,35 @@ fn rows_dot_w<E: Elem>(
     s1: usize,
     ys: &mut [f32],
 ) {
-    // Each thread computes the outputs of its columns for every row: `[m, hi - lo]`.
+    // Each part computes the outputs of its columns for every row, `[m, hi - lo]`, into
+    // its thread's buffer and adds them to its columns of `ys`: the sums land while the
+    // other thread still works, not on the calling thread after both are done.
     let ranges = balanced_ranges(d_out, 64, d_in * d_out);
-    let blocks = map_ranges(&ranges, |lo, hi| {
+    let out = SharedOut(ys.as_mut_ptr());
+    assert!(
+        ys.len() >= m * d_out,
+        "rows_dot_w: ys holds fewer than m rows"
+    );
+    map_ranges(&ranges, |lo, hi| {
         let n = hi - lo;
-        let mut out = vec![0f32; m * n];
-        // One row of `x` reads the columns one after another, one stream; several widen
-        // each 16-value slice of four columns once for up to four rows
-        // (`simd::avx512::dot_rows_multi`).
-        E::dot_rows(&x[..m * d_in], m, data, start + lo * s1, s1, &mut out, n);
-        out
+        DOT_BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < m * n {
+                buf.resize(m * n, 0.0);
+            }
+            let block = &mut buf[..m * n];
+            // One row of `x` reads the columns one after another, one stream; several widen
+            // each 16-value slice of four columns once for up to four rows
+            // (`simd::avx512::dot_rows_multi`).
+            E::dot_rows(&x[..m * d_in], m, data, start + lo * s1, s1, block, n);
+            for r in 0..m {
+                // SAFETY: row r's columns lo..hi of `ys` (checked to hold m rows of d_out),
+                // written by this part alone; `ys` outlives the parts.
+                let y = unsafe { std::slice::from_raw_parts_mut(out.at(r * d_out + lo), n) };
+                simd::axpy(y, 1.0, &block[r * n..][..n]);
+            }
+        })
     });
-    for (&(lo, hi), block) in ranges.iter().zip(&blocks) {
-        let n = hi - lo;
-        for r in 0..m {
-            simd::axpy(&mut ys[r * d_out + lo..][..n], 1.0, &block[r * n..][..n]);
-        }
-    }
 }
 
 #[cfg(test)]
