@@ -701,7 +701,10 @@ fn rows_dot_w<E: Elem>(
 ) {
     // Each part computes the outputs of its columns for every row, `[m, hi - lo]`, into
     // its thread's buffer and adds them to its columns of `ys`: the sums land while the
-    // other thread still works, not on the calling thread after both are done.
+    // other thread still works, not on the calling thread after both are done. Against a
+    // vector per part summed afterwards (10 paired rounds, decode 128 tokens, 2 threads):
+    // SmolLM-135M f16 +9% (1.06-1.15 by round); GPT-2 124M f16, SmolLM f32 and the
+    // built-in model within the noise.
     let ranges = balanced_ranges(d_out, 64, d_in * d_out);
     let out = SharedOut(ys.as_mut_ptr());
     assert!(
