@@ -336,7 +336,7 @@ impl SpanElem for f16 {
         None
     }
     fn widen(src: &[f16], dst: &mut [f32]) {
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst)
+        simd::widen_f16(src, dst)
     }
 }
 
@@ -345,7 +345,7 @@ impl SpanElem for bf16 {
         None
     }
     fn widen(src: &[bf16], dst: &mut [f32]) {
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst)
+        simd::widen_bf16(src, dst)
     }
 }
 
