@@ -257,27 +257,26 @@ impl KvPtr {
         buf: &mut [f32],
     ) -> (*const f32, usize) {
         unsafe fn widen<H>(
+            conv: fn(&[H], &mut [f32]),
             p: *const H,
             j0: usize,
             n: usize,
             st: usize,
             width: usize,
             buf: &mut [f32],
-        ) where
-            [H]: HalfFloatSliceExt,
-        {
+        ) {
             for (r, dst) in buf[..n * width].chunks_mut(width).enumerate() {
-                std::slice::from_raw_parts(p.add((j0 + r) * st), width).convert_to_f32_slice(dst);
+                conv(std::slice::from_raw_parts(p.add((j0 + r) * st), width), dst);
             }
         }
         match self {
             Self::F32(p) => (p.add(j0 * st), st),
             Self::F16(p) => {
-                widen(p, j0, n, st, width, buf);
+                widen(simd::widen_f16, p, j0, n, st, width, buf);
                 (buf.as_ptr(), width)
             }
             Self::BF16(p) => {
-                widen(p, j0, n, st, width, buf);
+                widen(simd::widen_bf16, p, j0, n, st, width, buf);
                 (buf.as_ptr(), width)
             }
         }
