@@ -597,7 +597,9 @@ pub(crate) fn ranges(n: usize, min: usize, weights: usize) -> Vec<(usize, usize)
     split(n, min, weights, 1)
 }
 
-/// Ranges per thread in [`balanced_ranges`].
+/// Ranges per thread in [`balanced_ranges`]. Two and eight measured below four (SmolLM-135M
+/// f16 decoding with the parts summing their own outputs, one build, alternating, medians
+/// of 8: 97.7 and 100.8 against 105.0 tok/s).
 const PARTS_PER_THREAD: usize = 4;
 
 /// [`ranges`] cut `PARTS_PER_THREAD` times finer, for products whose ranges write separate
