@@ -602,15 +602,16 @@ pub(crate) fn ranges(n: usize, min: usize, weights: usize) -> Vec<(usize, usize)
 /// of 8: 97.7 and 100.8 against 105.0 tok/s).
 const PARTS_PER_THREAD: usize = 4;
 
-/// [`ranges`] cut `PARTS_PER_THREAD` times finer, for products whose ranges write separate
-/// outputs: a thread that is done with its share takes a part the other has not started
+/// [`ranges`] cut `PARTS_PER_THREAD` times finer, for the decoding product of `[out, in]`
+/// float weights, whose ranges write separate outputs: a thread that is done with its share takes a part the other has not started
 /// (rayon steals the untouched half of a split), where with one range each the first to
 /// finish waits for the other. A thread starts late (woken by the first) and its reads
 /// compete with a neighbour's on a shared machine; one range each left a token's ~150
 /// products waiting on the slower thread. Measured (decode 128 tokens after 16, 2 threads,
 /// one build, the split by an environment variable, alternating, medians of 6–10): GPT-2
 /// 124M f16 113 → 121 tok/s, SmolLM-135M f16 112 → 114 (94 → 99 in an hour when the
-/// machine was slower), q8_0 149 → 150.
+/// machine was slower). The quantized products keep one range per thread: their tiles
+/// measured slower in parts (see `qpacked`).
 pub(crate) fn balanced_ranges(n: usize, min: usize, weights: usize) -> Vec<(usize, usize)> {
     split(n, min, weights, PARTS_PER_THREAD)
 }

@@ -24,7 +24,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, Result, Tensor};
 use half::f16;
 
-use crate::matvec::{balanced_ranges, map_ranges};
+use crate::matvec::{map_ranges, ranges};
 use rayon::prelude::*;
 
 /// Values per block, in both formats and in the quantized rows of `x`.
@@ -201,7 +201,7 @@ fn product(level: Level, format: Format, w: &[u8], row_bytes: usize, x: &QRows) 
     if m == 0 || n == 0 {
         return vec![0.0; m * n];
     }
-    let parts = balanced_ranges(n, 64, n * x.k);
+    let parts = ranges(n, 64, n * x.k);
     let blocks = map_ranges(&parts, |lo, hi| {
         let n = hi - lo;
         let mut out = vec![0f32; m * n];
