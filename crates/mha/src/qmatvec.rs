@@ -159,23 +159,24 @@ pub(crate) fn quantize_in_parts(
     (q, d, sum)
 }
 
-/// Blocks of 32 values of `x` quantized as ggml's q8_0: values `q`, scales `d` (rounded to
-/// f16), and each block's sum of `q`.
-fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
+crate::simd::dispatch!(
+    /// Blocks of 32 values of `x` quantized as ggml's q8_0: values `q`, scales `d` (rounded
+    /// to f16), and each block's sum of `q`. Compiled for the vector width the CPU has: for
+    /// the baseline's four lanes it was 3.4% of a SmolLM-135M q4_0 token, on the calling
+    /// thread while the pool waited.
+    pub(crate) quantize_blocks, quantize_blocks_impl,
+    (x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) -> ()
+);
+
+#[inline(always)]
+fn quantize_blocks_impl(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
     for (((xb, qb), d), s) in x
         .chunks_exact(QK)
         .zip(q.chunks_exact_mut(QK))
         .zip(d)
         .zip(sum)
     {
-        // Eight running maxima: a form the compiler vectorises (one fold is a chain).
-        let mut m = [0f32; 8];
-        for c in xb.chunks_exact(8) {
-            for i in 0..8 {
-                m[i] = m[i].max(c[i].abs());
-            }
-        }
-        let amax = m.iter().fold(0f32, |a, &v| a.max(v));
+        let amax = abs_max(xb);
         let scale = amax / 127.0;
         let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
         let mut total = 0i32;
@@ -187,12 +188,39 @@ fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
             // below ½ with the value's sign and truncating is exact: it is the expansion
             // LLVM itself uses where it has no rounding instruction.
             let r = v * inv;
-            *q = (r + 0.49999997f32.copysign(r)) as i8;
+            *q = saturate_i8(r + 0.49999997f32.copysign(r));
             total += *q as i32;
         }
         *d = f16::from_f32(scale).to_f32();
         *s = total;
     }
+}
+
+/// The largest magnitude in `xs` (0 for an empty slice), NaN ignored as `f32::max`
+/// ignores it. Sixteen running maxima taken with `>`, which the compiler turns into vector
+/// instructions, where `f32::max`'s rule for NaN kept each step scalar.
+#[inline(always)]
+pub(crate) fn abs_max(xs: &[f32]) -> f32 {
+    let mut m = [0f32; 16];
+    let mut chunks = xs.chunks_exact(16);
+    for c in &mut chunks {
+        for i in 0..16 {
+            let v = c[i].abs();
+            m[i] = if v > m[i] { v } else { m[i] };
+        }
+    }
+    let rest = chunks.remainder().iter().fold(0f32, |a, &v| a.max(v.abs()));
+    m.iter().fold(rest, |a, &v| a.max(v))
+}
+
+/// `v as i8` (truncated, saturating, NaN to 0) in a form the compiler vectorises: its
+/// saturating conversion to bytes or words stays one value at a time, with branches.
+#[inline(always)]
+pub(crate) fn saturate_i8(v: f32) -> i8 {
+    let c = v.clamp(-128.0, 127.0);
+    let c = if c.is_nan() { 0.0 } else { c };
+    // SAFETY: `c` is finite and within i32's range.
+    unsafe { c.to_int_unchecked::<i32>() as i8 }
 }
 
 /// `[m, n]`: every row of `x` against the `n` weight rows of `row_bytes` bytes in `w`.
@@ -548,10 +576,82 @@ mod x86 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::quantized::QMatMul;
     use candle_core::{DType, Device, Module};
+
+    /// Values of every kind in blocks of `block`: ordinary ones, halves of the step, zeros
+    /// of both signs, subnormals, the largest floats, infinities and NaN, blocks that are
+    /// all zero or all subnormal.
+    pub(crate) fn awkward_rows(block: usize) -> Vec<f32> {
+        let specials = [
+            0.0,
+            -0.0,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-40,
+            -1e-45,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            -15.5,
+            127.0,
+        ];
+        let mut x: Vec<f32> = (0..block * 24)
+            .map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 3.7)
+            .collect();
+        for (b, xb) in x.chunks_exact_mut(block).enumerate() {
+            match b {
+                0 => xb.fill(0.0),
+                1 => xb
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, v)| *v = (i as f32 + 1.0) * -1e-42),
+                2..=13 => xb[b * 5 % block] = specials[b - 2],
+                // Two at once: NaN twice, both infinities, NaN and infinity, ±MAX.
+                14..=17 => {
+                    let pairs = [
+                        (f32::NAN, f32::NAN),
+                        (f32::INFINITY, f32::NEG_INFINITY),
+                        (f32::NAN, f32::INFINITY),
+                        (f32::MAX, -f32::MAX),
+                    ];
+                    (xb[3], xb[block - 2]) = pairs[b - 14];
+                }
+                _ => {}
+            }
+        }
+        x
+    }
+
+    #[test]
+    fn vector_quantizer_equals_the_scalar_code() {
+        // The dispatched quantizer (AVX-512 or AVX2 where the CPU has it) against the same
+        // loop compiled for the baseline, bit for bit.
+        let x = awkward_rows(QK);
+        let n = x.len() / QK;
+        let (mut q0, mut d0, mut s0) = (vec![0i8; x.len()], vec![0f32; n], vec![0i32; n]);
+        let (mut q1, mut d1, mut s1) = (vec![1i8; x.len()], vec![1f32; n], vec![1i32; n]);
+        quantize_blocks(&x, &mut q0, &mut d0, &mut s0);
+        quantize_blocks_impl(&x, &mut q1, &mut d1, &mut s1);
+        assert_eq!(q0, q1);
+        assert_eq!(s0, s1);
+        let bits = |d: &[f32]| d.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&d0), bits(&d1));
+        // And what `abs_max` and `saturate_i8` stand for.
+        for xb in x.chunks_exact(QK) {
+            let reference = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
+            assert_eq!(abs_max(xb).to_bits(), reference.to_bits());
+        }
+        for v in [0.4, -0.6, 127.9, 128.0, -128.9, -129.0, 1e30, -1e30]
+            .into_iter()
+            .chain(x.iter().copied())
+        {
+            assert_eq!(saturate_i8(v), v as i8, "{v}");
+        }
+    }
 
     fn levels() -> Vec<Level> {
         [Level::Scalar, Level::Avx2, Level::Avx512Vnni]

@@ -41,7 +41,7 @@ use half::f16;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::matvec::{map_ranges, ranges};
-use crate::qmatvec::{quantize_in_parts, QRows};
+use crate::qmatvec::{abs_max, quantize_in_parts, saturate_i8, QRows};
 
 /// Rows per tile.
 const TILE: usize = 16;
@@ -483,24 +483,24 @@ impl SuperRows {
     }
 }
 
-/// Super-blocks of 256 values of `x` quantized as ggml's q8_K (see [`SuperRows`]).
-fn quantize_super(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
+crate::simd::dispatch!(
+    /// Super-blocks of 256 values of `x` quantized as ggml's q8_K (see [`SuperRows`]),
+    /// compiled for the vector width the CPU has (as `qmatvec::quantize_blocks`).
+    pub(crate) quantize_super, quantize_super_impl,
+    (x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) -> ()
+);
+
+#[inline(always)]
+fn quantize_super_impl(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
     for (((xs, qs), d), sum) in x
         .chunks_exact(QK_K)
         .zip(q.chunks_exact_mut(QK_K))
         .zip(d)
         .zip(sum.chunks_exact_mut(QK_K / 16))
     {
-        // The largest magnitude in eight running maxima (a form the compiler vectorises),
-        // then the first value of that magnitude: ggml keeps the first of equals, and its
-        // sign sets the scale's.
-        let mut m = [0f32; 8];
-        for c in xs.chunks_exact(8) {
-            for i in 0..8 {
-                m[i] = m[i].max(c[i].abs());
-            }
-        }
-        let amax = m.iter().fold(0f32, |a, &v| a.max(v));
+        // The largest magnitude, then the first value of that magnitude: ggml keeps the
+        // first of equals, and its sign sets the scale's.
+        let amax = abs_max(xs);
         let Some(&max) = xs.iter().find(|v| v.abs() == amax).filter(|_| amax != 0.0) else {
             qs.fill(0);
             *d = 0.0;
@@ -512,7 +512,7 @@ fn quantize_super(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
             // Rounded half away from zero as `f32::round`, without its libm call (see
             // `qmatvec::quantize_blocks`).
             let r = iscale * v;
-            *q = (r + 0.49999997f32.copysign(r)).clamp(-128.0, 127.0) as i8;
+            *q = saturate_i8(r + 0.49999997f32.copysign(r));
         }
         *d = 1.0 / iscale;
         for (s, c) in sum.iter_mut().zip(qs.chunks_exact(16)) {
@@ -1634,6 +1634,21 @@ mod tests {
                     .collect::<Vec<_>>()
             })
             .collect()
+    }
+
+    #[test]
+    fn vector_super_quantizer_equals_the_scalar_code() {
+        // As `qmatvec`'s test of the q8_0 quantizer, for q8_K's super-blocks.
+        let x = crate::qmatvec::tests::awkward_rows(QK_K);
+        let n = x.len() / QK_K;
+        let (mut q0, mut d0, mut s0) = (vec![0i8; x.len()], vec![0f32; n], vec![0i32; n * 16]);
+        let (mut q1, mut d1, mut s1) = (vec![1i8; x.len()], vec![1f32; n], vec![1i32; n * 16]);
+        quantize_super(&x, &mut q0, &mut d0, &mut s0);
+        quantize_super_impl(&x, &mut q1, &mut d1, &mut s1);
+        assert_eq!(q0, q1);
+        assert_eq!(s0, s1);
+        let bits = |d: &[f32]| d.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&d0), bits(&d1));
     }
 
     #[test]

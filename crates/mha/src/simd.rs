@@ -686,11 +686,16 @@ pub fn dot4_bf16(x: &[f32], w: [&[half::bf16]; 4]) -> [f32; 4] {
     avx512_dispatch!(avx512::dot4(x, w), dot4_bf16_generic(x, w))
 }
 
+/// `$vis fn $name` running `$impl` (an `#[inline(always)]` loop the compiler vectorises)
+/// compiled for AVX-512F, for AVX2 with FMA, or for the baseline, as the CPU has them.
 macro_rules! dispatch {
     ($(#[$doc:meta])* $name:ident, $impl:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        $crate::simd::dispatch!($(#[$doc])* pub $name, $impl, ($($arg: $ty),*) -> $ret);
+    };
+    ($(#[$doc:meta])* $vis:vis $name:ident, $impl:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
         $(#[$doc])*
         #[inline]
-        pub fn $name($($arg: $ty),*) -> $ret {
+        $vis fn $name($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f")]
@@ -716,6 +721,7 @@ macro_rules! dispatch {
         }
     };
 }
+pub(crate) use dispatch;
 
 dispatch!(
     /// The sum of the elements.
