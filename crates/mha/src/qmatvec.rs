@@ -626,21 +626,37 @@ pub(crate) mod tests {
         x
     }
 
-    #[test]
-    fn vector_quantizer_equals_the_scalar_code() {
-        // The dispatched quantizer (AVX-512 or AVX2 where the CPU has it) against the same
-        // loop compiled for the baseline, bit for bit.
-        let x = awkward_rows(QK);
-        let n = x.len() / QK;
-        let (mut q0, mut d0, mut s0) = (vec![0i8; x.len()], vec![0f32; n], vec![0i32; n]);
-        let (mut q1, mut d1, mut s1) = (vec![1i8; x.len()], vec![1f32; n], vec![1i32; n]);
-        quantize_blocks(&x, &mut q0, &mut d0, &mut s0);
-        quantize_blocks_impl(&x, &mut q1, &mut d1, &mut s1);
+    /// A quantizer of blocks: values, scales and sums.
+    pub(crate) type Quantizer = fn(&[f32], &mut [i8], &mut [f32], &mut [i32]);
+
+    /// `vector` (the dispatched quantizer: AVX-512 or AVX2 where the CPU has it) and
+    /// `scalar` (the same loop compiled for the baseline) give the same bytes, scales and
+    /// sums, bit for bit, on [`awkward_rows`] in blocks of `block` with `sums` sums each.
+    pub(crate) fn assert_same_quantization(
+        block: usize,
+        sums: usize,
+        vector: Quantizer,
+        scalar: Quantizer,
+    ) {
+        let x = awkward_rows(block);
+        let n = x.len() / block;
+        let mut outs =
+            [0, 1].map(|v| (vec![v as i8; x.len()], vec![v as f32; n], vec![v; n * sums]));
+        for (f, (q, d, s)) in [vector, scalar].into_iter().zip(&mut outs) {
+            f(&x, q, d, s);
+        }
+        let [(q0, d0, s0), (q1, d1, s1)] = outs;
         assert_eq!(q0, q1);
         assert_eq!(s0, s1);
         let bits = |d: &[f32]| d.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&d0), bits(&d1));
+    }
+
+    #[test]
+    fn vector_quantizer_equals_the_scalar_code() {
+        assert_same_quantization(QK, 1, quantize_blocks, quantize_blocks_impl);
         // And what `abs_max` and `saturate_i8` stand for.
+        let x = awkward_rows(QK);
         for xb in x.chunks_exact(QK) {
             let reference = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
             assert_eq!(abs_max(xb).to_bits(), reference.to_bits());

@@ -1712,16 +1712,12 @@ mod tests {
     #[test]
     fn vector_super_quantizer_equals_the_scalar_code() {
         // As `qmatvec`'s test of the q8_0 quantizer, for q8_K's super-blocks.
-        let x = crate::qmatvec::tests::awkward_rows(QK_K);
-        let n = x.len() / QK_K;
-        let (mut q0, mut d0, mut s0) = (vec![0i8; x.len()], vec![0f32; n], vec![0i32; n * 16]);
-        let (mut q1, mut d1, mut s1) = (vec![1i8; x.len()], vec![1f32; n], vec![1i32; n * 16]);
-        quantize_super(&x, &mut q0, &mut d0, &mut s0);
-        quantize_super_impl(&x, &mut q1, &mut d1, &mut s1);
-        assert_eq!(q0, q1);
-        assert_eq!(s0, s1);
-        let bits = |d: &[f32]| d.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&d0), bits(&d1));
+        crate::qmatvec::tests::assert_same_quantization(
+            QK_K,
+            QK_K / 16,
+            quantize_super,
+            quantize_super_impl,
+        );
     }
 
     #[test]
