@@ -722,7 +722,8 @@ fn rows_dot_w<E: Elem>(
                 buf.resize(m * n, 0.0);
             }
             let block = &mut buf[..m * n];
-            // One row of `x` reads the columns one after another, one stream; several widen
+            // One row of `x` reads the columns two at a time, from the two halves of the
+            // range (two streams, `simd::avx512::dot_rows`); several widen
             // each 16-value slice of four columns once for up to four rows
             // (`simd::avx512::dot_rows_multi`).
             E::dot_rows(&x[..m * d_in], m, data, start + lo * s1, s1, block, n);

@@ -755,7 +755,8 @@ impl Packed {
         );
         let unpack = simd && planes && m >= UNPACK_ROWS;
         let need = if unpack { self.k * TILE } else { 0 };
-        // Each thread takes a contiguous range of tiles: one stream through memory. (Four
+        // Each thread takes a contiguous range of tiles (read as two streams when decoding
+        // the legacy formats, below). (Four
         // parts per thread, as the dense decoding products take, measured slower here:
         // SmolLM-135M decoding q4_K_M 188 → 183, q4_0 249 → 243, q8_0 157 → 151 tok/s,
         // medians of 5; each part restarts the stream and its prefetching.)

@@ -462,7 +462,7 @@ pub(crate) mod avx512 {
     /// `x` (`[m, d]`) and `cols` weight rows: the weight rows four at a time, each 16-value
     /// slice of them loaded and widened once for up to four rows of `x` (16 sums in
     /// registers), where a `dot4` per row of `x` widened it again for every row. One row
-    /// of `x` takes [`dot_rows`]: one stream through the weight rows.
+    /// of `x` takes [`dot_rows`]: two streams through the weight rows.
     #[target_feature(enable = "avx512f")]
     pub fn dot_rows_multi<W: Load>(
         x: &[f32],
