@@ -13,7 +13,8 @@
 //!   another for one row of `x`, four at a time (reused from L1) for several.
 //!
 //! Sums are in f32 whatever the weight's dtype. bf16 is widened by a shift as it is read,
-//! f16 by `vcvtph2ps` on AVX-512 CPUs (elsewhere f16 stays on Candle's f16 GEMM). Its
+//! f16 by `vcvtph2ps` on CPUs with AVX-512 or AVX2 and F16C (elsewhere f16 stays on
+//! Candle's f16 GEMM). Its
 //! reference is `matmul`; the tests hold it to that.
 //!
 //! A public module for the crates built on this one (their quantized and dense projections)
@@ -130,7 +131,7 @@ pub fn preferred(xs: &Tensor, w_t: &Tensor) -> bool {
 
 /// `xs [m, in] · w_t [in, out] (+ b [out])` for `m <= MAX_ROWS` (`MAX_ROWS_IN_OUT` when
 /// `w_t` is stored `[in, out]`), or `None` when the operands are not f32, bf16 or (on
-/// AVX-512 CPUs) f16 CPU tensors in a layout this handles, or a gradient is needed: the
+/// CPUs with AVX-512, or AVX2 and F16C) f16 CPU tensors in a layout this handles, or a gradient is needed: the
 /// caller then uses `matmul`. `xs` and `b` are in the weight's dtype, or f32 with a
 /// half-precision weight (f32 activations, as llama.cpp runs f16 models); the result is
 /// in `xs`'s dtype.

@@ -294,7 +294,10 @@ fn dot4_bf16_impl(x: &[f32], w: [&[half::bf16]; 4]) -> [f32; 4] {
 /// (`vcvtph2ps` for f16, a shift for bf16). Written out because the generic loops above,
 /// compiled for AVX-512, vectorise f32 poorly (2-lane loads and separate multiplies and
 /// adds: f32 decoding read its weights at 0.71 of the read floor where f16 reached 0.89).
-/// Without AVX-512, f16 products stay on Candle's f16 GEMM: see [`f16_kernels`].
+/// CPUs with AVX2 but not AVX-512 take the same kernels over eight lanes ([`avx2`]).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
     use half::{bf16, f16};
@@ -559,11 +562,12 @@ pub(crate) mod avx512 {
     }
 }
 
-/// Whether this CPU has the f16 product kernels below (AVX-512F).
+/// Whether this CPU has the f16 product kernels below (AVX-512F, or AVX2 with FMA and
+/// F16C).
 pub fn f16_kernels() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f")
+        std::arch::is_x86_feature_detected!("avx512f") || avx2_kernels()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -571,25 +575,37 @@ pub fn f16_kernels() -> bool {
     }
 }
 
-/// Runs `$avx512` (a call into `avx512`) where AVX-512F is present, `$scalar` elsewhere.
-macro_rules! avx512_dispatch {
-    ($avx512:expr, $scalar:expr) => {{
+/// Runs `$f(args)` from `avx512` where AVX-512F is present, from `avx2` where AVX2, FMA
+/// and F16C are, and `$scalar` elsewhere.
+macro_rules! wide_dispatch {
+    ($f:ident($($arg:expr),*), $scalar:expr) => {{
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx512f") {
                 // SAFETY: the CPU has just been seen to support AVX-512F.
-                return unsafe { $avx512 };
+                return unsafe { avx512::$f($($arg),*) };
+            }
+            if avx2_kernels() {
+                // SAFETY: the CPU has just been seen to support AVX2, FMA and F16C.
+                return unsafe { avx2::$f($($arg),*) };
             }
         }
         $scalar
     }};
 }
 
+/// Whether this CPU runs the [`avx2`] kernels (when it has no AVX-512).
+#[cfg(target_arch = "x86_64")]
+fn avx2_kernels() -> bool {
+    use std::arch::is_x86_feature_detected as has;
+    has!("avx2") && has!("fma") && has!("f16c")
+}
+
 /// `dst[i] = src[i]` as f32 for `i < min(src.len(), dst.len())` (AVX-512: 16 values per
 /// instruction, where `half`'s slice conversion takes 8 per call and was 4.7% of a GPT-2
 /// f16 prefill).
 pub fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
-    avx512_dispatch!(avx512::widen(src, dst), {
+    wide_dispatch!(widen(src, dst), {
         let n = src.len().min(dst.len());
         half::slice::HalfFloatSliceExt::convert_to_f32_slice(&src[..n], &mut dst[..n])
     })
@@ -597,7 +613,7 @@ pub fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
 
 /// [`widen_f16`] for bf16.
 pub fn widen_bf16(src: &[half::bf16], dst: &mut [f32]) {
-    avx512_dispatch!(avx512::widen(src, dst), {
+    wide_dispatch!(widen(src, dst), {
         let n = src.len().min(dst.len());
         half::slice::HalfFloatSliceExt::convert_to_f32_slice(&src[..n], &mut dst[..n])
     })
@@ -605,12 +621,12 @@ pub fn widen_bf16(src: &[half::bf16], dst: &mut [f32]) {
 
 /// `y += Σ_j a[j]·w[j]` over four f16 rows, each at least as long as `y`.
 pub fn axpy4_f16(y: &mut [f32], a: [f32; 4], w: [&[half::f16]; 4]) {
-    avx512_dispatch!(avx512::axpy4(y, a, w), axpy4_impl(y, a, w))
+    wide_dispatch!(axpy4(y, a, w), axpy4_impl(y, a, w))
 }
 
 /// The dot product of `x` with an f16 row at least as long as `x`.
 pub fn dot_f16(x: &[f32], w: &[half::f16]) -> f32 {
-    avx512_dispatch!(avx512::dot(x, w), dot_impl(x, w))
+    wide_dispatch!(dot(x, w), dot_impl(x, w))
 }
 
 /// `out[r·cols + j] = x_r · data[first + j·stride ..][..d]` for the `m` rows of `x`
@@ -626,8 +642,8 @@ pub fn dot_rows_f16(
     out: &mut [f32],
     cols: usize,
 ) {
-    avx512_dispatch!(
-        avx512::dot_rows_multi(x, m, data, first, stride, out, cols),
+    wide_dispatch!(
+        dot_rows_multi(x, m, data, first, stride, out, cols),
         dot_rows_with(dot_f16, dot4_f16, x, m, data, first, stride, out, cols)
     )
 }
@@ -643,8 +659,8 @@ pub fn dot_rows(
     out: &mut [f32],
     cols: usize,
 ) {
-    avx512_dispatch!(
-        avx512::dot_rows_multi(x, m, data, first, stride, out, cols),
+    wide_dispatch!(
+        dot_rows_multi(x, m, data, first, stride, out, cols),
         dot_rows_with(dot, dot4, x, m, data, first, stride, out, cols)
     )
 }
@@ -660,13 +676,13 @@ pub fn dot_rows_bf16(
     out: &mut [f32],
     cols: usize,
 ) {
-    avx512_dispatch!(
-        avx512::dot_rows_multi(x, m, data, first, stride, out, cols),
+    wide_dispatch!(
+        dot_rows_multi(x, m, data, first, stride, out, cols),
         dot_rows_with(dot_bf16, dot4_bf16, x, m, data, first, stride, out, cols)
     )
 }
 
-/// `dot_rows_*` on CPUs without AVX-512: one `dot` per weight row for one row of `x` (one
+/// `dot_rows_*` on CPUs without AVX-512 or AVX2: one `dot` per weight row for one row of `x` (one
 /// stream), else one `dot4` per row of `x` and four weight rows.
 #[allow(clippy::too_many_arguments)]
 fn dot_rows_with<W>(
@@ -702,37 +718,37 @@ fn dot_rows_with<W>(
 
 /// Four dot products of `x` with f16 rows at least as long as `x`.
 pub fn dot4_f16(x: &[f32], w: [&[half::f16]; 4]) -> [f32; 4] {
-    avx512_dispatch!(avx512::dot4(x, w), dot4_impl(x, w))
+    wide_dispatch!(dot4(x, w), dot4_impl(x, w))
 }
 
 /// `y += Σ_j a[j]·w[j]` over four f32 rows, each at least as long as `y`.
 pub fn axpy4(y: &mut [f32], a: [f32; 4], w: [&[f32]; 4]) {
-    avx512_dispatch!(avx512::axpy4(y, a, w), axpy4_generic(y, a, w))
+    wide_dispatch!(axpy4(y, a, w), axpy4_generic(y, a, w))
 }
 
 /// `y += Σ_j a[j]·w[j]` over four bf16 rows, each at least as long as `y`.
 pub fn axpy4_bf16(y: &mut [f32], a: [f32; 4], w: [&[half::bf16]; 4]) {
-    avx512_dispatch!(avx512::axpy4(y, a, w), axpy4_bf16_generic(y, a, w))
+    wide_dispatch!(axpy4(y, a, w), axpy4_bf16_generic(y, a, w))
 }
 
 /// The dot product of `x` with an f32 row at least as long as `x`.
 pub fn dot(x: &[f32], w: &[f32]) -> f32 {
-    avx512_dispatch!(avx512::dot(x, w), dot_generic(x, w))
+    wide_dispatch!(dot(x, w), dot_generic(x, w))
 }
 
 /// The dot product of `x` with a bf16 row at least as long as `x`.
 pub fn dot_bf16(x: &[f32], w: &[half::bf16]) -> f32 {
-    avx512_dispatch!(avx512::dot(x, w), dot_bf16_generic(x, w))
+    wide_dispatch!(dot(x, w), dot_bf16_generic(x, w))
 }
 
 /// Four dot products of `x` with f32 rows at least as long as `x`.
 pub fn dot4(x: &[f32], w: [&[f32]; 4]) -> [f32; 4] {
-    avx512_dispatch!(avx512::dot4(x, w), dot4_generic(x, w))
+    wide_dispatch!(dot4(x, w), dot4_generic(x, w))
 }
 
 /// Four dot products of `x` with bf16 rows at least as long as `x`.
 pub fn dot4_bf16(x: &[f32], w: [&[half::bf16]; 4]) -> [f32; 4] {
-    avx512_dispatch!(avx512::dot4(x, w), dot4_bf16_generic(x, w))
+    wide_dispatch!(dot4(x, w), dot4_bf16_generic(x, w))
 }
 
 /// `$vis fn $name` running `$impl` (an `#[inline(always)]` loop the compiler vectorises)
@@ -809,11 +825,11 @@ dispatch!(
     gelu_tanh_grad, gelu_tanh_grad_impl, (xs: &[f32], gs: &mut [f32]) -> ()
 );
 dispatch!(
-    /// [`axpy4`] without AVX-512.
+    /// [`axpy4`] without AVX-512 or AVX2.
     axpy4_generic, axpy4_f32_impl, (y: &mut [f32], a: [f32; 4], w: [&[f32]; 4]) -> ()
 );
 dispatch!(
-    /// [`axpy4_bf16`] without AVX-512.
+    /// [`axpy4_bf16`] without AVX-512 or AVX2.
     axpy4_bf16_generic, axpy4_bf16_impl, (y: &mut [f32], a: [f32; 4], w: [&[half::bf16]; 4]) -> ()
 );
 dispatch!(
@@ -821,19 +837,19 @@ dispatch!(
     axpy, axpy_impl, (y: &mut [f32], a: f32, w: &[f32]) -> ()
 );
 dispatch!(
-    /// [`dot`] without AVX-512.
+    /// [`dot`] without AVX-512 or AVX2.
     dot_generic, dot_f32_impl, (x: &[f32], w: &[f32]) -> f32
 );
 dispatch!(
-    /// [`dot_bf16`] without AVX-512.
+    /// [`dot_bf16`] without AVX-512 or AVX2.
     dot_bf16_generic, dot_bf16_impl, (x: &[f32], w: &[half::bf16]) -> f32
 );
 dispatch!(
-    /// [`dot4`] without AVX-512.
+    /// [`dot4`] without AVX-512 or AVX2.
     dot4_generic, dot4_f32_impl, (x: &[f32], w: [&[f32]; 4]) -> [f32; 4]
 );
 dispatch!(
-    /// [`dot4_bf16`] without AVX-512.
+    /// [`dot4_bf16`] without AVX-512 or AVX2.
     dot4_bf16_generic, dot4_bf16_impl, (x: &[f32], w: [&[half::bf16]; 4]) -> [f32; 4]
 );
 dispatch!(
@@ -919,7 +935,7 @@ mod tests {
             let want: f32 = x.iter().zip(&rows[j]).map(|(a, b)| a * b).sum();
             assert_eq!(dots[j], want, "small integers sum exactly in any order");
             assert_eq!(dot(&x, r[j]), want);
-            // The loops CPUs without AVX-512 run.
+            // The loops CPUs without AVX-512 or AVX2 run.
             assert_eq!(dot_generic(&x, r[j]), want);
             assert_eq!(dot4_generic(&x, r)[j], want);
         }
@@ -962,7 +978,7 @@ mod tests {
     }
 
     /// `dot_rows_*` (one call over a range of weight rows) against the f64 sums of the same
-    /// widened values and the loops CPUs without AVX-512 run: 1–9 rows of `x` (one stream
+    /// widened values and the loops CPUs without AVX-512 or AVX2 run: 1–9 rows of `x` (one stream
     /// for one; tiles of 4, 3, 2 and 1 for more), 1–9 weight rows (a short last group) with
     /// gaps between them and not starting at 0, widths around the 32- and 16-wide steps.
     /// Widening equals the scalar conversion value for value, subnormals, infinities and
@@ -1076,7 +1092,7 @@ mod tests {
                                 );
                                 assert!(
                                     (scalar[at] as f64 - want).abs() <= tol,
-                                    "d {d} m {m} (without AVX-512)"
+                                    "d {d} m {m} (generic loops)"
                                 );
                             }
                         }
@@ -1087,5 +1103,83 @@ mod tests {
         check(|v| v, dot_rows, dot, dot4);
         check(half::f16::from_f32, dot_rows_f16, dot_f16, dot4_f16);
         check(half::bf16::from_f32, dot_rows_bf16, dot_bf16, dot4_bf16);
+        // The AVX2 kernels, which a CPU with AVX-512 does not dispatch to.
+        #[cfg(target_arch = "x86_64")]
+        if avx2_kernels() {
+            fn avx2_check<W: avx2::Load>(widen: fn(f32) -> W) {
+                // SAFETY (each call): the CPU has AVX2, FMA and F16C.
+                check(
+                    widen,
+                    |x, m, data, first, stride, out, cols| unsafe {
+                        avx2::dot_rows_multi(x, m, data, first, stride, out, cols)
+                    },
+                    |x, w| unsafe { avx2::dot(x, w) },
+                    |x, w| unsafe { avx2::dot4(x, w) },
+                );
+            }
+            avx2_check(|v| v);
+            avx2_check(half::f16::from_f32);
+            avx2_check(half::bf16::from_f32);
+        }
+    }
+
+    /// The AVX2 kernels on the small integers of `product_kernels_match_scalar_code`
+    /// (exact in any order), and widening value for value, on any CPU with AVX2 (one with
+    /// AVX-512 dispatches to those instead).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_kernels_match_scalar_code() {
+        if !avx2_kernels() {
+            return;
+        }
+        fn check<W: avx2::Load>(widen: fn(f32) -> W) {
+            for n in [0, 1, 7, 8, 9, 15, 16, 17, 37, 100] {
+                let row = |k: usize| -> Vec<f32> {
+                    (0..n)
+                        .map(|i| ((i * 13 + k * 7) % 17) as f32 - 8.0)
+                        .collect()
+                };
+                let rows: Vec<Vec<W>> = (0..4)
+                    .map(|k| row(k).into_iter().map(widen).collect())
+                    .collect();
+                let r = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+                let x = row(9);
+                let want: Vec<f32> = (0..4)
+                    .map(|j| x.iter().zip(r[j]).map(|(a, b)| a * b.widen()).sum())
+                    .collect();
+                // SAFETY (each call): the CPU has AVX2, FMA and F16C.
+                assert_eq!(unsafe { avx2::dot4(&x, r) }[..], want[..], "{n}");
+                for j in 0..4 {
+                    assert_eq!(unsafe { avx2::dot(&x, r[j]) }, want[j], "{n}");
+                }
+                let a = [1.0, -2.0, 0.5, 3.0];
+                let mut y = row(5);
+                let mut expect = y.clone();
+                for c in 0..n {
+                    expect[c] += (0..4).map(|j| a[j] * r[j][c].widen()).sum::<f32>();
+                }
+                unsafe { avx2::axpy4(&mut y, a, r) };
+                assert_eq!(y, expect, "{n}");
+                let mut wide = vec![7.0f32; n + 3];
+                unsafe { avx2::widen(r[1], &mut wide) };
+                for (&d, w) in wide.iter().zip(r[1]) {
+                    assert_eq!(d.to_bits(), w.widen().to_bits());
+                }
+                assert!(wide[n..].iter().all(|&d| d == 7.0), "wrote past the source");
+            }
+        }
+        check(|v| v);
+        check(half::f16::from_f32);
+        check(half::bf16::from_f32);
+        // Widening f16 specials: subnormals, infinities, NaN.
+        let specials = [0.0, -0.0, 65504.0, 6.0e-8, -1.0e-5, f32::INFINITY, f32::NAN];
+        let h: Vec<half::f16> = (0..19)
+            .map(|i| half::f16::from_f32(specials[i % specials.len()]))
+            .collect();
+        let mut dst = vec![0f32; 19];
+        unsafe { avx2::widen(&h, &mut dst) };
+        for (&d, w) in dst.iter().zip(&h) {
+            assert!(d.to_bits() == w.to_f32().to_bits() || (d.is_nan() && w.is_nan()));
+        }
     }
 }

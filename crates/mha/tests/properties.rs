@@ -1066,10 +1066,12 @@ fn few_rows_case(d_in: usize, d_out: usize) -> Result<()> {
 fn dense_weights_with_f32_activations_equal_the_product_of_their_values() -> Result<()> {
     use mha::matvec::{few_rows_matmul, prefill_matmul};
     use mha::Proj;
+    // f16 product kernels: AVX-512F, or AVX2 with FMA and F16C.
     let f16_kernels = {
         #[cfg(target_arch = "x86_64")]
         {
-            std::arch::is_x86_feature_detected!("avx512f")
+            use std::arch::is_x86_feature_detected as has;
+            has!("avx512f") || (has!("avx2") && has!("fma") && has!("f16c"))
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
