@@ -1,4 +1,5 @@
-//! Products of a few rows with a block-quantized weight (ggml's q8_0 and q4_0) on the CPU,
+//! Products of a few rows with a block-quantized weight (ggml's q8_0, q4_0 and, on CPUs
+//! without AVX-512 VNNI, q5_0) on the CPU,
 //! reading each weight block once from where it is stored: no dequantized or repacked copy.
 //!
 //! As in ggml, each row of `x` is first quantized to 8 bits in blocks of 32 (q8_0: one
@@ -38,6 +39,9 @@ enum Format {
     /// An f16 scale and 32 4-bit values `q` (value `q - 8`), element `j` in the low
     /// nibble of byte `j` and element `j + 16` in its high nibble.
     Q4_0,
+    /// An f16 scale, 32 high bits (bit `j` of a little-endian u32 for element `j`), then
+    /// the low four bits as q4_0's: value `q - 16` for the 5-bit `q`.
+    Q5_0,
 }
 
 impl Format {
@@ -45,6 +49,7 @@ impl Format {
         match dtype {
             GgmlDType::Q8_0 => Some(Self::Q8_0),
             GgmlDType::Q4_0 => Some(Self::Q4_0),
+            GgmlDType::Q5_0 => Some(Self::Q5_0),
             _ => None,
         }
     }
@@ -54,16 +59,17 @@ impl Format {
         match self {
             Self::Q8_0 => 2 + QK,
             Self::Q4_0 => 2 + QK / 2,
+            Self::Q5_0 => 2 + 4 + QK / 2,
         }
     }
 }
 
-/// Whether [`qmatmul`] has kernels for `w`: a q8_0 or q4_0 matrix on the CPU.
+/// Whether [`qmatmul`] has kernels for `w`: a q8_0, q4_0 or q5_0 matrix on the CPU.
 pub fn supported(w: &QTensor) -> bool {
     Format::of(w.dtype()).is_some() && w.device().is_cpu() && w.shape().rank() == 2
 }
 
-/// `xs [m, in] · wᵀ` over output rows `rows` of `w` (`[out, in]`, q8_0 or q4_0): an
+/// `xs [m, in] · wᵀ` over output rows `rows` of `w` (`[out, in]`, q8_0, q4_0, q5_0): an
 /// `[m, rows.len()]` f32 tensor, or `None` when `w` is of another format or not on the CPU
 /// (the caller then uses Candle's product). Any `m` works; the kernels pay off while a
 /// weight row read once serves every row of `x` from L1 (decoding, small batches).
@@ -308,7 +314,7 @@ fn dot(level: Level, format: Format, w: &[u8], (xq, xd, xo): (&[i8], &[f32], &[i
             (Level::Avx2 | Level::Avx512Vnni, Format::Q4_0) => {
                 return unsafe { x86::q4_0_avx2(w, xq, xd, xo) }
             }
-            (Level::Scalar, _) => {}
+            (Level::Scalar, _) | (_, Format::Q5_0) => {}
         }
     }
     let _ = level;
@@ -329,8 +335,11 @@ fn dot4(level: Level, format: Format, w: [&[u8]; 4], x: (&[i8], &[f32], &[i32]))
             match (level, format) {
                 (Level::Avx512Vnni, Format::Q8_0) => x86::vnni_x4::<false>(w, xq, xd, xo),
                 (Level::Avx512Vnni, Format::Q4_0) => x86::vnni_x4::<true>(w, xq, xd, xo),
-                (_, Format::Q8_0) => x86::avx2_x4::<false>(w, xq, xd, xo),
-                (_, Format::Q4_0) => x86::avx2_x4::<true>(w, xq, xd, xo),
+                (_, Format::Q8_0) => x86::avx2_x4::<8>(w, xq, xd, xo),
+                (_, Format::Q4_0) => x86::avx2_x4::<4>(w, xq, xd, xo),
+                // (Only CPUs without AVX-512 VNNI multiply q5_0 here: the others pack it,
+                // `qpacked`.)
+                (_, Format::Q5_0) => x86::avx2_x4::<5>(w, xq, xd, xo),
             }
         };
     }
@@ -359,6 +368,17 @@ fn dot_scalar(format: Format, w: &[u8], xq: &[i8], xd: &[f32]) -> f32 {
                     ((q & 15) as i32 - 8) * x[j] as i32 + ((q >> 4) as i32 - 8) * x[j + 16] as i32
                 })
                 .sum(),
+            Format::Q5_0 => {
+                let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+                let high = |j: usize| ((qh >> j) & 1) as i32 * 16;
+                (0..QK / 2)
+                    .map(|j| {
+                        let q = block[6 + j];
+                        ((q & 15) as i32 + high(j) - 16) * x[j] as i32
+                            + ((q >> 4) as i32 + high(j + 16) - 16) * x[j + 16] as i32
+                    })
+                    .sum()
+            }
         };
         acc += sum as f32 * (dw * xd[b]);
     }
@@ -396,7 +416,16 @@ mod x86 {
     #[inline]
     unsafe fn nibbles(p: *const u8) -> __m256i {
         // SAFETY (caller): a whole 18-byte block at `p`.
-        let q = unsafe { _mm_loadu_si128(p.add(2).cast()) };
+        unsafe { nibbles_at(p.add(2)) }
+    }
+
+    /// The 32 four-bit values of the 16 bytes at `q` as bytes in element order (q4_0's
+    /// layout: element j low in byte j, element j + 16 high).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn nibbles_at(q: *const u8) -> __m256i {
+        // SAFETY (caller): 16 readable bytes at `q`.
+        let q = unsafe { _mm_loadu_si128(q.cast()) };
         _mm256_and_si256(
             _mm256_set_m128i(_mm_srli_epi16::<4>(q), q),
             _mm256_set1_epi8(0x0f),
@@ -491,39 +520,74 @@ mod x86 {
         unsafe { p.cast::<i16>().read_unaligned() }
     }
 
-    /// The block at `p` (q4_0 when `Q4`, else q8_0) times the block of `x` in `xv`, as
-    /// eight lanes that sum to the block's integer sum less `c · Σ x` (q4_0's `c` of 8 is
-    /// taken off by the caller; q8_0's sum is exact): `vpmaddubsw` multiplies unsigned by
-    /// signed bytes, so q4_0's values go in as they are and q8_0 gives |w| and moves w's
-    /// sign onto `x` (pairs of products then reach 2·128·127, inside an i16).
+    /// The block at `p` of `BITS`-bit values (q8_0, q4_0 or q5_0) times the block of `x`
+    /// in `xv`, as eight lanes that sum to the block's integer sum plus `c · Σ x` (the
+    /// unsigned values' offset `c`, 8 or 16, is taken off by the caller; q8_0's sum is
+    /// exact): `vpmaddubsw` multiplies unsigned by signed bytes, so q4_0's and q5_0's
+    /// values go in unsigned and q8_0 gives |w| and moves w's sign onto `x` (pairs of
+    /// products then reach 2·128·127, inside an i16).
     #[target_feature(enable = "avx2")]
     #[inline]
-    unsafe fn block_sum<const Q4: bool>(p: *const u8, xv: __m256i) -> __m256i {
+    unsafe fn block_sum<const BITS: u8>(p: *const u8, xv: __m256i) -> __m256i {
         // SAFETY (caller): a whole block at `p`.
         let pairs = unsafe {
-            if Q4 {
-                _mm256_maddubs_epi16(nibbles(p), xv)
-            } else {
-                let wv = _mm256_loadu_si256(p.add(2).cast());
-                _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv))
+            match BITS {
+                4 => _mm256_maddubs_epi16(nibbles(p), xv),
+                5 => _mm256_maddubs_epi16(fifth_bits(p), xv),
+                _ => {
+                    let wv = _mm256_loadu_si256(p.add(2).cast());
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv))
+                }
             }
         };
         _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
     }
 
-    /// [`vnni_x4`] for CPUs with AVX2 alone: four rows (q4_0 when `Q4`, else q8_0) against
+    /// The 32 five-bit values of the q5_0 block at `p` as bytes in element order: bit j
+    /// of the high bits (a u32 after the scale) broadcast to byte j (as ggml's
+    /// `bytes_from_bits_32`: byte j keeps bit j of its copy, all others set, and equals
+    /// 0xff where that bit is), its 16 joined to the low nibbles.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn fifth_bits(p: *const u8) -> __m256i {
+        // SAFETY (caller): a whole 22-byte block at `p`.
+        let (qh, low) = unsafe {
+            (
+                p.add(2).cast::<i32>().read_unaligned(),
+                nibbles_at(p.add(6)),
+            )
+        };
+        let bytes = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(qh),
+            _mm256_set_epi64x(
+                0x0303_0303_0303_0303,
+                0x0202_0202_0202_0202,
+                0x0101_0101_0101_0101,
+                0,
+            ),
+        );
+        let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+        let set = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+        _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(16)))
+    }
+
+    /// [`vnni_x4`] for CPUs with AVX2 alone: four rows (q8_0, q4_0 or q5_0) against
     /// one row of `x`, two blocks per step, each block's product [`block_sum`]'s, the
     /// eight sums of a step reduced and scaled together. Where one row at a time read the
     /// four rows one after another, this reads them side by side (four streams) and
     /// reduces once per step instead of per row.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn avx2_x4<const Q4: bool>(
+    pub unsafe fn avx2_x4<const BITS: u8>(
         w: [&[u8]; 4],
         xq: &[i8],
         xd: &[f32],
         xs: &[i32],
     ) -> [f32; 4] {
-        let (bytes, c) = if Q4 { (18, 8) } else { (34, 0) };
+        let (bytes, c) = match BITS {
+            4 => (18, 8),
+            5 => (22, 16),
+            _ => (34, 0),
+        };
         let nb = xd.len();
         let p = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
         let mut acc = _mm256_setzero_ps();
@@ -536,14 +600,14 @@ mod x86 {
                 let (o0, o1) = (b * bytes, (b + 1) * bytes);
                 let u = |r: usize, o: usize| p[r].add(o);
                 let s = reduce8([
-                    block_sum::<Q4>(u(0, o0), x0),
-                    block_sum::<Q4>(u(1, o0), x0),
-                    block_sum::<Q4>(u(2, o0), x0),
-                    block_sum::<Q4>(u(3, o0), x0),
-                    block_sum::<Q4>(u(0, o1), x1),
-                    block_sum::<Q4>(u(1, o1), x1),
-                    block_sum::<Q4>(u(2, o1), x1),
-                    block_sum::<Q4>(u(3, o1), x1),
+                    block_sum::<BITS>(u(0, o0), x0),
+                    block_sum::<BITS>(u(1, o0), x0),
+                    block_sum::<BITS>(u(2, o0), x0),
+                    block_sum::<BITS>(u(3, o0), x0),
+                    block_sum::<BITS>(u(0, o1), x1),
+                    block_sum::<BITS>(u(1, o1), x1),
+                    block_sum::<BITS>(u(2, o1), x1),
+                    block_sum::<BITS>(u(3, o1), x1),
                 ]);
                 let offset =
                     _mm256_setr_m128i(_mm_set1_epi32(-c * xs[b]), _mm_set1_epi32(-c * xs[b + 1]));
@@ -570,10 +634,10 @@ mod x86 {
                 let x0 = _mm256_loadu_si256(xq.as_ptr().add(b * 32).cast());
                 let o = b * bytes;
                 let s = reduce4([
-                    block_sum::<Q4>(p[0].add(o), x0),
-                    block_sum::<Q4>(p[1].add(o), x0),
-                    block_sum::<Q4>(p[2].add(o), x0),
-                    block_sum::<Q4>(p[3].add(o), x0),
+                    block_sum::<BITS>(p[0].add(o), x0),
+                    block_sum::<BITS>(p[1].add(o), x0),
+                    block_sum::<BITS>(p[2].add(o), x0),
+                    block_sum::<BITS>(p[3].add(o), x0),
                 ]);
                 let s = _mm_cvtepi32_ps(_mm_add_epi32(s, _mm_set1_epi32(-c * xs[b])));
                 let h = _mm_setr_epi16(
@@ -810,7 +874,7 @@ pub(crate) mod tests {
     fn kernels_match_scalar_code_and_candle_and_the_f64_product() {
         let dev = Device::Cpu;
         // Odd block counts (k = 96, 800) exercise the one-block tails.
-        for (dtype, (m, k, n)) in [GgmlDType::Q8_0, GgmlDType::Q4_0]
+        for (dtype, (m, k, n)) in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q5_0]
             .into_iter()
             .flat_map(|d| [(1, 768, 300), (3, 96, 70), (8, 800, 129), (17, 256, 5)].map(|s| (d, s)))
         {
@@ -841,15 +905,18 @@ pub(crate) mod tests {
                 }
             }
             // Candle's product quantizes x the same way: the same numbers up to the order
-            // of the sums.
+            // of the sums. (Its q5_0 product takes blocks in pairs: an odd count fails its
+            // debug assertion.)
             let ys = qmatmul(&x, &q, 0..n).unwrap().unwrap();
             drop(data);
-            let theirs = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
-            let diff = (&ys - &theirs).unwrap().abs().unwrap().max_all().unwrap();
-            assert!(
-                diff.to_scalar::<f32>().unwrap() < 1e-3,
-                "{dtype:?} {m}x{k}x{n} against Candle"
-            );
+            if dtype != GgmlDType::Q5_0 || (k / QK).is_multiple_of(2) {
+                let theirs = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
+                let diff = (&ys - &theirs).unwrap().abs().unwrap().max_all().unwrap();
+                assert!(
+                    diff.to_scalar::<f32>().unwrap() < 1e-3,
+                    "{dtype:?} {m}x{k}x{n} against Candle"
+                );
+            }
             // Against the exact product with the dequantized weight, x's 8-bit rounding
             // (half a step, amax/254, per value) bounds the error: Σ |w|·amax/254.
             let ys: Vec<f32> = ys.flatten_all().unwrap().to_vec1().unwrap();
