@@ -480,7 +480,10 @@ impl Proj {
                     // are stored (Candle's kernels would keep a repacked copy of each matrix
                     // beside the file's).
                     QMatMul::QTensor(q) if rows < DENSE_ROWS => {
-                        crate::qmatvec::qmatmul(&xs2, q, start..start + len)?
+                        match crate::qmatvec::qmatmul(&xs2, q, start..start + len)? {
+                            Some(ys) => Some(ys),
+                            None => crate::qmatvec::kquant_matmul(&xs2, q, start..start + len)?,
+                        }
                     }
                     _ => None,
                 };
