@@ -390,67 +390,15 @@ fn span_products<E: SpanElem>(
     let swiglu = epilogue.act == Some(OutputAct::SwiGlu);
     // Output columns.
     let width = if swiglu { d_out / 2 } else { d_out };
-    // Tasks of about TASK_SLAB weights, as many as a multiple of the threads (a GQA
-    // model's k and v projections are small: one task would leave a thread idle), of at
-    // least MIN_COLS columns (the GEMM packs `x` again for every task).
-    let parallel = d_in * d_out >= PARALLEL_MIN;
-    let threads = if parallel {
-        rayon::current_num_threads().max(1)
-    } else {
-        1
-    };
     // (A SwiGLU task runs two products of its width, the gate's and the up projection's,
     // each of about TASK_SLAB weights.)
-    let most = (width / MIN_COLS).max(1);
-    let mut tasks = (d_in * width).div_ceil(TASK_SLAB).next_multiple_of(threads);
-    if tasks > most {
-        tasks = if most >= threads {
-            most / threads * threads
-        } else {
-            most
-        };
-    }
-    // Column spans in whole groups of 16, as even as that allows.
-    let units = width.div_ceil(16);
-    let tasks = tasks.min(units);
-    let spans: Vec<(usize, usize)> = (0..tasks)
-        .map(|t| {
-            (
-                units * t / tasks * 16,
-                (units * (t + 1) / tasks * 16).min(width),
-            )
-        })
-        .collect();
+    let (spans, parallel) = spans(d_in, width, d_in * d_out);
     let out = SharedOut(ys.as_mut_ptr());
-    // `dst[r·ds + j] = (x · w[:, c..c + n])[r, j]` with element (k, j) of the span at
-    // `w[k·rs + j·cs]`.
-    let product = |dst: *mut f32, ds: usize, n: usize, w: &[f32], rs: usize, cs: usize| {
-        // SAFETY: `dst` has m rows of stride `ds` with n writable columns, which no other
-        // task writes (each owns its columns of `ys`, or its thread's gate buffer); `x`
-        // holds m × in, and `w` the span (`fits` above, or the widened copy).
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                d_in,
-                dst,
-                1,
-                ds as isize,
-                false,
-                x.as_ptr(),
-                1,
-                d_in as isize,
-                w.as_ptr(),
-                cs as isize,
-                rs as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
-        }
+    // SAFETY (each call): `dst` has m rows of stride `ds` with n writable columns, which no
+    // other task writes (each owns its columns of `ys`, or its thread's gate buffer); `x`
+    // holds m × in, and `w` the span (`fits` above, or the widened copy).
+    let product = |dst: *mut f32, ds: usize, n: usize, w: &[f32], rs: usize, cs: usize| unsafe {
+        gemm_span(x, m, d_in, dst, ds, n, w, rs, cs)
     };
     // The weight's columns c..c + n into `dst`, widened through `buf` when half precision.
     let columns = |dst: *mut f32, ds: usize, c: usize, n: usize, buf: &mut Vec<f32>| {
@@ -526,6 +474,130 @@ fn span_products<E: SpanElem>(
         false => spans.iter().for_each(task),
     }
     true
+}
+
+/// Column spans of a prefill product's tasks (in whole groups of 16 columns) for an
+/// `[in, width]` product, and whether they run on the pool (a weight of `weights` values
+/// at least `PARALLEL_MIN`): tasks of about `TASK_SLAB` weights, as many as a multiple of
+/// the threads (a GQA model's k and v projections are small: one task would leave a thread
+/// idle), of at least `MIN_COLS` columns (the GEMM packs `x` again for every task).
+fn spans(d_in: usize, width: usize, weights: usize) -> (Vec<(usize, usize)>, bool) {
+    let parallel = weights >= PARALLEL_MIN;
+    let threads = if parallel {
+        rayon::current_num_threads().max(1)
+    } else {
+        1
+    };
+    let most = (width / MIN_COLS).max(1);
+    let mut tasks = (d_in * width).div_ceil(TASK_SLAB).next_multiple_of(threads);
+    if tasks > most {
+        tasks = if most >= threads {
+            most / threads * threads
+        } else {
+            most
+        };
+    }
+    // As even as whole groups of 16 allow.
+    let units = width.div_ceil(16);
+    let tasks = tasks.min(units);
+    let spans = (0..tasks)
+        .map(|t| {
+            (
+                units * t / tasks * 16,
+                (units * (t + 1) / tasks * 16).min(width),
+            )
+        })
+        .collect();
+    (spans, parallel)
+}
+
+/// `dst[r·ds + j] = (x · w)[r, j]` for `x` `[m, in]` and the `[in, n]` span `w` whose
+/// element (k, j) is `w[k·rs + j·cs]`, by the f32 GEMM on this thread.
+///
+/// # Safety
+/// `dst` has `m` rows of stride `ds` with `n` writable columns that no other thread
+/// touches; `x` holds `m × in` values and `w` every element the strides address.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_span(
+    x: &[f32],
+    m: usize,
+    d_in: usize,
+    dst: *mut f32,
+    ds: usize,
+    n: usize,
+    w: &[f32],
+    rs: usize,
+    cs: usize,
+) {
+    // SAFETY: the caller's.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            d_in,
+            dst,
+            1,
+            ds as isize,
+            false,
+            x.as_ptr(),
+            1,
+            d_in as isize,
+            w.as_ptr(),
+            cs as isize,
+            rs as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// `x [m, in] · wᵀ` (`[m, out]`) for a weight `[out, in]` whose rows `row(o, dst)` writes
+/// as f32: [`prefill_matmul`]'s tasks, each writing its span of rows into its thread's
+/// buffer (in L2) and multiplying it there, where a whole dequantized copy of a quantized
+/// matrix would be made first, on one thread, and read back from memory.
+pub fn prefill_rows(
+    x: &[f32],
+    m: usize,
+    d_in: usize,
+    d_out: usize,
+    row: &(dyn Fn(usize, &mut [f32]) + Sync),
+) -> Vec<f32> {
+    assert!(
+        x.len() >= m * d_in,
+        "prefill_rows: x holds fewer than m rows"
+    );
+    let mut ys = vec![0f32; m * d_out];
+    if m == 0 || d_in == 0 || d_out == 0 {
+        return ys;
+    }
+    let (spans, parallel) = spans(d_in, d_out, d_in * d_out);
+    let out = SharedOut(ys.as_mut_ptr());
+    let task = |&(c0, c1): &(usize, usize)| {
+        let n = c1 - c0;
+        SLAB_BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < d_in * n {
+                buf.resize(d_in * n, 0.0);
+            }
+            // The span as `[n, in]`.
+            let slab = &mut buf[..d_in * n];
+            for (j, dst) in slab.chunks_mut(d_in).enumerate() {
+                row(c0 + j, dst);
+            }
+            // SAFETY: columns c0..c1 of the m rows of `ys` (`[m, out]`), this task's alone;
+            // `slab` holds the span's n × in values.
+            unsafe { gemm_span(x, m, d_in, out.at(c0), d_out, n, slab, 1, d_in) };
+        })
+    };
+    match parallel && spans.len() > 1 {
+        true => spans.par_iter().for_each(task),
+        false => spans.iter().for_each(task),
+    }
+    ys
 }
 
 /// The output of a product that tasks write in disjoint columns.

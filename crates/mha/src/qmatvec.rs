@@ -162,6 +162,64 @@ pub fn kquant_matmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Opt
         .transpose()
 }
 
+/// `xs [m, in] · wᵀ` over output rows `rows` of a block-quantized `w` (`[out, in]`) for
+/// many rows of `x` (a prefill): each GEMM task of [`crate::matvec::prefill_rows`]
+/// dequantizes its span of rows (Candle's `to_float`) into its thread's buffer and
+/// multiplies it there. `None` for a format this does not read or blocks that are not
+/// whole rows.
+pub fn prefill_dequantized(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Tensor>> {
+    use candle_core::quantized::k_quants::{
+        BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1,
+        BlockQ6K, BlockQ8_0, GgmlType,
+    };
+    fn run<T: GgmlType>(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        data: &[u8],
+        rows: Range<usize>,
+    ) -> Option<Vec<f32>> {
+        // SAFETY: as in `kquant_matmul`: plain blocks, whole and aligned.
+        let (head, blocks, _) = unsafe { data.align_to::<T>() };
+        let nb = k / T::BLCK_SIZE;
+        if !head.is_empty() || !k.is_multiple_of(T::BLCK_SIZE) || blocks.len() < rows.end * nb {
+            return None;
+        }
+        let row = |o: usize, dst: &mut [f32]| {
+            let at = (rows.start + o) * nb;
+            T::to_float(&blocks[at..at + nb], dst)
+        };
+        Some(crate::matvec::prefill_rows(x, m, k, rows.len(), &row))
+    }
+    let (d_out, k) = w.shape().dims2()?;
+    let (m, xk) = xs.dims2()?;
+    if !w.device().is_cpu() || !xs.device().is_cpu() || xk != k {
+        return Ok(None);
+    }
+    if rows.start > rows.end || rows.end > d_out {
+        bail!("quantized product: rows {rows:?} of a weight with {d_out}")
+    }
+    let data = w.data()?;
+    let ys = crate::matvec::with_f32_values(xs, |x| {
+        let r = rows.clone();
+        Ok(match w.dtype() {
+            GgmlDType::Q4_0 => run::<BlockQ4_0>(x, m, k, &data, r),
+            GgmlDType::Q4_1 => run::<BlockQ4_1>(x, m, k, &data, r),
+            GgmlDType::Q5_0 => run::<BlockQ5_0>(x, m, k, &data, r),
+            GgmlDType::Q5_1 => run::<BlockQ5_1>(x, m, k, &data, r),
+            GgmlDType::Q8_0 => run::<BlockQ8_0>(x, m, k, &data, r),
+            GgmlDType::Q2K => run::<BlockQ2K>(x, m, k, &data, r),
+            GgmlDType::Q3K => run::<BlockQ3K>(x, m, k, &data, r),
+            GgmlDType::Q4K => run::<BlockQ4K>(x, m, k, &data, r),
+            GgmlDType::Q5K => run::<BlockQ5K>(x, m, k, &data, r),
+            GgmlDType::Q6K => run::<BlockQ6K>(x, m, k, &data, r),
+            _ => None,
+        })
+    })?;
+    ys.map(|ys| Tensor::from_vec(ys, (m, rows.len()), xs.device()))
+        .transpose()
+}
+
 /// Rows of `x` quantized as ggml's q8_0 (the scale rounded to f16, as the block stores it).
 pub(crate) struct QRows {
     /// `[m, k]`.
@@ -1039,6 +1097,65 @@ pub(crate) mod tests {
         let x = Tensor::zeros((1, 256), DType::F32, &dev).unwrap();
         let (_, q) = weight(4, 256, GgmlDType::Q4K, 0);
         assert!(kquant_matmul(&x, &q, 2..5).is_err(), "rows past the weight");
+    }
+
+    /// A prefill's product with each task dequantizing its own rows: the f32 product with
+    /// Candle's dequantized weight, for every block format, a range of rows, and enough
+    /// rows and columns for several tasks on the pool.
+    #[test]
+    fn prefill_products_are_those_of_the_dequantized_weight() {
+        let dev = Device::Cpu;
+        for dtype in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q2K,
+            GgmlDType::Q3K,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+        ] {
+            let (m, k, n) = (40, 512, 300);
+            let (_, q) = weight(n, k, dtype, 3);
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
+            let dense = q.dequantize(&dev).unwrap().to_dtype(DType::F64).unwrap();
+            let want = x
+                .to_dtype(DType::F64)
+                .unwrap()
+                .matmul(&dense.t().unwrap())
+                .unwrap();
+            let scale = want
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+            for (lo, hi) in [(0, n), (17, 251)] {
+                let got = prefill_dequantized(&x, &q, lo..hi).unwrap().unwrap();
+                let diff = (got.to_dtype(DType::F64).unwrap()
+                    - want.narrow(1, lo, hi - lo).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+                assert!(
+                    diff <= 1e-5 * scale,
+                    "{dtype:?} rows {lo}..{hi}: {diff} of {scale}"
+                );
+            }
+        }
+        let x = Tensor::zeros((2, 256), DType::F32, &dev).unwrap();
+        let (_, q) = weight(4, 256, GgmlDType::Q4_0, 0);
+        assert!(
+            prefill_dequantized(&x, &q, 2..5).is_err(),
+            "rows past the weight"
+        );
     }
 
     #[test]
