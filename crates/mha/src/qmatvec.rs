@@ -21,6 +21,7 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
+use candle_core::quantized::k_quants::GgmlType;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, Result, Tensor};
 use half::f16;
@@ -114,13 +115,62 @@ pub fn qmatmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Te
 /// decoding time for the 40% of its bytes that are q4_K, where the q6_K rest took a
 /// quarter through this product.
 pub fn kquant_matmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Tensor>> {
+    struct Product;
+    impl BlockProduct for Product {
+        fn run<T: GgmlType>(&self, x: &[f32], m: usize, k: usize, w: &[T]) -> Result<Vec<f32>> {
+            let n = w.len() / (k / T::BLCK_SIZE);
+            let mut ys = vec![0f32; m * n];
+            candle_core::quantized::k_quants::matmul((m, k, n), x, w, &mut ys)?;
+            Ok(ys)
+        }
+    }
+    match w.dtype() {
+        GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K => {
+            with_blocks(xs, w, rows, Product)
+        }
+        _ => Ok(None),
+    }
+}
+
+/// `xs [m, in] · wᵀ` over output rows `rows` of a block-quantized `w` (`[out, in]`) for
+/// many rows of `x` (a prefill): each GEMM task of [`crate::matvec::prefill_rows`]
+/// dequantizes its span of rows (Candle's `to_float`) into its thread's buffer and
+/// multiplies it there. `None` for a format this does not read.
+pub fn prefill_dequantized(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Tensor>> {
+    struct Dequantized;
+    impl BlockProduct for Dequantized {
+        fn run<T: GgmlType>(&self, x: &[f32], m: usize, k: usize, w: &[T]) -> Result<Vec<f32>> {
+            let nb = k / T::BLCK_SIZE;
+            let row = |o: usize, dst: &mut [f32]| T::to_float(&w[o * nb..][..nb], dst);
+            Ok(crate::matvec::prefill_rows(x, m, k, w.len() / nb, &row))
+        }
+    }
+    with_blocks(xs, w, rows, Dequantized)
+}
+
+/// A product of rows of `x` with the rows of a block-quantized weight, as Candle's blocks.
+trait BlockProduct {
+    /// `x [m, k] · wᵀ`, `[m, n]` for the `n` rows of `k / T::BLCK_SIZE` blocks in `w`.
+    fn run<T: GgmlType>(&self, x: &[f32], m: usize, k: usize, w: &[T]) -> Result<Vec<f32>>;
+}
+
+/// `p` on the rows `rows` of `w` seen as Candle's blocks of its format (any format with a
+/// block type; `None` for others, a width that is not whole blocks, or storage that is
+/// not whole aligned blocks).
+fn with_blocks(
+    xs: &Tensor,
+    w: &QTensor,
+    rows: Range<usize>,
+    p: impl BlockProduct,
+) -> Result<Option<Tensor>> {
     use candle_core::quantized::k_quants::{
-        BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, GgmlType,
+        BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1,
+        BlockQ6K, BlockQ8_0,
     };
     fn run<T: GgmlType>(
+        p: &impl BlockProduct,
         x: &[f32],
-        m: usize,
-        k: usize,
+        (m, k): (usize, usize),
         data: &[u8],
         rows: Range<usize>,
     ) -> Result<Option<Vec<f32>>> {
@@ -128,72 +178,15 @@ pub fn kquant_matmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Opt
         // which every bit pattern is valid; `align_to` only yields whole, aligned blocks.
         let (head, blocks, _) = unsafe { data.align_to::<T>() };
         let nb = k / T::BLCK_SIZE;
-        if !head.is_empty() || blocks.len() < rows.end * nb {
+        if !head.is_empty() || !k.is_multiple_of(T::BLCK_SIZE) || blocks.len() < rows.end * nb {
             return Ok(None);
         }
-        let n = rows.len();
-        let mut ys = vec![0f32; m * n];
-        candle_core::quantized::k_quants::matmul(
-            (m, k, n),
-            x,
-            &blocks[rows.start * nb..rows.end * nb],
-            &mut ys,
-        )?;
-        Ok(Some(ys))
+        p.run(x, m, k, &blocks[rows.start * nb..rows.end * nb])
+            .map(Some)
     }
     let (d_out, k) = w.shape().dims2()?;
     let (m, xk) = xs.dims2()?;
-    if !w.device().is_cpu() || !xs.device().is_cpu() || xk != k || !k.is_multiple_of(256) {
-        return Ok(None);
-    }
-    if rows.start > rows.end || rows.end > d_out {
-        bail!("quantized product: rows {rows:?} of a weight with {d_out}")
-    }
-    let data = w.data()?;
-    let ys = crate::matvec::with_f32_values(xs, |x| match w.dtype() {
-        GgmlDType::Q2K => run::<BlockQ2K>(x, m, k, &data, rows.clone()),
-        GgmlDType::Q3K => run::<BlockQ3K>(x, m, k, &data, rows.clone()),
-        GgmlDType::Q4K => run::<BlockQ4K>(x, m, k, &data, rows.clone()),
-        GgmlDType::Q5K => run::<BlockQ5K>(x, m, k, &data, rows.clone()),
-        GgmlDType::Q6K => run::<BlockQ6K>(x, m, k, &data, rows.clone()),
-        _ => Ok(None),
-    })?;
-    ys.map(|ys| Tensor::from_vec(ys, (m, rows.len()), xs.device()))
-        .transpose()
-}
-
-/// `xs [m, in] · wᵀ` over output rows `rows` of a block-quantized `w` (`[out, in]`) for
-/// many rows of `x` (a prefill): each GEMM task of [`crate::matvec::prefill_rows`]
-/// dequantizes its span of rows (Candle's `to_float`) into its thread's buffer and
-/// multiplies it there. `None` for a format this does not read or blocks that are not
-/// whole rows.
-pub fn prefill_dequantized(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Tensor>> {
-    use candle_core::quantized::k_quants::{
-        BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1,
-        BlockQ6K, BlockQ8_0, GgmlType,
-    };
-    fn run<T: GgmlType>(
-        x: &[f32],
-        m: usize,
-        k: usize,
-        data: &[u8],
-        rows: Range<usize>,
-    ) -> Option<Vec<f32>> {
-        // SAFETY: as in `kquant_matmul`: plain blocks, whole and aligned.
-        let (head, blocks, _) = unsafe { data.align_to::<T>() };
-        let nb = k / T::BLCK_SIZE;
-        if !head.is_empty() || !k.is_multiple_of(T::BLCK_SIZE) || blocks.len() < rows.end * nb {
-            return None;
-        }
-        let row = |o: usize, dst: &mut [f32]| {
-            let at = (rows.start + o) * nb;
-            T::to_float(&blocks[at..at + nb], dst)
-        };
-        Some(crate::matvec::prefill_rows(x, m, k, rows.len(), &row))
-    }
-    let (d_out, k) = w.shape().dims2()?;
-    let (m, xk) = xs.dims2()?;
-    if !w.device().is_cpu() || !xs.device().is_cpu() || xk != k {
+    if !w.device().is_cpu() || !xs.device().is_cpu() || xk != k || k == 0 {
         return Ok(None);
     }
     if rows.start > rows.end || rows.end > d_out {
@@ -201,20 +194,20 @@ pub fn prefill_dequantized(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Resu
     }
     let data = w.data()?;
     let ys = crate::matvec::with_f32_values(xs, |x| {
-        let r = rows.clone();
-        Ok(match w.dtype() {
-            GgmlDType::Q4_0 => run::<BlockQ4_0>(x, m, k, &data, r),
-            GgmlDType::Q4_1 => run::<BlockQ4_1>(x, m, k, &data, r),
-            GgmlDType::Q5_0 => run::<BlockQ5_0>(x, m, k, &data, r),
-            GgmlDType::Q5_1 => run::<BlockQ5_1>(x, m, k, &data, r),
-            GgmlDType::Q8_0 => run::<BlockQ8_0>(x, m, k, &data, r),
-            GgmlDType::Q2K => run::<BlockQ2K>(x, m, k, &data, r),
-            GgmlDType::Q3K => run::<BlockQ3K>(x, m, k, &data, r),
-            GgmlDType::Q4K => run::<BlockQ4K>(x, m, k, &data, r),
-            GgmlDType::Q5K => run::<BlockQ5K>(x, m, k, &data, r),
-            GgmlDType::Q6K => run::<BlockQ6K>(x, m, k, &data, r),
-            _ => None,
-        })
+        let (x, r, mk) = (x, rows.clone(), (m, k));
+        match w.dtype() {
+            GgmlDType::Q4_0 => run::<BlockQ4_0>(&p, x, mk, &data, r),
+            GgmlDType::Q4_1 => run::<BlockQ4_1>(&p, x, mk, &data, r),
+            GgmlDType::Q5_0 => run::<BlockQ5_0>(&p, x, mk, &data, r),
+            GgmlDType::Q5_1 => run::<BlockQ5_1>(&p, x, mk, &data, r),
+            GgmlDType::Q8_0 => run::<BlockQ8_0>(&p, x, mk, &data, r),
+            GgmlDType::Q2K => run::<BlockQ2K>(&p, x, mk, &data, r),
+            GgmlDType::Q3K => run::<BlockQ3K>(&p, x, mk, &data, r),
+            GgmlDType::Q4K => run::<BlockQ4K>(&p, x, mk, &data, r),
+            GgmlDType::Q5K => run::<BlockQ5K>(&p, x, mk, &data, r),
+            GgmlDType::Q6K => run::<BlockQ6K>(&p, x, mk, &data, r),
+            _ => Ok(None),
+        }
     })?;
     ys.map(|ys| Tensor::from_vec(ys, (m, rows.len()), xs.device()))
         .transpose()
