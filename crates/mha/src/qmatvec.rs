@@ -510,14 +510,6 @@ mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn hsum256(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-    }
-
     /// The 32 values of the q4_0 block at `p` as unsigned bytes in element order.
     #[target_feature(enable = "avx2")]
     #[inline]
@@ -556,7 +548,7 @@ mod x86 {
                 acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(scale(p) * dx), acc);
             }
         }
-        hsum256(acc)
+        crate::simd::avx2::hsum(acc)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -578,7 +570,7 @@ mod x86 {
                 acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(scale(p) * dx), acc);
             }
         }
-        hsum256(acc)
+        crate::simd::avx2::hsum(acc)
     }
 
     /// Four rows' integer sums for two blocks, each the sum of the eight lanes of its
