@@ -502,10 +502,10 @@ impl Proj {
                             QMatMul::QTensor(q)
                                 if rows >= DENSE_ROWS && !candle_repacks(q, *d_in, *d_out) =>
                             {
-                                // [rows, in] x [in, out], by the prefill's per-thread
-                                // GEMM tasks (GPT-2 124M q4_0 and SmolLM-135M q8_0
-                                // prefill 1.04–1.05× Candle's matmul on a Zen 3 CPU,
-                                // medians of 4 alternating).
+                                // A format `prefill_dequantized` does not read: the
+                                // whole matrix dequantized, [rows, in] x [in, out], by the
+                                // prefill's per-thread GEMM tasks (1.04–1.05× Candle's
+                                // matmul for q4_0 and q8_0 on a Zen 3 CPU).
                                 let w_t = q.dequantize(&q.device())?.t()?;
                                 match crate::matvec::prefill_matmul(&xs32, &w_t)? {
                                     Some(ys) => ys,
