@@ -146,5 +146,36 @@ fn bench_qmatvec(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_matvec, bench_qmatvec);
+/// A prefill's products with block-quantized weights on a CPU without AVX-512 VNNI:
+/// `mha::qgemm` (the integer GEMM on 8-bit activations) against each task dequantizing its
+/// span for the f32 GEMM (`qmatvec::prefill_dequantized`, what it replaced). Throughput is
+/// in multiply-adds per second (`elements`). `cargo bench -p mha --bench matvec -- qgemm`.
+fn bench_qgemm(c: &mut Criterion) {
+    if !mha::qgemm::available() {
+        return;
+    }
+    let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
+    let mut group = c.benchmark_group("qgemm");
+    group.sample_size(10);
+    let rows = 512;
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q5_0] {
+        for (name, d_in, d_out) in [("c_fc_768x3072", 768, 3072), ("c_proj_3072x768", 3072, 768)] {
+            let w = QTensor::quantize(&randn((d_out, d_in)), dtype).unwrap();
+            let xs = randn((rows, d_in));
+            let id = format!("{dtype:?}/{name}/rows{rows}");
+            group.throughput(Throughput::Elements((rows * d_in * d_out) as u64));
+            group.bench_function(BenchmarkId::new("integer", &id), |bench| {
+                bench.iter(|| pool.install(|| mha::qgemm::prefill(&xs, &w, 0..d_out).unwrap()))
+            });
+            group.bench_function(BenchmarkId::new("dequantized", &id), |bench| {
+                bench.iter(|| {
+                    pool.install(|| mha::qmatvec::prefill_dequantized(&xs, &w, 0..d_out).unwrap())
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_matvec, bench_qmatvec, bench_qgemm);
 criterion_main!(benches);

@@ -82,6 +82,7 @@ mod mask;
 pub mod matvec;
 pub mod memory;
 pub mod ops;
+pub mod qgemm;
 pub mod qmatvec;
 pub mod qpacked;
 mod rope;

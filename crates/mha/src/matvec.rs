@@ -481,7 +481,7 @@ fn span_products<E: SpanElem>(
 /// at least `PARALLEL_MIN`): tasks of about `TASK_SLAB` weights, as many as a multiple of
 /// the threads (a GQA model's k and v projections are small: one task would leave a thread
 /// idle), of at least `MIN_COLS` columns (the GEMM packs `x` again for every task).
-fn spans(d_in: usize, width: usize, weights: usize) -> (Vec<(usize, usize)>, bool) {
+pub(crate) fn spans(d_in: usize, width: usize, weights: usize) -> (Vec<(usize, usize)>, bool) {
     let parallel = weights >= PARALLEL_MIN;
     let threads = if parallel {
         rayon::current_num_threads().max(1)
@@ -601,7 +601,7 @@ pub fn prefill_rows(
 }
 
 /// The output of a product that tasks write in disjoint columns.
-struct SharedOut(*mut f32);
+pub(crate) struct SharedOut(pub(crate) *mut f32);
 // SAFETY: each task writes its own columns (see `slab_products`), and the vector outlives
 // them (the parallel loop returns when they are done).
 unsafe impl Sync for SharedOut {}
@@ -611,7 +611,7 @@ impl SharedOut {
     ///
     /// # Safety
     /// `i` must lie inside the vector.
-    unsafe fn at(&self, i: usize) -> *mut f32 {
+    pub(crate) unsafe fn at(&self, i: usize) -> *mut f32 {
         self.0.add(i)
     }
 }

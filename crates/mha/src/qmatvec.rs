@@ -30,11 +30,11 @@ use crate::matvec::{map_ranges, ranges};
 use rayon::prelude::*;
 
 /// Values per block, in both formats and in the quantized rows of `x`.
-const QK: usize = 32;
+pub(crate) const QK: usize = 32;
 
 /// The weight formats with kernels here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Format {
+pub(crate) enum Format {
     /// An f16 scale and 32 signed bytes.
     Q8_0,
     /// An f16 scale and 32 4-bit values `q` (value `q - 8`), element `j` in the low
@@ -46,7 +46,7 @@ enum Format {
 }
 
 impl Format {
-    fn of(dtype: GgmlDType) -> Option<Self> {
+    pub(crate) fn of(dtype: GgmlDType) -> Option<Self> {
         match dtype {
             GgmlDType::Q8_0 => Some(Self::Q8_0),
             GgmlDType::Q4_0 => Some(Self::Q4_0),
@@ -56,7 +56,7 @@ impl Format {
     }
 
     /// Bytes per block of 32 values.
-    fn block_bytes(self) -> usize {
+    pub(crate) fn block_bytes(self) -> usize {
         match self {
             Self::Q8_0 => 2 + QK,
             Self::Q4_0 => 2 + QK / 2,
@@ -242,8 +242,13 @@ impl QRows {
         )
     }
 
-    fn rows(&self) -> usize {
+    pub(crate) fn rows(&self) -> usize {
         self.q.len() / self.k.max(1)
+    }
+
+    /// Values per row.
+    pub(crate) fn width(&self) -> usize {
+        self.k
     }
 }
 
@@ -947,7 +952,7 @@ pub(crate) mod tests {
 
     /// A `[n, k]` weight of standard normal values (with a few large ones, so blocks have
     /// different scales), quantized by Candle.
-    fn weight(n: usize, k: usize, dtype: GgmlDType, seed: u64) -> (Vec<f32>, QTensor) {
+    pub(crate) fn weight(n: usize, k: usize, dtype: GgmlDType, seed: u64) -> (Vec<f32>, QTensor) {
         let dev = Device::Cpu;
         let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
         let spikes = (Tensor::rand(0f32, 1.0, (n, k), &dev)
@@ -967,6 +972,16 @@ pub(crate) mod tests {
             .to_vec1()
             .unwrap();
         (wd, q)
+    }
+
+    /// `x [m, k] · qᵀ` (`[m, n]`) by the scalar code: `x` quantized per block, exact
+    /// integer sums per block, f32 across blocks.
+    pub(crate) fn scalar_product(q: &QTensor, x: &[f32]) -> Vec<f32> {
+        let format = Format::of(q.dtype()).unwrap();
+        let k = q.shape().dims2().unwrap().1;
+        let row_bytes = k / QK * format.block_bytes();
+        let data = q.data().unwrap();
+        product(Level::Scalar, format, &data, row_bytes, &QRows::new(x, k))
     }
 
     #[test]

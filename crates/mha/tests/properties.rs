@@ -1302,27 +1302,39 @@ fn quantized_projections_agree_across_row_counts() -> Result<()> {
         let want = xs.broadcast_matmul(&dense.t()?)?.broadcast_add(&bias)?;
         let got = proj.forward(&xs)?;
         let what = format!("{dtype:?} {d_in}x{d_out}");
-        // Prefill-sized products of matrices that neither Candle's repacked kernels nor
-        // our packed q8_0/q4_0 ones take (both quantize `x` to 8 bits, as llama.cpp does) are
-        // the f32 product with the dequantized weight.
+        // Prefill-sized products of matrices that none of Candle's repacked kernels, our
+        // packed q8_0/q4_0 ones (AVX-512 VNNI) or our integer GEMM (AVX2) take (all quantize
+        // `x` to 8 bits, as llama.cpp does) are the f32 product with the dequantized weight.
         let packed = mha::qpacked::Packed::available();
+        // (The integer GEMM takes q4_0 and q5_0; q8_0 goes to it only where packed.)
+        let ours = match dtype {
+            GgmlDType::Q4_0 => packed || mha::qgemm::available(),
+            _ => packed,
+        };
         let eight_bit_x = match dtype {
-            GgmlDType::Q8_0 => d_in % 256 == 0 || packed,
-            GgmlDType::Q4_0 => packed,
+            GgmlDType::Q8_0 => d_in % 256 == 0 || ours,
+            GgmlDType::Q4_0 => ours,
             GgmlDType::Q4K => d_in % 256 == 0,
             _ => false,
         };
+        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
         if !eight_bit_x {
             assert_close(&got, &want, 1e-4, 1e-4, &format!("{what}: 48 rows"));
+        } else {
+            let err = max_abs_diff(&got, &want);
+            assert!(
+                err <= 0.02 * scale,
+                "{what}: 48 rows off by {err} (scale {scale})"
+            );
         }
         let row = proj.forward(&xs.narrow(1, 5, 1)?)?;
-        if matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_0) && packed {
-            // The same kernel row by row: a row's outputs do not depend on the others.
+        if matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_0) && ours {
+            // Row by row (the decoding kernels, or the same packed one) as in the batch: the
+            // same integer sums per block, and a row's outputs do not depend on the others.
             let in_batch = got.narrow(1, 5, 1)?;
             assert_close(&row, &in_batch, 1e-5, 1e-5, &format!("{what}: row 5"));
         }
         let err = max_abs_diff(&row, &want.narrow(1, 5, 1)?);
-        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(
             err <= 0.02 * scale,
             "{what}: one row off by {err} (scale {scale})"

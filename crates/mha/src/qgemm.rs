@@ -1,0 +1,355 @@
+//! A prefill's products with q8_0, q4_0 and q5_0 matrices on CPUs with AVX2 but without
+//! AVX-512 VNNI (where [`crate::qpacked`] does not pack them and Candle 0.11 has no
+//! repacked kernel): an integer GEMM on 8-bit activations.
+//!
+//! As in decoding ([`crate::qmatvec`]) and in llama.cpp, each row of `x` is quantized to
+//! 8 bits in blocks of 32 (q8_0), so a block's product is an exact integer sum times the
+//! two scales. Each task of the product takes a span of weight rows and repacks it, into
+//! its thread's buffer, as tiles of 8 rows × one block: the 8 scales as f32, then the 32
+//! values of each row in groups of four, so that one 32-byte load holds four values of
+//! each of the 8 rows. `vpmaddubsw` multiplies it by four values of a row of `x` broadcast
+//! to every lane and `vpmaddwd` adds the pairs, leaving one lane per weight row: no
+//! horizontal sums, and one conversion and one scaling per block for 8 rows. A tile block
+//! serves four rows of `x` per pass from L1; a chunk of `x`'s rows stays in L2 while every
+//! tile of the span passes over it.
+//!
+//! `vpmaddubsw` multiplies unsigned by signed bytes and saturates its pair sums at i16.
+//! q4_0's and q5_0's values go in unsigned (their offsets of 8 and 16 come off through
+//! the block sums of `x`), and their pair sums are small enough (2·31·127 at most) to add
+//! four (q5_0) or eight (q4_0) groups as i16 before widening. q8_0 gives |w| and moves
+//! w's sign onto `x`, whose values are in [-127, 127]: pairs reach 2·128·127, inside an
+//! i16, and are widened at once.
+//!
+//! Against each task dequantizing its span to f32 for the f32 GEMM
+//! ([`crate::qmatvec::prefill_dequantized`], what a prefill did before on these CPUs), on
+//! a Zen 3 CPU: q4_0 and q5_0 products of GPT-2's shapes 1.27–1.76× as fast
+//! (`cargo bench -p mha --bench matvec -- qgemm`), whole prefills 1.08–1.38×; q8_0, with
+//! its sign moves and a widening per group, only level with the f32 GEMM, so `Proj` keeps
+//! q8_0 on the dequantized path (docs/PERFORMANCE.md). The sums are the scalar code's
+//! ([`crate::qmatvec`]) in the same order of blocks; the tests hold the kernel to it.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use candle_core::quantized::QTensor;
+use candle_core::{bail, Result, Tensor};
+use half::f16;
+use rayon::prelude::*;
+
+use crate::matvec::SharedOut;
+use crate::qmatvec::{Format, QRows, QK};
+
+/// Weight rows per tile: one 32-bit lane each.
+const ROWS: usize = 8;
+/// Bytes per tile and block: 8 f32 scales, then 8 groups of four values of each row.
+const TILE: usize = 4 * ROWS + QK * ROWS;
+/// Rows of `x` per pass over a tile.
+const XR: usize = 3;
+/// Rows of `x` per chunk: their values (`CHUNK · in` bytes, 192 KiB for GPT-2's MLP
+/// input of 3072) stay in L2 while the span's tiles pass over them.
+const CHUNK: usize = 64;
+
+thread_local! {
+    /// Each thread's tiles of the span it multiplies.
+    static TILES: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether this CPU runs [`prefill`]'s kernel: AVX2, FMA and F16C.
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        has!("avx2") && has!("fma") && has!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// `xs [m, in] · wᵀ` over output rows `rows` of `w` (`[out, in]`, q8_0, q4_0 or q5_0 on the
+/// CPU), `[m, rows.len()]` in f32, with `xs` quantized to 8 bits per block of 32; `None`
+/// for other formats or devices, or a CPU without AVX2 (see [`available`]).
+pub fn prefill(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Tensor>> {
+    let Some(format) = Format::of(w.dtype()) else {
+        return Ok(None);
+    };
+    if !available() || !crate::qmatvec::supported(w) || !xs.device().is_cpu() {
+        return Ok(None);
+    }
+    let (d_out, k) = w.shape().dims2()?;
+    let (m, xk) = xs.dims2()?;
+    if xk != k {
+        bail!("quantized product: inputs [{m}, {xk}] for a weight [{d_out}, {k}]")
+    }
+    if rows.start > rows.end || rows.end > d_out {
+        bail!("quantized product: rows {rows:?} of a weight with {d_out}")
+    }
+    if !k.is_multiple_of(QK) {
+        bail!("quantized product: input width {k} is not a multiple of {QK}")
+    }
+    let data = w.data()?;
+    let row_bytes = k / QK * format.block_bytes();
+    if data.len() < d_out * row_bytes {
+        bail!(
+            "quantized product: {} bytes for a [{d_out}, {k}] {format:?} weight",
+            data.len()
+        )
+    }
+    let x = crate::matvec::with_f32_values(xs, |x| Ok(QRows::new(x, k)))?;
+    let weights = &data[rows.start * row_bytes..rows.end * row_bytes];
+    let ys = product(format, weights, row_bytes, &x);
+    Tensor::from_vec(ys, (m, rows.len()), xs.device()).map(Some)
+}
+
+/// `[m, n]`: every row of `x` against the `n` weight rows of `row_bytes` bytes in `w`.
+/// The caller has checked that the CPU has AVX2, FMA and F16C.
+fn product(format: Format, w: &[u8], row_bytes: usize, x: &QRows) -> Vec<f32> {
+    let (m, k) = (x.rows(), x.width());
+    let n = w.len() / row_bytes.max(1);
+    let mut ys = vec![0f32; m * n];
+    if m == 0 || n == 0 || k == 0 {
+        return ys;
+    }
+    let nb = k / QK;
+    let (spans, parallel) = crate::matvec::spans(k, n, k * n);
+    let out = SharedOut(ys.as_mut_ptr());
+    let task = |&(c0, c1): &(usize, usize)| {
+        let tiles = (c1 - c0).div_ceil(ROWS);
+        TILES.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < tiles * nb * TILE {
+                buf.resize(tiles * nb * TILE, 0);
+            }
+            for (t, tile) in buf.chunks_exact_mut(nb * TILE).take(tiles).enumerate() {
+                let rows = c0 + t * ROWS..(c0 + (t + 1) * ROWS).min(c1);
+                pack(format, w, row_bytes, rows, tile);
+            }
+            for r0 in (0..m).step_by(CHUNK) {
+                let r1 = (r0 + CHUNK).min(m);
+                for (t, tile) in buf.chunks_exact(nb * TILE).take(tiles).enumerate() {
+                    let c = c0 + t * ROWS;
+                    let cols = (c1 - c).min(ROWS);
+                    let mut r = r0;
+                    while r < r1 {
+                        let take = (r1 - r).min(XR);
+                        let sums = tile_product(format, tile, x, r, take);
+                        for (j, s) in sums.iter().take(take).enumerate() {
+                            // SAFETY: row r + j < m of `ys` (`[m, n]`), columns c..c + cols
+                            // inside this task's span, which no other task writes.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    s.as_ptr(),
+                                    out.at((r + j) * n + c),
+                                    cols,
+                                )
+                            };
+                        }
+                        r += take;
+                    }
+                }
+            }
+        })
+    };
+    match parallel && spans.len() > 1 {
+        true => spans.par_iter().for_each(task),
+        false => spans.iter().for_each(task),
+    }
+    ys
+}
+
+/// Weight rows `rows` (at most [`ROWS`]) of `w` as tiles, one per block, into `tile`
+/// (`in / 32` tiles): lane `i` holds row `rows.start + i`, or zeros past `rows.end`.
+fn pack(format: Format, w: &[u8], row_bytes: usize, rows: Range<usize>, tile: &mut [u8]) {
+    let bytes = format.block_bytes();
+    let nb = row_bytes / bytes;
+    for i in 0..ROWS {
+        let r = rows.start + i;
+        for b in 0..nb {
+            let t = &mut tile[b * TILE..][..TILE];
+            let (d, v) = match r < rows.end {
+                true => values(format, &w[r * row_bytes + b * bytes..][..bytes]),
+                false => (0.0, [0; QK]),
+            };
+            t[4 * i..][..4].copy_from_slice(&d.to_le_bytes());
+            for g in 0..QK / 4 {
+                t[4 * ROWS + QK * g + 4 * i..][..4].copy_from_slice(&v[4 * g..][..4]);
+            }
+        }
+    }
+}
+
+/// A block's scale and its 32 values as the kernel takes them: q8_0's signed bytes,
+/// q4_0's and q5_0's unsigned values (`q`, not `q - 8` or `q - 16`).
+fn values(format: Format, block: &[u8]) -> (f32, [u8; QK]) {
+    let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+    let mut v = [0u8; QK];
+    match format {
+        Format::Q8_0 => v.copy_from_slice(&block[2..2 + QK]),
+        Format::Q4_0 => {
+            for j in 0..QK / 2 {
+                v[j] = block[2 + j] & 15;
+                v[j + QK / 2] = block[2 + j] >> 4;
+            }
+        }
+        Format::Q5_0 => {
+            let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
+            for j in 0..QK / 2 {
+                let high = |e: usize| (((qh >> e) & 1) as u8) << 4;
+                v[j] = (block[6 + j] & 15) | high(j);
+                v[j + QK / 2] = (block[6 + j] >> 4) | high(j + QK / 2);
+            }
+        }
+    }
+    (d, v)
+}
+
+/// Rows `r..r + take` of `x` (`take` ≤ [`XR`]) against one tile's 8 weight rows:
+/// `[take][8]` sums (rows of `x` past `take` are zeros).
+fn tile_product(format: Format, tile: &[u8], x: &QRows, r: usize, take: usize) -> [[f32; 8]; XR] {
+    let nb = x.width() / QK;
+    assert!(tile.len() >= nb * TILE && r + take <= x.rows() && (1..=XR).contains(&take));
+    let rows: [_; XR] = std::array::from_fn(|j| x.row(r + j.min(take - 1)));
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: the caller checked the CPU's features (`available`); the tile holds `nb`
+        // tile blocks and every row of `x` `nb` blocks (checked above and by `QRows`).
+        unsafe {
+            match format {
+                Format::Q8_0 => x86::tile_x4::<true, 1, XR>(tile, nb, rows, 0),
+                Format::Q4_0 => x86::tile_x4::<false, 8, XR>(tile, nb, rows, 8),
+                Format::Q5_0 => x86::tile_x4::<false, 4, XR>(tile, nb, rows, 16),
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (format, rows);
+        unreachable!("`prefill` returns None before a product on this architecture")
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{ROWS, TILE};
+    use std::arch::x86_64::*;
+
+    /// Four rows of `x` (values, scales, block sums) against a tile's 8 weight rows over
+    /// `nb` blocks. `SIGNED`: q8_0's signed values; otherwise unsigned values `u = w + c`,
+    /// whose pair sums add as i16 for `ACC` groups before widening (ACC · 2 · 127 · max u
+    /// must stay inside an i16), and whose offset `c · Σ x` comes off each block's sum.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `tile` holds `nb` tile blocks, and each row of `x`
+    /// `nb` blocks of values, scales and sums.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile_x4<const SIGNED: bool, const ACC: usize, const R: usize>(
+        tile: &[u8],
+        nb: usize,
+        x: [(&[i8], &[f32], &[i32]); R],
+        c: i32,
+    ) -> [[f32; 8]; R] {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            // SAFETY: block b of the tile and of every row of `x` are in bounds (caller).
+            unsafe {
+                let t = tile.as_ptr().add(b * TILE);
+                let mut sums = [_mm256_setzero_si256(); R];
+                let mut pairs = [_mm256_setzero_si256(); R];
+                for g in 0..8 {
+                    let wv = _mm256_loadu_si256(t.add(4 * ROWS + 32 * g).cast());
+                    let aw = if SIGNED { _mm256_sign_epi8(wv, wv) } else { wv };
+                    for j in 0..R {
+                        let xp = x[j].0.as_ptr().add(b * 32 + 4 * g).cast::<i32>();
+                        let xb = _mm256_set1_epi32(xp.read_unaligned());
+                        if SIGNED {
+                            let p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, wv));
+                            sums[j] = _mm256_add_epi32(sums[j], _mm256_madd_epi16(p, ones));
+                        } else {
+                            pairs[j] = _mm256_add_epi16(pairs[j], _mm256_maddubs_epi16(wv, xb));
+                            if (g + 1) % ACC == 0 {
+                                let p = _mm256_madd_epi16(pairs[j], ones);
+                                sums[j] = _mm256_add_epi32(sums[j], p);
+                                pairs[j] = _mm256_setzero_si256();
+                            }
+                        }
+                    }
+                }
+                let dw = _mm256_loadu_ps(t.cast());
+                for j in 0..R {
+                    let s = match SIGNED {
+                        true => sums[j],
+                        false => _mm256_sub_epi32(sums[j], _mm256_set1_epi32(c * x[j].2[b])),
+                    };
+                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x[j].1[b]));
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[j]);
+                }
+            }
+        }
+        let mut out = [[0f32; 8]; R];
+        for (o, a) in out.iter_mut().zip(acc) {
+            // SAFETY: eight floats to `o`.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), a) };
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::qmatvec::tests::weight;
+    use candle_core::quantized::GgmlDType;
+    use candle_core::{DType, Device};
+
+    /// The kernel against the decoding kernels' scalar code (exact integer sums per block,
+    /// f32 across blocks in the same order), for row counts around the pass of four and the
+    /// chunk, widths with odd block counts, tiles cut short, and a range of rows.
+    #[test]
+    fn integer_gemm_matches_the_scalar_code() {
+        if !available() {
+            eprintln!("skipped: the CPU has no AVX2");
+            return;
+        }
+        let dev = Device::Cpu;
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q5_0] {
+            for (m, k, n) in [(1, 96, 5), (3, 800, 13), (70, 256, 129), (133, 512, 300)] {
+                let (wd, q) = weight(n, k, dtype, m as u64);
+                let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
+                let xv: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+                let want = crate::qmatvec::tests::scalar_product(&q, &xv);
+                for (lo, hi) in [(0, n), (1, n - 2)] {
+                    let got = prefill(&x, &q, lo..hi).unwrap().unwrap();
+                    assert_eq!(got.dims2().unwrap(), (m, hi - lo));
+                    let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
+                    for r in 0..m {
+                        for o in lo..hi {
+                            let (xr, wr) = (&xv[r * k..][..k], &wd[o * k..][..k]);
+                            // Σ |w|·|x|: the scale of f32 rounding in sums of its terms.
+                            let mag: f32 = xr.iter().zip(wr).map(|(a, b)| (a * b).abs()).sum();
+                            let (a, b) = (got[r * (hi - lo) + o - lo], want[r * n + o]);
+                            assert!(
+                                (a - b).abs() <= 1e-6 * mag,
+                                "{dtype:?} {m}x{k}x{n} [{r}, {o}]: {a} vs {b}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn other_formats_and_mismatched_inputs_are_refused() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((2, 256), DType::F32, &dev).unwrap();
+        let (_, q) = weight(4, 256, GgmlDType::Q4K, 0);
+        assert!(prefill(&x, &q, 0..4).unwrap().is_none());
+        if !available() {
+            return;
+        }
+        let (_, q) = weight(4, 256, GgmlDType::Q8_0, 0);
+        assert!(prefill(&x, &q, 2..5).is_err(), "rows past the weight");
+        let x = Tensor::zeros((2, 128), DType::F32, &dev).unwrap();
+        assert!(prefill(&x, &q, 0..4).is_err(), "inputs of another width");
+    }
+}
