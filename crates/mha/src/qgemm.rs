@@ -32,7 +32,7 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use candle_core::quantized::QTensor;
-use candle_core::{bail, Result, Tensor};
+use candle_core::{Result, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
@@ -69,35 +69,10 @@ pub fn available() -> bool {
 /// CPU), `[m, rows.len()]` in f32, with `xs` quantized to 8 bits per block of 32; `None`
 /// for other formats or devices, or a CPU without AVX2 (see [`available`]).
 pub fn prefill(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Tensor>> {
-    let Some(format) = Format::of(w.dtype()) else {
-        return Ok(None);
-    };
-    if !available() || !crate::qmatvec::supported(w) || !xs.device().is_cpu() {
+    if !available() {
         return Ok(None);
     }
-    let (d_out, k) = w.shape().dims2()?;
-    let (m, xk) = xs.dims2()?;
-    if xk != k {
-        bail!("quantized product: inputs [{m}, {xk}] for a weight [{d_out}, {k}]")
-    }
-    if rows.start > rows.end || rows.end > d_out {
-        bail!("quantized product: rows {rows:?} of a weight with {d_out}")
-    }
-    if !k.is_multiple_of(QK) {
-        bail!("quantized product: input width {k} is not a multiple of {QK}")
-    }
-    let data = w.data()?;
-    let row_bytes = k / QK * format.block_bytes();
-    if data.len() < d_out * row_bytes {
-        bail!(
-            "quantized product: {} bytes for a [{d_out}, {k}] {format:?} weight",
-            data.len()
-        )
-    }
-    let x = crate::matvec::with_f32_values(xs, |x| Ok(QRows::new(x, k)))?;
-    let weights = &data[rows.start * row_bytes..rows.end * row_bytes];
-    let ys = product(format, weights, row_bytes, &x);
-    Tensor::from_vec(ys, (m, rows.len()), xs.device()).map(Some)
+    crate::qmatvec::with_stored_rows(xs, w, rows, product)
 }
 
 /// `[m, n]`: every row of `x` against the `n` weight rows of `row_bytes` bytes in `w`.

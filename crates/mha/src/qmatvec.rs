@@ -75,6 +75,21 @@ pub fn supported(w: &QTensor) -> bool {
 /// (the caller then uses Candle's product). Any `m` works; the kernels pay off while a
 /// weight row read once serves every row of `x` from L1 (decoding, small batches).
 pub fn qmatmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Tensor>> {
+    with_stored_rows(xs, w, rows, |format, weights, row_bytes, x| {
+        product(level(), format, weights, row_bytes, x)
+    })
+}
+
+/// `f(format, bytes of rows `rows`, bytes per row, x quantized)` as an `[m, rows.len()]`
+/// tensor, after checking `xs [m, in]` against a q8_0, q4_0 or q5_0 `w [out, in]` on the
+/// CPU (`None` for other weights): the products on the blocks as stored, here and in
+/// [`crate::qgemm`].
+pub(crate) fn with_stored_rows(
+    xs: &Tensor,
+    w: &QTensor,
+    rows: Range<usize>,
+    f: impl FnOnce(Format, &[u8], usize, &QRows) -> Vec<f32>,
+) -> Result<Option<Tensor>> {
     let Some(format) = Format::of(w.dtype()) else {
         return Ok(None);
     };
@@ -101,10 +116,9 @@ pub fn qmatmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Te
         )
     }
     let x = crate::matvec::with_f32_values(xs, |x| Ok(QRows::new(x, k)))?;
-    let n = rows.len();
     let weights = &data[rows.start * row_bytes..rows.end * row_bytes];
-    let ys = product(level(), format, weights, row_bytes, &x);
-    Tensor::from_vec(ys, (m, n), xs.device()).map(Some)
+    let ys = f(format, weights, row_bytes, &x);
+    Tensor::from_vec(ys, (m, rows.len()), xs.device()).map(Some)
 }
 
 /// `xs [m, in] · wᵀ` over output rows `rows` of a k-quant `w` (`[out, in]`: q2_K–q6_K, `in`
