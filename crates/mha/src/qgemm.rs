@@ -10,7 +10,7 @@
 //! each of the 8 rows. `vpmaddubsw` multiplies it by four values of a row of `x` broadcast
 //! to every lane and `vpmaddwd` adds the pairs, leaving one lane per weight row: no
 //! horizontal sums, and one conversion and one scaling per block for 8 rows. A tile block
-//! serves four rows of `x` per pass from L1; a chunk of `x`'s rows stays in L2 while every
+//! serves three rows of `x` per pass from L1; a chunk of `x`'s rows stays in L2 while every
 //! tile of the span passes over it.
 //!
 //! `vpmaddubsw` multiplies unsigned by signed bytes and saturates its pair sums at i16.
@@ -43,7 +43,7 @@ use crate::qmatvec::{Format, QRows, QK};
 const ROWS: usize = 8;
 /// Bytes per tile and block: 8 f32 scales, then 8 groups of four values of each row.
 const TILE: usize = 4 * ROWS + QK * ROWS;
-/// Rows of `x` per pass over a tile.
+/// Rows of `x` per pass over a tile (four measured the same).
 const XR: usize = 3;
 /// Rows of `x` per chunk: their values (`CHUNK · in` bytes, 192 KiB for GPT-2's MLP
 /// input of 3072) stay in L2 while the span's tiles pass over them.
@@ -189,9 +189,9 @@ fn tile_product(format: Format, tile: &[u8], x: &QRows, r: usize, take: usize) -
         // tile blocks and every row of `x` `nb` blocks (checked above and by `QRows`).
         unsafe {
             match format {
-                Format::Q8_0 => x86::tile_x4::<true, 1, XR>(tile, nb, rows, 0),
-                Format::Q4_0 => x86::tile_x4::<false, 8, XR>(tile, nb, rows, 8),
-                Format::Q5_0 => x86::tile_x4::<false, 4, XR>(tile, nb, rows, 16),
+                Format::Q8_0 => x86::tile_rows::<true, 1, XR>(tile, nb, rows, 0),
+                Format::Q4_0 => x86::tile_rows::<false, 8, XR>(tile, nb, rows, 8),
+                Format::Q5_0 => x86::tile_rows::<false, 4, XR>(tile, nb, rows, 16),
             }
         }
     }
@@ -207,7 +207,7 @@ mod x86 {
     use super::{ROWS, TILE};
     use std::arch::x86_64::*;
 
-    /// Four rows of `x` (values, scales, block sums) against a tile's 8 weight rows over
+    /// `R` rows of `x` (values, scales, block sums) against a tile's 8 weight rows over
     /// `nb` blocks. `SIGNED`: q8_0's signed values; otherwise unsigned values `u = w + c`,
     /// whose pair sums add as i16 for `ACC` groups before widening (ACC · 2 · 127 · max u
     /// must stay inside an i16), and whose offset `c · Σ x` comes off each block's sum.
@@ -216,7 +216,7 @@ mod x86 {
     /// The CPU has AVX2, FMA and F16C; `tile` holds `nb` tile blocks, and each row of `x`
     /// `nb` blocks of values, scales and sums.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile_x4<const SIGNED: bool, const ACC: usize, const R: usize>(
+    pub(super) unsafe fn tile_rows<const SIGNED: bool, const ACC: usize, const R: usize>(
         tile: &[u8],
         nb: usize,
         x: [(&[i8], &[f32], &[i32]); R],
@@ -277,7 +277,7 @@ mod tests {
     use candle_core::{DType, Device};
 
     /// The kernel against the decoding kernels' scalar code (exact integer sums per block,
-    /// f32 across blocks in the same order), for row counts around the pass of four and the
+    /// f32 across blocks in the same order), for row counts around the pass of three rows and the
     /// chunk, widths with odd block counts, tiles cut short, and a range of rows.
     #[test]
     fn integer_gemm_matches_the_scalar_code() {
