@@ -75,7 +75,7 @@ impl KvCache {
     /// position, the new ones included (in the cache's dtype).
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let (k, v) = match self.dtype {
-            Some(dtype) => (&k.to_dtype(dtype)?, &v.to_dtype(dtype)?),
+            Some(dtype) => (&to_dtype(k, dtype)?, &to_dtype(v, dtype)?),
             None => (k, v),
         };
         let (b, h, new, d) = k.dims4()?;
@@ -132,6 +132,21 @@ impl KvCache {
     }
 }
 
+/// `t` in `dtype`: f32 keys and values on the CPU narrowed to f16 four lanes at a time
+/// (`half`'s slice conversion, F16C where the CPU has it; the same rounding), where Candle's `to_dtype`
+/// converts a strided view one element at a time (2% of a GPT-2 f16 prefill of 512
+/// tokens on a Zen 3 CPU).
+fn to_dtype(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    if dtype != DType::F16 || t.dtype() != DType::F32 || !t.device().is_cpu() {
+        return t.to_dtype(dtype);
+    }
+    crate::matvec::with_f32_values(t, |x| {
+        let mut h = vec![half::f16::ZERO; x.len()];
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(h.as_mut_slice(), x);
+        Tensor::from_vec(h, t.shape(), t.device())
+    })
+}
+
 /// New storage of `shape` holding the first `len` positions of `old`.
 fn grow(
     old: Option<&Tensor>,
@@ -144,4 +159,26 @@ fn grow(
         fresh.slice_set(&old.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
     }
     Ok(fresh)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn f16_cache_stores_what_candle_would() -> Result<()> {
+        // Keys as the attention hands them over: a strided view, heads before positions.
+        let x = Tensor::randn(0f32, 3.0, (2, 5, 3, 8), &Device::Cpu)?.transpose(1, 2)?;
+        let mut cache = KvCache::with_dtype(4, Some(DType::F16));
+        let (k, _) = cache.append(&x, &(&x * 2.0)?)?;
+        let want = x.to_dtype(DType::F16)?;
+        assert_eq!(k.dtype(), DType::F16);
+        let bits = |t: &Tensor| -> Result<Vec<u16>> {
+            let v = t.flatten_all()?.to_vec1::<half::f16>()?;
+            Ok(v.iter().map(|h| h.to_bits()).collect())
+        };
+        assert_eq!(bits(&k)?, bits(&want)?);
+        Ok(())
+    }
 }
