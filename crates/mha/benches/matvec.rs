@@ -148,7 +148,8 @@ fn bench_qmatvec(c: &mut Criterion) {
 
 /// A prefill's products with block-quantized weights on a CPU without AVX-512 VNNI:
 /// `mha::qgemm` (the integer GEMM on 8-bit activations) against each task dequantizing its
-/// span for the f32 GEMM (`qmatvec::prefill_dequantized`, what it replaced). Throughput is
+/// span for the f32 GEMM (`qmatvec::prefill_dequantized`, what it replaced), and for q4_K
+/// and q6_K against Candle's repacked kernels (`QMatMul`, what `Proj` used for those). Throughput is
 /// in multiply-adds per second (`elements`). `cargo bench -p mha --bench matvec -- qgemm`.
 fn bench_qgemm(c: &mut Criterion) {
     if !mha::qgemm::available() {
@@ -158,7 +159,14 @@ fn bench_qgemm(c: &mut Criterion) {
     let mut group = c.benchmark_group("qgemm");
     group.sample_size(10);
     let rows = 512;
-    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q5_0] {
+    let dtypes = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_0,
+        GgmlDType::Q5_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q6K,
+    ];
+    for dtype in dtypes {
         for (name, d_in, d_out) in [("c_fc_768x3072", 768, 3072), ("c_proj_3072x768", 3072, 768)] {
             let w = QTensor::quantize(&randn((d_out, d_in)), dtype).unwrap();
             let xs = randn((rows, d_in));
@@ -172,6 +180,16 @@ fn bench_qgemm(c: &mut Criterion) {
                     pool.install(|| mha::qmatvec::prefill_dequantized(&xs, &w, 0..d_out).unwrap())
                 })
             });
+            if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) {
+                // Candle's repacked kernels (AVX2), what `Proj` used for these before.
+                let qm = QMatMul::from_qtensor(
+                    QTensor::quantize(&w.dequantize(&Device::Cpu).unwrap(), dtype).unwrap(),
+                )
+                .unwrap();
+                group.bench_function(BenchmarkId::new("candle", &id), |bench| {
+                    bench.iter(|| qm.forward(&xs).unwrap())
+                });
+            }
         }
     }
     group.finish();

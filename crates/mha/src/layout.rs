@@ -493,10 +493,19 @@ impl Proj {
                     // prefill 1.38×, SmolLM-135M q4_0 1.20×, q4_K_M with its q5_0 1.08×, medians
                     // of 5–6 alternating pairs on a Zen 3 CPU). Its q8_0 kernel measured level
                     // with the f32 GEMM there (1.01×, 0.99×): q8_0 keeps the exact activations.
-                    QMatMul::QTensor(q) if !candle_repacks(q, *d_in, *d_out) => {
+                    // Where Candle has repacked kernels (q4_K, q6_K), q4_K through the integer
+                    // GEMM (products level with Candle's) and q6_K dequantized per task (level
+                    // with our integer kernel for it, and exact activations; Candle's 5–13%
+                    // faster): no repacked copy kept beside the file's blocks (GPT-2 124M
+                    // q4_K_M peak memory 243 -> 163 MB, prefill 1.00×; SmolLM-135M 1.02×).
+                    QMatMul::QTensor(q)
+                        if !candle_repacks(q, *d_in, *d_out)
+                            || (matches!(q.dtype(), GgmlDType::Q4K | GgmlDType::Q6K)
+                                && crate::qgemm::available()) =>
+                    {
                         let rows = start..start + len;
                         let int = match q.dtype() {
-                            GgmlDType::Q4_0 | GgmlDType::Q5_0 => {
+                            GgmlDType::Q4_0 | GgmlDType::Q5_0 | GgmlDType::Q4K => {
                                 crate::qgemm::prefill(&xs2, q, rows.clone())?
                             }
                             _ => None,

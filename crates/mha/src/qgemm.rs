@@ -1,6 +1,8 @@
-//! A prefill's products with q8_0, q4_0 and q5_0 matrices on CPUs with AVX2 but without
-//! AVX-512 VNNI (where [`crate::qpacked`] does not pack them and Candle 0.11 has no
-//! repacked kernel): an integer GEMM on 8-bit activations.
+//! A prefill's products with q8_0, q4_0, q5_0 and q4_K matrices on CPUs with AVX2 but
+//! without AVX-512 VNNI (where [`crate::qpacked`] does not pack them): an integer GEMM on
+//! 8-bit activations. Candle 0.11 has no repacked kernel for the first three there; for
+//! q4_K it has, but keeps the repacked copy of every matrix beside the file's blocks,
+//! where this repacks a task's span into its thread's buffer and lets it go.
 //!
 //! As in decoding ([`crate::qmatvec`]) and in llama.cpp, each row of `x` is quantized to
 //! 8 bits in blocks of 32 (q8_0), so a block's product is an exact integer sum times the
@@ -20,6 +22,11 @@
 //! w's sign onto `x`, whose values are in [-127, 127]: pairs reach 2·128·127, inside an
 //! i16, and are widened at once.
 //!
+//! The k-quants split a block of 32 differently. A q4_K super-block of 256 holds 8
+//! sub-blocks of 32, each `d·sc·q − dmin·m` with its own 6-bit `sc` and `m`: a tile block
+//! takes one sub-block, its 8 rows' scales and minimums as f32, the values as q4_0's, and
+//! `dmin·m · d_x · Σ x` comes off in f32.
+//!
 //! Against each task dequantizing its span to f32 for the f32 GEMM
 //! ([`crate::qmatvec::prefill_dequantized`], what a prefill did before on these CPUs), on
 //! a Zen 3 CPU: q4_0 and q5_0 products of GPT-2's shapes 1.27–1.76× as fast
@@ -31,7 +38,7 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use candle_core::quantized::QTensor;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Result, Tensor};
 use half::f16;
 use rayon::prelude::*;
@@ -72,12 +79,43 @@ pub fn prefill(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Te
     if !available() {
         return Ok(None);
     }
-    crate::qmatvec::with_stored_rows(xs, w, rows, product)
+    if w.dtype() == GgmlDType::Q4K && w.shape().rank() == 2 {
+        return crate::qmatvec::with_rows_of(xs, w, rows, (QK_K, Q4K_BYTES), |w, rb, x| {
+            product(Kind::Q4K, w, rb, x)
+        });
+    }
+    crate::qmatvec::with_stored_rows(xs, w, rows, |format, w, rb, x| {
+        product(Kind::Stored(format), w, rb, x)
+    })
 }
+
+/// A weight format the kernel takes: one of [`Format`]'s, or q4_K (super-blocks of 256
+/// in 8 sub-blocks of 32, each with its own 6-bit scale and minimum).
+#[derive(Clone, Copy)]
+enum Kind {
+    Stored(Format),
+    Q4K,
+}
+
+impl Kind {
+    /// Bytes of a tile block: 8 scales (and for q4_K 8 minimums) as f32, then the values.
+    fn tile(self) -> usize {
+        match self {
+            Kind::Stored(_) => TILE,
+            Kind::Q4K => TILE + 4 * ROWS,
+        }
+    }
+}
+
+/// Values per q4_K super-block, and its bytes: f16 `d` and `dmin`, 12 bytes of 6-bit
+/// scales and minimums, 128 bytes of 4-bit values.
+const QK_K: usize = 256;
+const Q4K_BYTES: usize = 4 + 12 + QK_K / 2;
 
 /// `[m, n]`: every row of `x` against the `n` weight rows of `row_bytes` bytes in `w`.
 /// The caller has checked that the CPU has AVX2, FMA and F16C.
-fn product(format: Format, w: &[u8], row_bytes: usize, x: &QRows) -> Vec<f32> {
+fn product(kind: Kind, w: &[u8], row_bytes: usize, x: &QRows) -> Vec<f32> {
+    let tile_bytes = kind.tile();
     let (m, k) = (x.rows(), x.width());
     let n = w.len() / row_bytes.max(1);
     let mut ys = vec![0f32; m * n];
@@ -91,22 +129,26 @@ fn product(format: Format, w: &[u8], row_bytes: usize, x: &QRows) -> Vec<f32> {
         let tiles = (c1 - c0).div_ceil(ROWS);
         TILES.with(|buf| {
             let mut buf = buf.borrow_mut();
-            if buf.len() < tiles * nb * TILE {
-                buf.resize(tiles * nb * TILE, 0);
+            if buf.len() < tiles * nb * tile_bytes {
+                buf.resize(tiles * nb * tile_bytes, 0);
             }
-            for (t, tile) in buf.chunks_exact_mut(nb * TILE).take(tiles).enumerate() {
+            for (t, tile) in buf
+                .chunks_exact_mut(nb * tile_bytes)
+                .take(tiles)
+                .enumerate()
+            {
                 let rows = c0 + t * ROWS..(c0 + (t + 1) * ROWS).min(c1);
-                pack(format, w, row_bytes, rows, tile);
+                pack(kind, w, row_bytes, rows, tile);
             }
             for r0 in (0..m).step_by(CHUNK) {
                 let r1 = (r0 + CHUNK).min(m);
-                for (t, tile) in buf.chunks_exact(nb * TILE).take(tiles).enumerate() {
+                for (t, tile) in buf.chunks_exact(nb * tile_bytes).take(tiles).enumerate() {
                     let c = c0 + t * ROWS;
                     let cols = (c1 - c).min(ROWS);
                     let mut r = r0;
                     while r < r1 {
                         let take = (r1 - r).min(XR);
-                        let sums = tile_product(format, tile, x, r, take);
+                        let sums = tile_product(kind, tile, x, r, take);
                         for (j, s) in sums.iter().take(take).enumerate() {
                             // SAFETY: row r + j < m of `ys` (`[m, n]`), columns c..c + cols
                             // inside this task's span, which no other task writes.
@@ -131,25 +173,60 @@ fn product(format: Format, w: &[u8], row_bytes: usize, x: &QRows) -> Vec<f32> {
     ys
 }
 
-/// Weight rows `rows` (at most [`ROWS`]) of `w` as tiles, one per block, into `tile`
-/// (`in / 32` tiles): lane `i` holds row `rows.start + i`, or zeros past `rows.end`.
-fn pack(format: Format, w: &[u8], row_bytes: usize, rows: Range<usize>, tile: &mut [u8]) {
-    let bytes = format.block_bytes();
-    let nb = row_bytes / bytes;
+/// Weight rows `rows` (at most [`ROWS`]) of `w` as tiles, one per block of 32, into
+/// `tile` (`in / 32` tiles): lane `i` holds row `rows.start + i`, or zeros past `rows.end`.
+fn pack(kind: Kind, w: &[u8], row_bytes: usize, rows: Range<usize>, tile: &mut [u8]) {
+    let tile_bytes = kind.tile();
+    // Where the values start: after the scales, and for q4_K the minimums.
+    let at = tile_bytes - QK * ROWS;
+    let nb = tile.len() / tile_bytes;
     for i in 0..ROWS {
         let r = rows.start + i;
         for b in 0..nb {
-            let t = &mut tile[b * TILE..][..TILE];
-            let (d, v) = match r < rows.end {
-                true => values(format, &w[r * row_bytes + b * bytes..][..bytes]),
-                false => (0.0, [0; QK]),
+            let t = &mut tile[b * tile_bytes..][..tile_bytes];
+            let row = &w[r.min(rows.end.max(1) - 1) * row_bytes..][..row_bytes];
+            // The scale, the minimum (q4_K), the values.
+            let (d, min, v) = match (r < rows.end, kind) {
+                (false, _) => (0.0, 0.0, [0; QK]),
+                (true, Kind::Stored(format)) => {
+                    let bytes = format.block_bytes();
+                    let (d, v) = values(format, &row[b * bytes..][..bytes]);
+                    (d, 0.0, v)
+                }
+                (true, Kind::Q4K) => q4k_values(&row[b / 8 * Q4K_BYTES..][..Q4K_BYTES], b % 8),
             };
             t[4 * i..][..4].copy_from_slice(&d.to_le_bytes());
+            if let Kind::Q4K = kind {
+                t[4 * ROWS + 4 * i..][..4].copy_from_slice(&min.to_le_bytes());
+            }
             for g in 0..QK / 4 {
-                t[4 * ROWS + QK * g + 4 * i..][..4].copy_from_slice(&v[4 * g..][..4]);
+                t[at + QK * g + 4 * i..][..4].copy_from_slice(&v[4 * g..][..4]);
             }
         }
     }
+}
+
+/// Sub-block `j` (of 8) of a q4_K super-block: its scale `d · sc`, minimum `dmin · m` and
+/// 32 values `q` (the weights are `d · sc · q − dmin · m`), as ggml's `get_scale_min_k4`
+/// and `dequantize_row_q4_K` read them.
+fn q4k_values(block: &[u8], j: usize) -> (f32, f32, [u8; QK]) {
+    let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+    let dmin = f16::from_le_bytes([block[2], block[3]]).to_f32();
+    let q = &block[4..16];
+    let (sc, m) = match j < 4 {
+        true => (q[j] & 63, q[j + 4] & 63),
+        false => (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        ),
+    };
+    // Sub-blocks 2p and 2p + 1 share 32 bytes: low nibbles, then high.
+    let bytes = &block[16 + 32 * (j / 2)..][..32];
+    let mut v = [0u8; QK];
+    for (v, b) in v.iter_mut().zip(bytes) {
+        *v = if j.is_multiple_of(2) { b & 15 } else { b >> 4 };
+    }
+    (d * sc as f32, dmin * m as f32, v)
 }
 
 /// A block's scale and its 32 values as the kernel takes them: q8_0's signed bytes,
@@ -179,25 +256,32 @@ fn values(format: Format, block: &[u8]) -> (f32, [u8; QK]) {
 
 /// Rows `r..r + take` of `x` (`take` ≤ [`XR`]) against one tile's 8 weight rows:
 /// `[take][8]` sums (rows of `x` past `take` are zeros).
-fn tile_product(format: Format, tile: &[u8], x: &QRows, r: usize, take: usize) -> [[f32; 8]; XR] {
+fn tile_product(kind: Kind, tile: &[u8], x: &QRows, r: usize, take: usize) -> [[f32; 8]; XR] {
     let nb = x.width() / QK;
-    assert!(tile.len() >= nb * TILE && r + take <= x.rows() && (1..=XR).contains(&take));
+    assert!(tile.len() >= nb * kind.tile() && r + take <= x.rows() && (1..=XR).contains(&take));
     let rows: [_; XR] = std::array::from_fn(|j| x.row(r + j.min(take - 1)));
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: the caller checked the CPU's features (`available`); the tile holds `nb`
         // tile blocks and every row of `x` `nb` blocks (checked above and by `QRows`).
         unsafe {
-            match format {
-                Format::Q8_0 => x86::tile_rows::<true, 1, XR>(tile, nb, rows, 0),
-                Format::Q4_0 => x86::tile_rows::<false, 8, XR>(tile, nb, rows, 8),
-                Format::Q5_0 => x86::tile_rows::<false, 4, XR>(tile, nb, rows, 16),
+            match kind {
+                Kind::Stored(Format::Q8_0) => {
+                    x86::tile_rows::<true, 1, false, XR>(tile, nb, rows, 0)
+                }
+                Kind::Stored(Format::Q4_0) => {
+                    x86::tile_rows::<false, 8, false, XR>(tile, nb, rows, 8)
+                }
+                Kind::Stored(Format::Q5_0) => {
+                    x86::tile_rows::<false, 4, false, XR>(tile, nb, rows, 16)
+                }
+                Kind::Q4K => x86::tile_rows::<false, 8, true, XR>(tile, nb, rows, 0),
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (format, rows);
+        let _ = (kind, rows);
         unreachable!("`prefill` returns None before a product on this architecture")
     }
 }
@@ -211,12 +295,19 @@ mod x86 {
     /// `nb` blocks. `SIGNED`: q8_0's signed values; otherwise unsigned values `u = w + c`,
     /// whose pair sums add as i16 for `ACC` groups before widening (ACC · 2 · 127 · max u
     /// must stay inside an i16), and whose offset `c · Σ x` comes off each block's sum.
+    /// `MINS` (q4_K): the tile holds each row's minimum after its scales, and
+    /// `min · d_x · Σ x` comes off instead of the offset.
     ///
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `tile` holds `nb` tile blocks, and each row of `x`
     /// `nb` blocks of values, scales and sums.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile_rows<const SIGNED: bool, const ACC: usize, const R: usize>(
+    pub(super) unsafe fn tile_rows<
+        const SIGNED: bool,
+        const ACC: usize,
+        const MINS: bool,
+        const R: usize,
+    >(
         tile: &[u8],
         nb: usize,
         x: [(&[i8], &[f32], &[i32]); R],
@@ -224,14 +315,18 @@ mod x86 {
     ) -> [[f32; 8]; R] {
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); R];
+        let (stride, at) = match MINS {
+            true => (TILE + 4 * ROWS, 8 * ROWS),
+            false => (TILE, 4 * ROWS),
+        };
         for b in 0..nb {
             // SAFETY: block b of the tile and of every row of `x` are in bounds (caller).
             unsafe {
-                let t = tile.as_ptr().add(b * TILE);
+                let t = tile.as_ptr().add(b * stride);
                 let mut sums = [_mm256_setzero_si256(); R];
                 let mut pairs = [_mm256_setzero_si256(); R];
                 for g in 0..8 {
-                    let wv = _mm256_loadu_si256(t.add(4 * ROWS + 32 * g).cast());
+                    let wv = _mm256_loadu_si256(t.add(at + 32 * g).cast());
                     let aw = if SIGNED { _mm256_sign_epi8(wv, wv) } else { wv };
                     for j in 0..R {
                         let xp = x[j].0.as_ptr().add(b * 32 + 4 * g).cast::<i32>();
@@ -251,12 +346,18 @@ mod x86 {
                 }
                 let dw = _mm256_loadu_ps(t.cast());
                 for j in 0..R {
-                    let s = match SIGNED {
+                    let s = match SIGNED || MINS {
                         true => sums[j],
                         false => _mm256_sub_epi32(sums[j], _mm256_set1_epi32(c * x[j].2[b])),
                     };
-                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(x[j].1[b]));
+                    let dx = x[j].1[b];
+                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx));
                     acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[j]);
+                    if MINS {
+                        let mins = _mm256_loadu_ps(t.add(4 * ROWS).cast());
+                        let off = _mm256_set1_ps(dx * x[j].2[b] as f32);
+                        acc[j] = _mm256_fnmadd_ps(mins, off, acc[j]);
+                    }
                 }
             }
         }
@@ -313,11 +414,48 @@ mod tests {
         }
     }
 
+    /// q4_K against Candle's dequantized weights times `x` as the kernel quantizes it
+    /// (exact integer sums per sub-block: f32 rounding apart, the same products).
+    #[test]
+    fn q4_k_matches_the_dequantized_weights() {
+        if !available() {
+            return;
+        }
+        let dev = Device::Cpu;
+        for (m, k, n) in [(1, 256, 9), (5, 768, 16), (70, 512, 21)] {
+            let (wd, q) = weight(n, k, GgmlDType::Q4K, m as u64);
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
+            let xv: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+            let xq = QRows::new(&xv, k);
+            for (lo, hi) in [(0, n), (2, n - 1)] {
+                let got = prefill(&x, &q, lo..hi).unwrap().unwrap();
+                assert_eq!(got.dims2().unwrap(), (m, hi - lo));
+                let got: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
+                for r in 0..m {
+                    let (qx, dx, _) = xq.row(r);
+                    for o in lo..hi {
+                        let (mut want, mut mag) = (0f64, 0f64);
+                        for i in 0..k {
+                            let p = wd[o * k + i] as f64 * (qx[i] as f64 * dx[i / QK] as f64);
+                            want += p;
+                            mag += p.abs();
+                        }
+                        let a = got[r * (hi - lo) + o - lo] as f64;
+                        assert!(
+                            (a - want).abs() <= 1e-5 * mag,
+                            "{m}x{k}x{n} [{r}, {o}]: {a} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn other_formats_and_mismatched_inputs_are_refused() {
         let dev = Device::Cpu;
         let x = Tensor::zeros((2, 256), DType::F32, &dev).unwrap();
-        let (_, q) = weight(4, 256, GgmlDType::Q4K, 0);
+        let (_, q) = weight(4, 256, GgmlDType::Q6K, 0);
         assert!(prefill(&x, &q, 0..4).unwrap().is_none());
         if !available() {
             return;

@@ -93,7 +93,28 @@ pub(crate) fn with_stored_rows(
     let Some(format) = Format::of(w.dtype()) else {
         return Ok(None);
     };
-    if !supported(w) || !xs.device().is_cpu() || w.shape().elem_count() == 0 {
+    if !supported(w) {
+        return Ok(None);
+    }
+    with_rows_of(
+        xs,
+        w,
+        rows,
+        (QK, format.block_bytes()),
+        |weights, row_bytes, x| f(format, weights, row_bytes, x),
+    )
+}
+
+/// [`with_stored_rows`] for any format of `block` = (values, bytes) per block of a 2-D
+/// `w` on the CPU: `f(bytes of rows `rows`, bytes per row, x quantized)`.
+pub(crate) fn with_rows_of(
+    xs: &Tensor,
+    w: &QTensor,
+    rows: Range<usize>,
+    (block_values, block_bytes): (usize, usize),
+    f: impl FnOnce(&[u8], usize, &QRows) -> Vec<f32>,
+) -> Result<Option<Tensor>> {
+    if !xs.device().is_cpu() || !w.device().is_cpu() || w.shape().elem_count() == 0 {
         return Ok(None);
     }
     let (d_out, k) = w.shape().dims2()?;
@@ -104,20 +125,21 @@ pub(crate) fn with_stored_rows(
     if rows.start > rows.end || rows.end > d_out {
         bail!("quantized product: rows {rows:?} of a weight with {d_out}")
     }
-    if !k.is_multiple_of(QK) {
-        bail!("quantized product: input width {k} is not a multiple of {QK}")
+    if !k.is_multiple_of(block_values) {
+        bail!("quantized product: input width {k} is not a multiple of {block_values}")
     }
     let data = w.data()?;
-    let row_bytes = k / QK * format.block_bytes();
+    let row_bytes = k / block_values * block_bytes;
     if data.len() < d_out * row_bytes {
         bail!(
-            "quantized product: {} bytes for a [{d_out}, {k}] {format:?} weight",
-            data.len()
+            "quantized product: {} bytes for a [{d_out}, {k}] {:?} weight",
+            data.len(),
+            w.dtype()
         )
     }
     let x = crate::matvec::with_f32_values(xs, |x| Ok(QRows::new(x, k)))?;
     let weights = &data[rows.start * row_bytes..rows.end * row_bytes];
-    let ys = f(format, weights, row_bytes, &x);
+    let ys = f(weights, row_bytes, &x);
     Tensor::from_vec(ys, (m, rows.len()), xs.device()).map(Some)
 }
 

@@ -1290,6 +1290,7 @@ fn quantized_projections_agree_across_row_counts() -> Result<()> {
         (GgmlDType::Q8_0, 96, 80),
         (GgmlDType::Q4_0, 64, 48),
         (GgmlDType::Q4K, 256, 24),
+        (GgmlDType::Q6K, 512, 32),
         (GgmlDType::Q8_0, 256, 32),
     ] {
         let w = randn(&[d_out, d_in]);
@@ -1306,7 +1307,9 @@ fn quantized_projections_agree_across_row_counts() -> Result<()> {
         // packed q8_0/q4_0 ones (AVX-512 VNNI) or our integer GEMM (AVX2) take (all quantize
         // `x` to 8 bits, as llama.cpp does) are the f32 product with the dequantized weight.
         let packed = mha::qpacked::Packed::available();
-        // (The integer GEMM takes q4_0 and q5_0; q8_0 goes to it only where packed.)
+        // (The integer GEMM takes q4_0, q5_0, q4_K and q6_K; q8_0 goes to it only where
+        // packed. k-quants, whose rows are whole super-blocks of 256, take 8-bit `x` on
+        // every path: Candle's, ours packed, or the integer GEMM.)
         let ours = match dtype {
             GgmlDType::Q4_0 => packed || mha::qgemm::available(),
             _ => packed,
@@ -1314,7 +1317,7 @@ fn quantized_projections_agree_across_row_counts() -> Result<()> {
         let eight_bit_x = match dtype {
             GgmlDType::Q8_0 => d_in % 256 == 0 || ours,
             GgmlDType::Q4_0 => ours,
-            GgmlDType::Q4K => d_in % 256 == 0,
+            GgmlDType::Q4K | GgmlDType::Q6K => d_in % 256 == 0,
             _ => false,
         };
         let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
