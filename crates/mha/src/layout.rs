@@ -497,7 +497,7 @@ impl Proj {
                     // GEMM (products level with Candle's) and q6_K dequantized per task (level
                     // with our integer kernel for it, and exact activations; Candle's 5–13%
                     // faster): no repacked copy kept beside the file's blocks (GPT-2 124M
-                    // q4_K_M peak memory 243 -> 163 MB, prefill 1.00×; SmolLM-135M 1.02×).
+                    // q4_K_M peak memory 243 -> 163–173 MB, prefill 1.00×; SmolLM-135M 1.02×).
                     QMatMul::QTensor(q)
                         if !candle_repacks(q, *d_in, *d_out)
                             || (matches!(q.dtype(), GgmlDType::Q4K | GgmlDType::Q6K)

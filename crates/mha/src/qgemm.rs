@@ -182,18 +182,18 @@ fn pack(kind: Kind, w: &[u8], row_bytes: usize, rows: Range<usize>, tile: &mut [
     let nb = tile.len() / tile_bytes;
     for i in 0..ROWS {
         let r = rows.start + i;
+        let row = (r < rows.end).then(|| &w[r * row_bytes..][..row_bytes]);
         for b in 0..nb {
             let t = &mut tile[b * tile_bytes..][..tile_bytes];
-            let row = &w[r.min(rows.end.max(1) - 1) * row_bytes..][..row_bytes];
             // The scale, the minimum (q4_K), the values.
-            let (d, min, v) = match (r < rows.end, kind) {
-                (false, _) => (0.0, 0.0, [0; QK]),
-                (true, Kind::Stored(format)) => {
+            let (d, min, v) = match (row, kind) {
+                (None, _) => (0.0, 0.0, [0; QK]),
+                (Some(row), Kind::Stored(format)) => {
                     let bytes = format.block_bytes();
                     let (d, v) = values(format, &row[b * bytes..][..bytes]);
                     (d, 0.0, v)
                 }
-                (true, Kind::Q4K) => q4k_values(&row[b / 8 * Q4K_BYTES..][..Q4K_BYTES], b % 8),
+                (Some(row), Kind::Q4K) => q4k_values(&row[b / 8 * Q4K_BYTES..][..Q4K_BYTES], b % 8),
             };
             t[4 * i..][..4].copy_from_slice(&d.to_le_bytes());
             if let Kind::Q4K = kind {
@@ -345,6 +345,10 @@ mod x86 {
                     }
                 }
                 let dw = _mm256_loadu_ps(t.cast());
+                let mins = match MINS {
+                    true => _mm256_loadu_ps(t.add(4 * ROWS).cast()),
+                    false => _mm256_setzero_ps(),
+                };
                 for j in 0..R {
                     let s = match SIGNED || MINS {
                         true => sums[j],
@@ -354,7 +358,6 @@ mod x86 {
                     let scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx));
                     acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[j]);
                     if MINS {
-                        let mins = _mm256_loadu_ps(t.add(4 * ROWS).cast());
                         let off = _mm256_set1_ps(dx * x[j].2[b] as f32);
                         acc[j] = _mm256_fnmadd_ps(mins, off, acc[j]);
                     }
