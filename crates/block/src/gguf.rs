@@ -612,7 +612,7 @@ impl Gguf {
         let (&[n, k], Some(info)) = (shape, info) else {
             return Ok(None);
         };
-        if !device.is_cpu() || !Packed::available() || !Packed::packs(info.ggml_dtype) {
+        if !device.is_cpu() || !Packed::packs_here(info.ggml_dtype) {
             return Ok(None);
         }
         let (info, mut file) = self.claim(name, shape)?;

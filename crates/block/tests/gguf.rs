@@ -276,6 +276,7 @@ fn cached_decoding_equals_the_full_pass() {
 /// are.
 #[test]
 fn fused_loading_computes_what_the_separate_projections_do() {
+    let packs = mha::qpacked::Packed::packs_here;
     let dir = tempfile::tempdir().unwrap();
     let f16 = dir.path().join("qwen2.f16.gguf");
     gpt_blocks::save_gguf(&load("qwen2.f32.gguf"), &f16, GgmlDType::F16, None, None).unwrap();
@@ -283,15 +284,11 @@ fn fused_loading_computes_what_the_separate_projections_do() {
         ("llama.f32.gguf", true, 1e-5),
         ("qwen2.f32.gguf", true, 1e-5),
         ("llama3.f32.gguf", true, 1e-5),
-        ("llama.q8_0.gguf", mha::qpacked::Packed::available(), 1e-4),
-        ("qwen2.q4_0.gguf", mha::qpacked::Packed::available(), 1e-4),
+        ("llama.q8_0.gguf", packs(GgmlDType::Q8_0), 1e-4),
+        ("qwen2.q4_0.gguf", packs(GgmlDType::Q4_0), 1e-4),
         ("qwen2.f16.gguf", true, 1e-5),
         ("gpt2.f32.gguf", false, 0.0),
-        (
-            "llama_wide.q4_k_m.gguf",
-            mha::qpacked::Packed::available(),
-            1e-4,
-        ),
+        ("llama_wide.q4_k_m.gguf", packs(GgmlDType::Q4K), 1e-4),
         ("llama_wide.q3_k_m.gguf", false, 0.0),
     ];
     for (file, fuses, tol) in cases {

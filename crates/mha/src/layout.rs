@@ -491,7 +491,8 @@ impl Proj {
                     // the whole matrix dequantized first, on a Zen 3 CPU, medians of 7.)
                     // q4_0 and q5_0 through the integer GEMM on CPUs with AVX2 (GPT-2 124M q4_0
                     // prefill 1.38×, SmolLM-135M q4_0 1.20×, q4_K_M with its q5_0 1.08×, medians
-                    // of 5–6 alternating pairs on a Zen 3 CPU). Its q8_0 kernel measured level
+                    // of 5–6 alternating pairs on a Zen 3 CPU; q4_0 is packed there now, `qpacked`,
+                    // 1.12× and 1.18× this GEMM). Its q8_0 kernel measured level
                     // with the f32 GEMM there (1.01×, 0.99×): q8_0 keeps the exact activations.
                     // Where Candle has repacked kernels (q4_K, q6_K), q4_K through the integer
                     // GEMM (products level with Candle's) and q6_K dequantized per task (level

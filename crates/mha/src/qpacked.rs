@@ -30,10 +30,12 @@
 //! have zero scales.
 //!
 //! Sums are exact integers per block (per super-block for the k-quants) and f32 across
-//! blocks, as in ggml. The kernels use AVX-512 VNNI; [`Packed::new`] packs only where the
-//! CPU has it (elsewhere a matrix stays a `QTensor` on [`crate::qmatvec`] or Candle's
-//! kernels), and a scalar version of the same arithmetic is the tests' reference for the
-//! packing and the kernels, beside Candle's dequantized weights and products.
+//! blocks, as in ggml. The kernels use AVX-512 VNNI, and for q4_0 and q4_1 AVX2 alone
+//! (`vpmaddubsw` on each half of a tile, rows 0–7 and 8–15, in place of `vpdpbusd`);
+//! [`Packed::new`] packs only where the CPU has kernels for the format (elsewhere a matrix
+//! stays a `QTensor` on [`crate::qmatvec`], [`crate::qgemm`] or Candle's kernels), and a
+//! scalar version of the same arithmetic is the tests' reference for the packing and the
+//! kernels, beside Candle's dequantized weights and products.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, Result};
@@ -551,6 +553,48 @@ static PACKED_BYTES: AtomicUsize = AtomicUsize::new(0);
 /// is prefetched (see [`Packed::product`]). The unit tests' small matrices take that path.
 const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 
+/// The instruction sets with kernels here, best last.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Level {
+    Scalar,
+    /// AVX2, FMA and F16C: `vpmaddubsw` and `vpmaddwd` for q4_0 and q4_1.
+    Avx2,
+    /// AVX-512 with VNNI and byte operations: `vpdpbusd` for every packed format.
+    Vnni,
+}
+
+impl Level {
+    /// This CPU's.
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("f16c") {
+                return Self::Vnni;
+            }
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                return Self::Avx2;
+            }
+        }
+        Self::Scalar
+    }
+}
+
+impl Format {
+    /// Whether `level` has kernels for this format. AVX2 has them for the four-bit legacy
+    /// formats, whose decoding through the blocks as stored (`qmatvec`) spent as long
+    /// reducing each block's sums across lanes as multiplying them (SmolLM-135M q4_0
+    /// decoded at 0.77× llama.cpp, which repacks q4_0 for AVX2 too); q8_0's values do not
+    /// fit `vpmaddubsw`'s unsigned operand, and the k-quants keep Candle's kernels there.
+    fn kernels(self, level: Level) -> bool {
+        match level {
+            Level::Vnni => true,
+            Level::Avx2 => matches!(self, Self::Q4_0 | Self::Q4_1),
+            Level::Scalar => false,
+        }
+    }
+}
+
 impl Packed {
     /// A matrix holding `data` (counted in [`PACKED_BYTES`] until dropped).
     fn holding(format: Format, n: usize, k: usize, data: Vec<u8>) -> Self {
@@ -558,28 +602,21 @@ impl Packed {
         Self { format, n, k, data }
     }
 
-    /// Whether this CPU has the kernels (AVX-512 with VNNI and byte operations).
-    pub fn available() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            has!("avx512f") && has!("avx512bw") && has!("avx512vnni")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    }
-
-    /// Whether matrices of `dtype` can be packed.
+    /// Whether matrices of `dtype` can be packed (whatever the CPU).
     pub fn packs(dtype: GgmlDType) -> bool {
         Format::of(dtype).is_some()
     }
 
+    /// Whether this CPU has kernels for packed matrices of `dtype`: every packed format
+    /// with AVX-512 VNNI, q4_0 and q4_1 with AVX2 alone.
+    pub fn packs_here(dtype: GgmlDType) -> bool {
+        Format::of(dtype).is_some_and(|f| f.kernels(Level::detect()))
+    }
+
     /// `w` repacked, or `None` when it is not a matrix of a format packed here (see the
-    /// module's description) on the CPU, or the CPU lacks the kernels.
+    /// module's description) on the CPU, or the CPU lacks the kernels for its format.
     pub fn new(w: &QTensor) -> Result<Option<Self>> {
-        if !Self::available() {
+        if !Self::packs_here(w.dtype()) {
             return Ok(None);
         }
         Self::pack(w)
@@ -734,10 +771,18 @@ impl Packed {
             bail!("packed product: outputs {cols:?} of {}", self.n)
         }
         let x = XRows::new(self.format, x, self.k);
-        Ok(self.product(&x, m, cols, Packed::available()))
+        let level = Level::detect();
+        let level = if self.format.kernels(level) {
+            level
+        } else {
+            Level::Scalar
+        };
+        Ok(self.product(&x, m, cols, level))
     }
 
-    fn product(&self, x: &XRows, m: usize, cols: std::ops::Range<usize>, simd: bool) -> Vec<f32> {
+    /// The product with the kernels of `level` (the scalar code where `level` has none for
+    /// this format), which must not be above [`Level::detect`].
+    fn product(&self, x: &XRows, m: usize, cols: std::ops::Range<usize>, level: Level) -> Vec<f32> {
         let (t0, t1) = (cols.start / TILE, cols.end.div_ceil(TILE));
         let width = cols.len();
         if m == 0 || width == 0 {
@@ -753,7 +798,7 @@ impl Packed {
             self.format,
             Format::Q5_0 | Format::Q5_1 | Format::Q5K | Format::Q6K | Format::Q3K
         );
-        let unpack = simd && planes && m >= UNPACK_ROWS;
+        let unpack = level == Level::Vnni && planes && m >= UNPACK_ROWS;
         let need = if unpack { self.k * TILE } else { 0 };
         // Each thread takes a contiguous range of tiles (read as two streams when decoding
         // the legacy formats, below). (Four
@@ -797,7 +842,7 @@ impl Packed {
                 };
                 for j in 0..half {
                     let (a, b) = (lo + j, lo + half + j);
-                    self.columns([t0 + a, t0 + b], &[], x, m, &cols, out, simd);
+                    self.columns([t0 + a, t0 + b], &[], x, m, &cols, out, level);
                 }
                 for t in lo + 2 * half..hi {
                     if stream && t + 1 < hi {
@@ -805,11 +850,11 @@ impl Packed {
                     }
                     #[cfg(target_arch = "x86_64")]
                     if unpack {
-                        // SAFETY: `unpack` is only set where `Packed::available()` saw the
-                        // features; `ops` holds k·16 bytes, 512 per block of 32 values.
+                        // SAFETY: `unpack` is only set at the level of AVX-512 VNNI, which
+                        // the CPU has; `ops` holds k·16 bytes, 512 per block of 32 values.
                         unsafe { x86::unpack(self.format, self.tiles(t0 + t), ops) };
                     }
-                    self.columns([t0 + t], ops, x, m, &cols, out, simd);
+                    self.columns([t0 + t], ops, x, m, &cols, out, level);
                 }
             })
         });
@@ -833,7 +878,7 @@ impl Packed {
         m: usize,
         cols: &std::ops::Range<usize>,
         out: &SharedOut,
-        simd: bool,
+        level: Level,
     ) {
         let tiles = t.map(|t| self.tiles(t));
         let width = cols.len();
@@ -844,7 +889,7 @@ impl Packed {
             // prefilled 10-20% slower: registers run out.)
             let rows = (m - r).min(4);
             let mut y = [[[0f32; TILE]; 4]; T];
-            tile_rows(self.format, tiles, ops, x, r, rows, y.each_mut(), simd);
+            tile_rows(self.format, tiles, ops, x, r, rows, y.each_mut(), level);
             for (&t, y) in t.iter().zip(&y) {
                 // Tile column t's outputs are rows first..first + 16 of W; the asked-for
                 // ones land in columns c0..c1 of the output.
@@ -913,12 +958,33 @@ fn tile_rows<const T: usize>(
     r: usize,
     rows: usize,
     y: [&mut [[f32; TILE]; 4]; T],
-    simd: bool,
+    level: Level,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is only set where `Packed::available()` saw the features; the
-        // kernels check the lengths.
+    if level == Level::Avx2 {
+        if let XRows::Blocks(x) = x {
+            // SAFETY: `level` is at most what the CPU has (`Level::detect`); the kernels
+            // check the lengths.
+            unsafe {
+                use x86::legacy_rows_avx2 as legacy;
+                match (format, rows) {
+                    (Format::Q4_0, 1) => return legacy::<1, false, T>(tiles, x, r, y),
+                    (Format::Q4_0, 2) => return legacy::<2, false, T>(tiles, x, r, y),
+                    (Format::Q4_0, 3) => return legacy::<3, false, T>(tiles, x, r, y),
+                    (Format::Q4_0, _) => return legacy::<4, false, T>(tiles, x, r, y),
+                    (Format::Q4_1, 1) => return legacy::<1, true, T>(tiles, x, r, y),
+                    (Format::Q4_1, 2) => return legacy::<2, true, T>(tiles, x, r, y),
+                    (Format::Q4_1, 3) => return legacy::<3, true, T>(tiles, x, r, y),
+                    (Format::Q4_1, _) => return legacy::<4, true, T>(tiles, x, r, y),
+                    _ => {}
+                }
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level == Level::Vnni {
+        // SAFETY: `level` is at most what the CPU has (`Level::detect`); the kernels check
+        // the lengths.
         unsafe {
             use x86::{legacy_rows as legacy, q2k_rows as q2k, q4k_rows as q4k, q6k_rows as q6k};
             // The kernels take the rows of `x` (1–4) as a constant: `R` in each arm.
@@ -977,7 +1043,7 @@ fn tile_rows<const T: usize>(
         }
         return;
     }
-    let _ = (simd, ops);
+    let _ = (level, ops);
     // The scalar version of the kernels' arithmetic: exact integer sums per block (per
     // super-block for the k-quants, scaled within it by the integer scales), then f32.
     for (tiles, y) in tiles.into_iter().zip(y) {
@@ -1608,6 +1674,95 @@ mod x86 {
             }
         }
     }
+    /// [`legacy_rows`] for CPUs with AVX2 alone, q4_0 (or, `MIN`, q4_1) tiles: per group
+    /// of four values, `vpmaddubsw` of the unsigned nibbles by `x` (pairs of products, at
+    /// most 2·15·127 each, and eight groups' sums still inside an i16) then one `vpmaddwd`
+    /// per block. A half of a tile (rows 0–7 or 8–15: 32 bytes of each group's 64) is one
+    /// register per row of `x`; the halves go one after the other over the whole column,
+    /// the second from L1, so that four rows of `x` fit the 16 registers.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn legacy_rows_avx2<const R: usize, const MIN: bool, const T: usize>(
+        tiles: [&[u8]; T],
+        x: &QRows,
+        r: usize,
+        y: [&mut [[f32; TILE]; 4]; T],
+    ) {
+        let head = if MIN { 2 * SCALES } else { SCALES };
+        let (size, offset) = (head + 256, if MIN { 0 } else { 8 });
+        let nb = tiles[0].len() / size;
+        assert!(tiles.iter().all(|t| t.len() >= nb * size));
+        let mut xq = [std::ptr::null::<i8>(); R];
+        let mut xd = [std::ptr::null::<f32>(); R];
+        let mut xs = [std::ptr::null::<i32>(); R];
+        for j in 0..R {
+            let (q, d, s) = x.row(r + j);
+            assert!(q.len() >= nb * QK && d.len() >= nb && s.len() >= nb);
+            (xq[j], xd[j], xs[j]) = (q.as_ptr(), d.as_ptr(), s.as_ptr());
+        }
+        let (mask, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
+        let mut y = y;
+        for h in 0..2 {
+            let mut acc = [[_mm256_setzero_ps(); R]; T];
+            for b in 0..nb {
+                for (t, tiles) in tiles.iter().enumerate() {
+                    // SAFETY: tile b of each column is `size` readable bytes; block b of
+                    // each row of `x` is in bounds (asserted above).
+                    unsafe {
+                        let tile = tiles.as_ptr().add(b * size);
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
+                        let mut s16 = [_mm256_setzero_si256(); R];
+                        for c in 0..4 {
+                            // Values 8c..8c + 3 (low nibbles) and 8c + 4..8c + 7 (high) of
+                            // this half's eight rows.
+                            let v = _mm256_loadu_si256(tile.add(head + 64 * c + 32 * h).cast());
+                            let lo = _mm256_and_si256(v, mask);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
+                            for j in 0..R {
+                                let p = xq[j].add(b * QK + 8 * c).cast::<i32>();
+                                let x0 = _mm256_set1_epi32(p.read_unaligned());
+                                let x1 = _mm256_set1_epi32(p.add(1).read_unaligned());
+                                s16[j] = _mm256_add_epi16(
+                                    s16[j],
+                                    _mm256_add_epi16(
+                                        _mm256_maddubs_epi16(lo, x0),
+                                        _mm256_maddubs_epi16(hi, x1),
+                                    ),
+                                );
+                            }
+                        }
+                        let m = match MIN {
+                            true => {
+                                _mm256_cvtph_ps(_mm_loadu_si128(tile.add(SCALES + 16 * h).cast()))
+                            }
+                            false => _mm256_setzero_ps(),
+                        };
+                        for j in 0..R {
+                            let s = _mm256_add_epi32(
+                                _mm256_madd_epi16(s16[j], ones),
+                                _mm256_set1_epi32(-offset * *xs[j].add(b)),
+                            );
+                            let dx = *xd[j].add(b);
+                            acc[t][j] = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(s),
+                                _mm256_mul_ps(d, _mm256_set1_ps(dx)),
+                                acc[t][j],
+                            );
+                            if MIN {
+                                let xsum = _mm256_set1_ps(dx * *xs[j].add(b) as f32);
+                                acc[t][j] = _mm256_fmadd_ps(m, xsum, acc[t][j]);
+                            }
+                        }
+                    }
+                }
+            }
+            for (y, acc) in y.iter_mut().zip(acc) {
+                for j in 0..R {
+                    // SAFETY: 8 floats to the half of a [f32; 16].
+                    unsafe { _mm256_storeu_ps(y[j][8 * h..].as_mut_ptr(), acc[j]) };
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1773,7 +1928,7 @@ mod tests {
             let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
             let xv: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
             let xq = XRows::new(Format::of(dtype).unwrap(), &xv, k);
-            let scalar = p.product(&xq, m, cols.clone(), false);
+            let scalar = p.product(&xq, m, cols.clone(), Level::Scalar);
             // The f64 product of what the kernels multiply: Candle's dequantized weights
             // and the quantized rows of x.
             let w = candle_values(&q);
@@ -1818,12 +1973,16 @@ mod tests {
                     );
                 }
             }
-            if Packed::available() {
-                let simd = p.product(&xq, m, cols.clone(), true);
+            // Every level of kernels this CPU runs that has them for the format.
+            for level in [Level::Avx2, Level::Vnni] {
+                if level > Level::detect() || !p.format.kernels(level) {
+                    continue;
+                }
+                let simd = p.product(&xq, m, cols.clone(), level);
                 for (a, b) in simd.iter().zip(&scalar) {
                     assert!(
                         (a - b).abs() <= 1e-5 * mag,
-                        "{dtype:?} {m}x{n}x{k}: {a} vs {b}"
+                        "{dtype:?} {level:?} {m}x{n}x{k}: {a} vs {b}"
                     );
                 }
             }

@@ -1304,9 +1304,10 @@ fn quantized_projections_agree_across_row_counts() -> Result<()> {
         let got = proj.forward(&xs)?;
         let what = format!("{dtype:?} {d_in}x{d_out}");
         // Prefill-sized products of matrices that none of Candle's repacked kernels, our
-        // packed q8_0/q4_0 ones (AVX-512 VNNI) or our integer GEMM (AVX2) take (all quantize
-        // `x` to 8 bits, as llama.cpp does) are the f32 product with the dequantized weight.
-        let packed = mha::qpacked::Packed::available();
+        // packed ones (every format with AVX-512 VNNI, q4_0 with AVX2) or our integer GEMM
+        // (AVX2) take (all quantize `x` to 8 bits, as llama.cpp does) are the f32 product
+        // with the dequantized weight.
+        let packed = mha::qpacked::Packed::packs_here(dtype);
         // (The integer GEMM takes q4_0, q5_0, q4_K and q6_K; q8_0 goes to it only where
         // packed. k-quants, whose rows are whole super-blocks of 256, take 8-bit `x` on
         // every path: Candle's, ours packed, or the integer GEMM.)
@@ -1419,7 +1420,7 @@ fn concatenated_projections_compute_their_parts_side_by_side() -> Result<()> {
         // Quantized matrices concatenate when packed (CPUs with the packed kernels).
         let Some(cat) = Proj::concat(&parts)? else {
             assert!(
-                what == "q8_0" && !mha::qpacked::Packed::available(),
+                what == "q8_0" && !mha::qpacked::Packed::packs_here(GgmlDType::Q8_0),
                 "{what}"
             );
             continue;
@@ -1431,7 +1432,7 @@ fn concatenated_projections_compute_their_parts_side_by_side() -> Result<()> {
     let bare = Proj::new(randn(&[64, 8]), None);
     assert!(Proj::concat(&[&c[0], &bare])?.is_none());
     assert!(Proj::concat(&[&c[0], &Proj::new(randn(&[32, 8]), Some(randn(&[8])))])?.is_none());
-    if mha::qpacked::Packed::available() {
+    if mha::qpacked::Packed::packs_here(GgmlDType::Q8_0) {
         assert!(Proj::concat(&[&q[1], &q[0]])?.is_none());
     }
     Ok(())
