@@ -1,6 +1,7 @@
-//! Products of a few rows with a block-quantized weight (ggml's q8_0, q4_0 and, on CPUs
-//! without AVX-512 VNNI, q5_0) on the CPU,
-//! reading each weight block once from where it is stored: no dequantized or repacked copy.
+//! Products of a few rows with a block-quantized weight (ggml's q8_0, q4_0 and q5_0) on
+//! the CPU, reading each weight block once from where it is stored: no dequantized or
+//! repacked copy. (Where [`crate::qpacked`] has kernels for the format, the model holds the
+//! matrix packed instead: every format with AVX-512 VNNI, q4_0 and q5_0 with AVX2.)
 //!
 //! As in ggml, each row of `x` is first quantized to 8 bits in blocks of 32 (q8_0: one
 //! f16 scale per block), so the product of two blocks is an integer dot product of 32
@@ -485,8 +486,6 @@ fn dot4(level: Level, format: Format, w: [&[u8]; 4], x: (&[i8], &[f32], &[i32]))
                 (Level::Avx512Vnni, Format::Q4_0) => x86::vnni_x4::<true>(w, xq, xd, xo),
                 (_, Format::Q8_0) => x86::avx2_x4::<8>(w, xq, xd, xo),
                 (_, Format::Q4_0) => x86::avx2_x4::<4>(w, xq, xd, xo),
-                // (Only CPUs without AVX-512 VNNI multiply q5_0 here: the others pack it,
-                // `qpacked`.)
                 (_, Format::Q5_0) => x86::avx2_x4::<5>(w, xq, xd, xo),
             }
         };

@@ -30,7 +30,7 @@
 //! have zero scales.
 //!
 //! Sums are exact integers per block (per super-block for the k-quants) and f32 across
-//! blocks, as in ggml. The kernels use AVX-512 VNNI, and for q4_0 and q4_1 AVX2 alone
+//! blocks, as in ggml. The kernels use AVX-512 VNNI, and for q4_0, q5_0, q4_1 and q5_1 AVX2
 //! (`vpmaddubsw` on each half of a tile, rows 0–7 and 8–15, in place of `vpdpbusd`);
 //! [`Packed::new`] packs only where the CPU has kernels for the format (elsewhere a matrix
 //! stays a `QTensor` on [`crate::qmatvec`], [`crate::qgemm`] or Candle's kernels), and a
@@ -557,7 +557,7 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Level {
     Scalar,
-    /// AVX2, FMA and F16C: `vpmaddubsw` and `vpmaddwd` for q4_0 and q4_1.
+    /// AVX2, FMA and F16C: `vpmaddubsw` and `vpmaddwd` for q4_0, q5_0, q4_1 and q5_1.
     Avx2,
     /// AVX-512 with VNNI and byte operations: `vpdpbusd` for every packed format.
     Vnni,
@@ -581,15 +581,15 @@ impl Level {
 }
 
 impl Format {
-    /// Whether `level` has kernels for this format. AVX2 has them for the four-bit legacy
-    /// formats, whose decoding through the blocks as stored (`qmatvec`) spent as long
+    /// Whether `level` has kernels for this format. AVX2 has them for the four- and five-bit
+    /// legacy formats, whose decoding through the blocks as stored (`qmatvec`) spent as long
     /// reducing each block's sums across lanes as multiplying them (SmolLM-135M q4_0
     /// decoded at 0.77× llama.cpp, which repacks q4_0 for AVX2 too); q8_0's values do not
     /// fit `vpmaddubsw`'s unsigned operand, and the k-quants keep Candle's kernels there.
     fn kernels(self, level: Level) -> bool {
         match level {
             Level::Vnni => true,
-            Level::Avx2 => matches!(self, Self::Q4_0 | Self::Q4_1),
+            Level::Avx2 => matches!(self, Self::Q4_0 | Self::Q5_0 | Self::Q4_1 | Self::Q5_1),
             Level::Scalar => false,
         }
     }
@@ -608,7 +608,7 @@ impl Packed {
     }
 
     /// Whether this CPU has kernels for packed matrices of `dtype`: every packed format
-    /// with AVX-512 VNNI, q4_0 and q4_1 with AVX2 alone.
+    /// with AVX-512 VNNI, q4_0, q5_0, q4_1 and q5_1 with AVX2 alone.
     pub fn packs_here(dtype: GgmlDType) -> bool {
         Format::of(dtype).is_some_and(|f| f.kernels(Level::detect()))
     }
@@ -967,15 +967,22 @@ fn tile_rows<const T: usize>(
             // check the lengths.
             unsafe {
                 use x86::legacy_rows_avx2 as legacy;
-                match (format, rows) {
-                    (Format::Q4_0, 1) => return legacy::<1, false, T>(tiles, x, r, y),
-                    (Format::Q4_0, 2) => return legacy::<2, false, T>(tiles, x, r, y),
-                    (Format::Q4_0, 3) => return legacy::<3, false, T>(tiles, x, r, y),
-                    (Format::Q4_0, _) => return legacy::<4, false, T>(tiles, x, r, y),
-                    (Format::Q4_1, 1) => return legacy::<1, true, T>(tiles, x, r, y),
-                    (Format::Q4_1, 2) => return legacy::<2, true, T>(tiles, x, r, y),
-                    (Format::Q4_1, 3) => return legacy::<3, true, T>(tiles, x, r, y),
-                    (Format::Q4_1, _) => return legacy::<4, true, T>(tiles, x, r, y),
+                // The rows of `x` (1–4) as a constant `R`, the format as `BITS` and `MIN`.
+                macro_rules! by_rows {
+                    ($bits:literal, $min:literal) => {
+                        match rows {
+                            1 => legacy::<1, $bits, $min, T>(tiles, x, r, y),
+                            2 => legacy::<2, $bits, $min, T>(tiles, x, r, y),
+                            3 => legacy::<3, $bits, $min, T>(tiles, x, r, y),
+                            _ => legacy::<4, $bits, $min, T>(tiles, x, r, y),
+                        }
+                    };
+                }
+                match format {
+                    Format::Q4_0 => return by_rows!(4, false),
+                    Format::Q5_0 => return by_rows!(5, false),
+                    Format::Q4_1 => return by_rows!(4, true),
+                    Format::Q5_1 => return by_rows!(5, true),
                     _ => {}
                 }
             }
@@ -1674,21 +1681,106 @@ mod x86 {
             }
         }
     }
-    /// [`legacy_rows`] for CPUs with AVX2 alone, q4_0 (or, `MIN`, q4_1) tiles: per group
-    /// of four values, `vpmaddubsw` of the unsigned nibbles by `x` (pairs of products, at
-    /// most 2·15·127 each, and eight groups' sums still inside an i16) then one `vpmaddwd`
-    /// per block. A half of a tile (rows 0–7 or 8–15: 32 bytes of each group's 64) is one
-    /// register per row of `x`; the halves go one after the other over the whole column,
-    /// the second from L1, so that four rows of `x` fit the 16 registers.
+    /// Bit `g` of each byte of `plane` moved to bit 4, the others cleared: the fifth bits
+    /// of group `g`'s operands (see `Format::operand`). (Shifts of 16-bit lanes: bit 4 of
+    /// each byte comes from the same byte, for shifts of at most 4 left and 3 right.)
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn fifth_bits_avx2(plane: __m256i, g: usize) -> __m256i {
+        let v = match g {
+            0 => _mm256_slli_epi16::<4>(plane),
+            1 => _mm256_slli_epi16::<3>(plane),
+            2 => _mm256_slli_epi16::<2>(plane),
+            3 => _mm256_slli_epi16::<1>(plane),
+            4 => plane,
+            5 => _mm256_srli_epi16::<1>(plane),
+            6 => _mm256_srli_epi16::<2>(plane),
+            _ => _mm256_srli_epi16::<3>(plane),
+        };
+        _mm256_and_si256(v, _mm256_set1_epi8(0x10))
+    }
+
+    /// For each of `R` rows of `x` (a block of 32 values at `xp[j]`), the integer sums
+    /// `Σ u · x` of one half of a tile's block (rows 0–7 or 8–15 in the eight lanes): its
+    /// four-bit values laid out as a q4_0 tile's nibbles, this half's 32 bytes of each
+    /// group's 64 at `q + 64c`, with (`FIVE`) bit 4 from the 32 bytes at `plane`. Per group
+    /// of four values, `vpmaddubsw` of the unsigned operands by `x` (pairs of products: at
+    /// most 2·15·127, 2·31·127 with the fifth bit), summed in i16 over 8 groups (4 with the
+    /// fifth bit) before one `vpmaddwd` into i32.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn half_sums<const R: usize, const FIVE: bool>(
+        q: *const u8,
+        plane: *const u8,
+        xp: [*const i8; R],
+    ) -> [__m256i; R] {
+        let (mask, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
+        let mut s32 = [_mm256_setzero_si256(); R];
+        let mut s16 = [_mm256_setzero_si256(); R];
+        // SAFETY (caller): 32 readable bytes at `q + 64c` (c < 4) and at `plane` (`FIVE`),
+        // 32 values of `x` at each `xp[j]`.
+        unsafe {
+            let bits = match FIVE {
+                true => _mm256_loadu_si256(plane.cast()),
+                false => _mm256_setzero_si256(),
+            };
+            for c in 0..4 {
+                // Values 8c..8c + 3 (low nibbles) and 8c + 4..8c + 7 (high) of the rows.
+                let v = _mm256_loadu_si256(q.add(64 * c).cast());
+                let mut lo = _mm256_and_si256(v, mask);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
+                if FIVE {
+                    lo = _mm256_or_si256(lo, fifth_bits_avx2(bits, 2 * c));
+                    hi = _mm256_or_si256(hi, fifth_bits_avx2(bits, 2 * c + 1));
+                }
+                for j in 0..R {
+                    let p = xp[j].add(8 * c).cast::<i32>();
+                    let x0 = _mm256_set1_epi32(p.read_unaligned());
+                    let x1 = _mm256_set1_epi32(p.add(1).read_unaligned());
+                    s16[j] = _mm256_add_epi16(
+                        s16[j],
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, x0),
+                            _mm256_maddubs_epi16(hi, x1),
+                        ),
+                    );
+                }
+                if c == 3 || (FIVE && c == 1) {
+                    for j in 0..R {
+                        s32[j] = _mm256_add_epi32(s32[j], _mm256_madd_epi16(s16[j], ones));
+                        s16[j] = _mm256_setzero_si256();
+                    }
+                }
+            }
+        }
+        s32
+    }
+
+    /// [`legacy_rows`] for CPUs with AVX2 alone, q4_0 and q5_0 (or, `MIN`, q4_1 and q5_1)
+    /// tiles, with [`half_sums`] in place of `vpdpbusd`. A half of a tile (rows 0–7 or
+    /// 8–15: 32 bytes of each group's 64) is one register per row of `x`; the halves go
+    /// one after the other over the whole column, the second from L1, so that four rows of
+    /// `x` come near fitting the 16 registers.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn legacy_rows_avx2<const R: usize, const MIN: bool, const T: usize>(
+    pub unsafe fn legacy_rows_avx2<
+        const R: usize,
+        const BITS: u8,
+        const MIN: bool,
+        const T: usize,
+    >(
         tiles: [&[u8]; T],
         x: &QRows,
         r: usize,
         y: [&mut [[f32; TILE]; 4]; T],
     ) {
         let head = if MIN { 2 * SCALES } else { SCALES };
-        let (size, offset) = (head + 256, if MIN { 0 } else { 8 });
+        let five = BITS == 5;
+        let size = head + 256 + if five { 64 } else { 0 };
+        let offset = match (MIN, five) {
+            (true, _) => 0,
+            (false, true) => 16,
+            (false, false) => 8,
+        };
         let nb = tiles[0].len() / size;
         assert!(tiles.iter().all(|t| t.len() >= nb * size));
         let mut xq = [std::ptr::null::<i8>(); R];
@@ -1699,7 +1791,6 @@ mod x86 {
             assert!(q.len() >= nb * QK && d.len() >= nb && s.len() >= nb);
             (xq[j], xd[j], xs[j]) = (q.as_ptr(), d.as_ptr(), s.as_ptr());
         }
-        let (mask, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
         let mut y = y;
         for h in 0..2 {
             let mut acc = [[_mm256_setzero_ps(); R]; T];
@@ -1709,27 +1800,13 @@ mod x86 {
                     // each row of `x` is in bounds (asserted above).
                     unsafe {
                         let tile = tiles.as_ptr().add(b * size);
+                        let xp = xq.map(|q| q.add(b * QK));
+                        let (q, plane) = (tile.add(head + 32 * h), tile.add(head + 256 + 32 * h));
+                        let sums = match five {
+                            true => half_sums::<R, true>(q, plane, xp),
+                            false => half_sums::<R, false>(q, plane, xp),
+                        };
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
-                        let mut s16 = [_mm256_setzero_si256(); R];
-                        for c in 0..4 {
-                            // Values 8c..8c + 3 (low nibbles) and 8c + 4..8c + 7 (high) of
-                            // this half's eight rows.
-                            let v = _mm256_loadu_si256(tile.add(head + 64 * c + 32 * h).cast());
-                            let lo = _mm256_and_si256(v, mask);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
-                            for j in 0..R {
-                                let p = xq[j].add(b * QK + 8 * c).cast::<i32>();
-                                let x0 = _mm256_set1_epi32(p.read_unaligned());
-                                let x1 = _mm256_set1_epi32(p.add(1).read_unaligned());
-                                s16[j] = _mm256_add_epi16(
-                                    s16[j],
-                                    _mm256_add_epi16(
-                                        _mm256_maddubs_epi16(lo, x0),
-                                        _mm256_maddubs_epi16(hi, x1),
-                                    ),
-                                );
-                            }
-                        }
                         let m = match MIN {
                             true => {
                                 _mm256_cvtph_ps(_mm_loadu_si128(tile.add(SCALES + 16 * h).cast()))
@@ -1738,7 +1815,7 @@ mod x86 {
                         };
                         for j in 0..R {
                             let s = _mm256_add_epi32(
-                                _mm256_madd_epi16(s16[j], ones),
+                                sums[j],
                                 _mm256_set1_epi32(-offset * *xs[j].add(b)),
                             );
                             let dx = *xd[j].add(b);
@@ -1984,6 +2061,49 @@ mod tests {
                         (a - b).abs() <= 1e-5 * mag,
                         "{dtype:?} {level:?} {m}x{n}x{k}: {a} vs {b}"
                     );
+                }
+            }
+        }
+    }
+
+    /// Operands at the top of their range (every value of a block but the first, which sets
+    /// the scale) times `x` at 127 everywhere: the largest sums the kernels' 16-bit partial
+    /// sums hold (a q5_0 block's eight groups would overflow one).
+    #[test]
+    fn sums_at_the_top_of_the_range_do_not_overflow() {
+        let (n, k) = (32, 256);
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| if i % QK == 0 { -1.0 } else { 0.9375 })
+            .collect();
+        let w = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
+        for dtype in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q5_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_1,
+        ] {
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let p = Packed::pack(&q).unwrap().unwrap();
+            let top = match dtype {
+                GgmlDType::Q4_0 | GgmlDType::Q4_1 => 15,
+                _ => 31,
+            };
+            // (The operands really are at the top.)
+            assert_eq!(p.format.operand(p.tile(1, 7), 3, 1), top, "{dtype:?}");
+            for m in [1, 4] {
+                let xq = XRows::new(p.format, &vec![1.0; m * k], k);
+                let scalar = p.product(&xq, m, 0..n, Level::Scalar);
+                for level in [Level::Avx2, Level::Vnni] {
+                    if level > Level::detect() || !p.format.kernels(level) {
+                        continue;
+                    }
+                    let simd = p.product(&xq, m, 0..n, level);
+                    for (a, b) in simd.iter().zip(&scalar) {
+                        assert!(
+                            (a - b).abs() <= 1e-5 * b.abs(),
+                            "{dtype:?} {level:?}: {a} vs {b}"
+                        );
+                    }
                 }
             }
         }
