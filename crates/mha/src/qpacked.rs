@@ -30,8 +30,8 @@
 //! have zero scales.
 //!
 //! Sums are exact integers per block (per super-block for the k-quants) and f32 across
-//! blocks, as in ggml. The kernels use AVX-512 VNNI, and for q4_0, q5_0, q4_1 and q5_1 AVX2
-//! (`vpmaddubsw` on each half of a tile, rows 0–7 and 8–15, in place of `vpdpbusd`);
+//! blocks, as in ggml. The kernels use AVX-512 VNNI, and for all but q8_0, q3_K and q2_K
+//! AVX2 (`vpmaddubsw` on each half of a tile, rows 0–7 and 8–15, in place of `vpdpbusd`);
 //! [`Packed::new`] packs only where the CPU has kernels for the format (elsewhere a matrix
 //! stays a `QTensor` on [`crate::qmatvec`], [`crate::qgemm`] or Candle's kernels), and a
 //! scalar version of the same arithmetic is the tests' reference for the packing and the
@@ -557,7 +557,8 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Level {
     Scalar,
-    /// AVX2, FMA and F16C: `vpmaddubsw` and `vpmaddwd` for q4_0, q5_0, q4_1 and q5_1.
+    /// AVX2, FMA and F16C: `vpmaddubsw` and `vpmaddwd` (q4_0, q5_0, q4_1, q5_1, q4_K,
+    /// q5_K, q6_K).
     Avx2,
     /// AVX-512 with VNNI and byte operations: `vpdpbusd` for every packed format.
     Vnni,
@@ -581,15 +582,16 @@ impl Level {
 }
 
 impl Format {
-    /// Whether `level` has kernels for this format. AVX2 has them for the four- and five-bit
-    /// legacy formats, whose decoding through the blocks as stored (`qmatvec`) spent as long
-    /// reducing each block's sums across lanes as multiplying them (SmolLM-135M q4_0
-    /// decoded at 0.77× llama.cpp, which repacks q4_0 for AVX2 too); q8_0's values do not
-    /// fit `vpmaddubsw`'s unsigned operand, and the k-quants keep Candle's kernels there.
+    /// Whether `level` has kernels for this format. AVX2 has them for the four-, five- and
+    /// six-bit formats, where the products through the blocks as stored spent as long
+    /// reducing each block's sums across lanes as multiplying them (`qmatvec`: SmolLM-135M
+    /// q4_0 decoded at 0.77× llama.cpp, which repacks q4_0 for AVX2 too) or kept a
+    /// repacked copy (Candle's q4_K and q6_K kernels). q8_0's values do not fit
+    /// `vpmaddubsw`'s unsigned operand, and q3_K and q2_K (rarer files) were not ported.
     fn kernels(self, level: Level) -> bool {
         match level {
             Level::Vnni => true,
-            Level::Avx2 => matches!(self, Self::Q4_0 | Self::Q5_0 | Self::Q4_1 | Self::Q5_1),
+            Level::Avx2 => !matches!(self, Self::Q8_0 | Self::Q3K | Self::Q2K),
             Level::Scalar => false,
         }
     }
@@ -608,7 +610,7 @@ impl Packed {
     }
 
     /// Whether this CPU has kernels for packed matrices of `dtype`: every packed format
-    /// with AVX-512 VNNI, q4_0, q5_0, q4_1 and q5_1 with AVX2 alone.
+    /// with AVX-512 VNNI, all but q8_0, q3_K and q2_K with AVX2 alone.
     pub fn packs_here(dtype: GgmlDType) -> bool {
         Format::of(dtype).is_some_and(|f| f.kernels(Level::detect()))
     }
@@ -983,6 +985,30 @@ fn tile_rows<const T: usize>(
                     Format::Q5_0 => return by_rows!(5, false),
                     Format::Q4_1 => return by_rows!(4, true),
                     Format::Q5_1 => return by_rows!(5, true),
+                    _ => {}
+                }
+            }
+        }
+        if let XRows::Super(x) = x {
+            // SAFETY: as above.
+            unsafe {
+                use x86::{q4k_rows_avx2 as q4k, q6k_rows_avx2 as q6k};
+                macro_rules! by_rows {
+                    ($kernel:ident, $($c:literal)?) => {
+                        for (tiles, y) in tiles.into_iter().zip(y) {
+                            match rows {
+                                1 => $kernel::<1 $(, $c)?>(tiles, x, r, y),
+                                2 => $kernel::<2 $(, $c)?>(tiles, x, r, y),
+                                3 => $kernel::<3 $(, $c)?>(tiles, x, r, y),
+                                _ => $kernel::<4 $(, $c)?>(tiles, x, r, y),
+                            }
+                        }
+                    };
+                }
+                match format {
+                    Format::Q4K => return by_rows!(q4k, false),
+                    Format::Q5K => return by_rows!(q4k, true),
+                    Format::Q6K => return by_rows!(q6k,),
                     _ => {}
                 }
             }
@@ -1701,37 +1727,53 @@ mod x86 {
     }
 
     /// For each of `R` rows of `x` (a block of 32 values at `xp[j]`), the integer sums
-    /// `Σ u · x` of one half of a tile's block (rows 0–7 or 8–15 in the eight lanes): its
-    /// four-bit values laid out as a q4_0 tile's nibbles, this half's 32 bytes of each
-    /// group's 64 at `q + 64c`, with (`FIVE`) bit 4 from the 32 bytes at `plane`. Per group
-    /// of four values, `vpmaddubsw` of the unsigned operands by `x` (pairs of products: at
-    /// most 2·15·127, 2·31·127 with the fifth bit), summed in i16 over 8 groups (4 with the
-    /// fifth bit) before one `vpmaddwd` into i32.
+    /// `Σ u · x` of one half of a tile's block (rows 0–7 or 8–15 in the eight lanes), its
+    /// values 0–15 in the first vector and 16–31 in the second (`BITS` 6) or all in the
+    /// first (4, 5). The low four bits of the operands lie as a q4_0 tile's nibbles, this
+    /// half's 32 bytes of each group's 64 at `q + 64c`; `BITS` 5 or-s in bit 4 from the 32
+    /// bytes at `plane` (q5_0's layout), 6 bits 4–5 from those at `plane` and `plane + 64`
+    /// (q6_K's). Per group of four values, `vpmaddubsw` of the unsigned operands by `x`
+    /// (pairs of products: at most 2·15·127, 2·31·127, 2·63·127), summed in i16 over as
+    /// many groups as cannot overflow (8, 4, 2) before a `vpmaddwd` into i32.
     #[target_feature(enable = "avx2")]
     #[inline]
-    unsafe fn half_sums<const R: usize, const FIVE: bool>(
+    unsafe fn half_sums<const R: usize, const BITS: u8>(
         q: *const u8,
         plane: *const u8,
         xp: [*const i8; R],
-    ) -> [__m256i; R] {
+    ) -> [[__m256i; R]; 2] {
         let (mask, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
-        let mut s32 = [_mm256_setzero_si256(); R];
+        let mut s32 = [[_mm256_setzero_si256(); R]; 2];
         let mut s16 = [_mm256_setzero_si256(); R];
-        // SAFETY (caller): 32 readable bytes at `q + 64c` (c < 4) and at `plane` (`FIVE`),
-        // 32 values of `x` at each `xp[j]`.
+        // SAFETY (caller): 32 readable bytes at `q + 64c` (c < 4), at `plane` (`BITS` 5)
+        // and at `plane + 64` (6), 32 values of `x` at each `xp[j]`.
         unsafe {
-            let bits = match FIVE {
-                true => _mm256_loadu_si256(plane.cast()),
-                false => _mm256_setzero_si256(),
+            let planes = match BITS {
+                5 => [_mm256_loadu_si256(plane.cast()), _mm256_setzero_si256()],
+                6 => [
+                    _mm256_loadu_si256(plane.cast()),
+                    _mm256_loadu_si256(plane.add(64).cast()),
+                ],
+                _ => [_mm256_setzero_si256(); 2],
             };
             for c in 0..4 {
                 // Values 8c..8c + 3 (low nibbles) and 8c + 4..8c + 7 (high) of the rows.
                 let v = _mm256_loadu_si256(q.add(64 * c).cast());
                 let mut lo = _mm256_and_si256(v, mask);
                 let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
-                if FIVE {
-                    lo = _mm256_or_si256(lo, fifth_bits_avx2(bits, 2 * c));
-                    hi = _mm256_or_si256(hi, fifth_bits_avx2(bits, 2 * c + 1));
+                if BITS == 5 {
+                    lo = _mm256_or_si256(lo, fifth_bits_avx2(planes[0], 2 * c));
+                    hi = _mm256_or_si256(hi, fifth_bits_avx2(planes[0], 2 * c + 1));
+                }
+                if BITS == 6 {
+                    // Bits 2f..2f + 1 of plane c / 2 go to bits 4..5 of group 4(c / 2) + f.
+                    let (p, two) = (planes[c / 2], _mm256_set1_epi8(0x30));
+                    let (l, h) = match c % 2 {
+                        0 => (_mm256_slli_epi16::<4>(p), _mm256_slli_epi16::<2>(p)),
+                        _ => (p, _mm256_srli_epi16::<2>(p)),
+                    };
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(l, two));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(h, two));
                 }
                 for j in 0..R {
                     let p = xp[j].add(8 * c).cast::<i32>();
@@ -1745,15 +1787,152 @@ mod x86 {
                         ),
                     );
                 }
-                if c == 3 || (FIVE && c == 1) {
+                let flush = match BITS {
+                    4 => c == 3,
+                    5 => c % 2 == 1,
+                    _ => true,
+                };
+                if flush {
+                    let half = if BITS == 6 { c / 2 } else { 0 };
                     for j in 0..R {
-                        s32[j] = _mm256_add_epi32(s32[j], _mm256_madd_epi16(s16[j], ones));
+                        let s = _mm256_madd_epi16(s16[j], ones);
+                        s32[half][j] = _mm256_add_epi32(s32[half][j], s);
                         s16[j] = _mm256_setzero_si256();
                     }
                 }
             }
         }
         s32
+    }
+
+    /// Eight bytes at `p` as 32-bit lanes, unsigned or (`SIGNED`) signed: one half's
+    /// scales.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn lanes8<const SIGNED: bool>(p: *const u8) -> __m256i {
+        // SAFETY (caller): 8 readable bytes at `p`.
+        let v = unsafe { _mm_loadl_epi64(p.cast()) };
+        if SIGNED {
+            _mm256_cvtepi8_epi32(v)
+        } else {
+            _mm256_cvtepu8_epi32(v)
+        }
+    }
+
+    /// [`q4k_rows`] for CPUs with AVX2 alone: per sub-block and row of `x`, a
+    /// [`half_sums`] and an integer multiply by the scales; the minima times the sums of
+    /// `x` per super-block in integers, then two multiply-adds. Halves of the tiles one
+    /// after the other, as in [`legacy_rows_avx2`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q4k_rows_avx2<const R: usize, const FIVE: bool>(
+        tiles: &[u8],
+        x: &SuperRows,
+        r: usize,
+        y: &mut [[f32; TILE]; 4],
+    ) {
+        let size = if FIVE { q4k::Q5_BYTES } else { q4k::BYTES };
+        let nb = tiles.len() / size;
+        let xs = super_rows::<R>(x, r, nb);
+        for h in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                // SAFETY: tile b is `size` readable bytes; super-block b of each row of
+                // `x` is in bounds (checked by `super_rows`).
+                unsafe {
+                    let tile = tiles.as_ptr().add(b * size);
+                    let mut sums = [_mm256_setzero_si256(); R];
+                    let mut mins = [_mm256_setzero_si256(); R];
+                    for j in 0..8 {
+                        let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
+                        let q = tile.add(q4k::QS + 256 * j + 32 * h);
+                        let [s, _] = match FIVE {
+                            true => {
+                                half_sums::<R, 5>(q, tile.add(q4k::BYTES + 64 * j + 32 * h), xp)
+                            }
+                            false => half_sums::<R, 4>(q, std::ptr::null(), xp),
+                        };
+                        let sc = lanes8::<false>(tile.add(q4k::SC + 16 * j + 8 * h));
+                        let m = lanes8::<false>(tile.add(q4k::MIN + 16 * j + 8 * h));
+                        for i in 0..R {
+                            sums[i] = _mm256_add_epi32(sums[i], _mm256_mullo_epi32(s[i], sc));
+                            let x = xs[i];
+                            let xsum = *x.s.add(16 * b + 2 * j) + *x.s.add(16 * b + 2 * j + 1);
+                            let xsum = _mm256_set1_epi32(xsum);
+                            mins[i] = _mm256_add_epi32(mins[i], _mm256_mullo_epi32(m, xsum));
+                        }
+                    }
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
+                    let dmin =
+                        _mm256_cvtph_ps(_mm_loadu_si128(tile.add(q4k::DMIN + 16 * h).cast()));
+                    for i in 0..R {
+                        let dx = _mm256_set1_ps(*xs[i].d.add(b));
+                        let s = _mm256_cvtepi32_ps(sums[i]);
+                        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), s, acc[i]);
+                        let m = _mm256_cvtepi32_ps(mins[i]);
+                        acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), m, acc[i]);
+                    }
+                }
+            }
+            for (y, acc) in y.iter_mut().zip(acc) {
+                // SAFETY: 8 floats to the half of a [f32; 16].
+                unsafe { _mm256_storeu_ps(y[8 * h..].as_mut_ptr(), acc) };
+            }
+        }
+    }
+
+    /// [`q6k_rows`] (q6_K only) for CPUs with AVX2 alone: per block of 32 and row of `x`,
+    /// the [`half_sums`] of its two halves of 16 values, each less 32 times the half's sum
+    /// of `x` and multiplied by its scales as integers; per super-block one multiply-add.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q6k_rows_avx2<const R: usize>(
+        tiles: &[u8],
+        x: &SuperRows,
+        r: usize,
+        y: &mut [[f32; TILE]; 4],
+    ) {
+        let nb = tiles.len() / q6k::BYTES;
+        let xs = super_rows::<R>(x, r, nb);
+        for h in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                // SAFETY: tile b is `q6k::BYTES` readable bytes; super-block b of each row
+                // of `x` is in bounds (checked by `super_rows`).
+                unsafe {
+                    let tile = tiles.as_ptr().add(b * q6k::BYTES);
+                    let mut sums = [_mm256_setzero_si256(); R];
+                    for j in 0..8 {
+                        let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
+                        let [lo, hi] = half_sums::<R, 6>(
+                            tile.add(q6k::QL + 256 * j + 32 * h),
+                            tile.add(q6k::QH + 128 * j + 32 * h),
+                            xp,
+                        );
+                        let sc_lo = lanes8::<true>(tile.add(q6k::SC + 32 * j + 8 * h));
+                        let sc_hi = lanes8::<true>(tile.add(q6k::SC + 32 * j + 16 + 8 * h));
+                        for i in 0..R {
+                            let s = xs[i].s.add(16 * b + 2 * j);
+                            let lo = _mm256_add_epi32(lo[i], _mm256_set1_epi32(-32 * *s));
+                            let hi = _mm256_add_epi32(hi[i], _mm256_set1_epi32(-32 * *s.add(1)));
+                            let sum = _mm256_add_epi32(
+                                _mm256_mullo_epi32(lo, sc_lo),
+                                _mm256_mullo_epi32(hi, sc_hi),
+                            );
+                            sums[i] = _mm256_add_epi32(sums[i], sum);
+                        }
+                    }
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
+                    for i in 0..R {
+                        let dx = _mm256_set1_ps(*xs[i].d.add(b));
+                        let s = _mm256_cvtepi32_ps(sums[i]);
+                        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), s, acc[i]);
+                    }
+                }
+            }
+            for (y, acc) in y.iter_mut().zip(acc) {
+                // SAFETY: 8 floats to the half of a [f32; 16].
+                unsafe { _mm256_storeu_ps(y[8 * h..].as_mut_ptr(), acc) };
+            }
+        }
     }
 
     /// [`legacy_rows`] for CPUs with AVX2 alone, q4_0 and q5_0 (or, `MIN`, q4_1 and q5_1)
@@ -1801,10 +1980,10 @@ mod x86 {
                     unsafe {
                         let tile = tiles.as_ptr().add(b * size);
                         let xp = xq.map(|q| q.add(b * QK));
-                        let (q, plane) = (tile.add(head + 32 * h), tile.add(head + 256 + 32 * h));
-                        let sums = match five {
-                            true => half_sums::<R, true>(q, plane, xp),
-                            false => half_sums::<R, false>(q, plane, xp),
+                        let q = tile.add(head + 32 * h);
+                        let [sums, _] = match five {
+                            true => half_sums::<R, 5>(q, tile.add(head + 256 + 32 * h), xp),
+                            false => half_sums::<R, 4>(q, std::ptr::null(), xp),
                         };
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
                         let m = match MIN {
@@ -2066,30 +2245,31 @@ mod tests {
         }
     }
 
-    /// Operands at the top of their range (every value of a block but the first, which sets
-    /// the scale) times `x` at 127 everywhere: the largest sums the kernels' 16-bit partial
-    /// sums hold (a q5_0 block's eight groups would overflow one).
+    /// Operands at the top of their range (every value of a block or sub-block but the
+    /// first, which sets the scale) times `x` at its largest magnitude everywhere: the
+    /// largest sums the kernels' 16-bit partial sums hold (eight groups of q5_0 or q5_K
+    /// values, or two of q6_K's, would overflow one).
     #[test]
     fn sums_at_the_top_of_the_range_do_not_overflow() {
-        let (n, k) = (32, 256);
-        let w: Vec<f32> = (0..n * k)
-            .map(|i| if i % QK == 0 { -1.0 } else { 0.9375 })
-            .collect();
-        let w = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
-        for dtype in [
-            GgmlDType::Q4_0,
-            GgmlDType::Q5_0,
-            GgmlDType::Q4_1,
-            GgmlDType::Q5_1,
+        let (n, k) = (32, 512);
+        for (dtype, period, top) in [
+            (GgmlDType::Q4_0, 32, 15),
+            (GgmlDType::Q5_0, 32, 31),
+            (GgmlDType::Q4_1, 32, 15),
+            (GgmlDType::Q5_1, 32, 31),
+            (GgmlDType::Q4K, 32, 15),
+            (GgmlDType::Q5K, 32, 31),
+            (GgmlDType::Q6K, 16, 63),
         ] {
+            // The first value maps to the bottom, the others (31/32 of it) to the top.
+            let w: Vec<f32> = (0..n * k)
+                .map(|i| if i % period == 0 { -1.0 } else { 0.96875 })
+                .collect();
+            let w = Tensor::from_vec(w, (n, k), &Device::Cpu).unwrap();
             let q = QTensor::quantize(&w, dtype).unwrap();
             let p = Packed::pack(&q).unwrap().unwrap();
-            let top = match dtype {
-                GgmlDType::Q4_0 | GgmlDType::Q4_1 => 15,
-                _ => 31,
-            };
             // (The operands really are at the top.)
-            assert_eq!(p.format.operand(p.tile(1, 7), 3, 1), top, "{dtype:?}");
+            assert_eq!(p.format.operand(p.tile(1, 1), 3, 1), top, "{dtype:?}");
             for m in [1, 4] {
                 let xq = XRows::new(p.format, &vec![1.0; m * k], k);
                 let scalar = p.product(&xq, m, 0..n, Level::Scalar);
@@ -2099,10 +2279,8 @@ mod tests {
                     }
                     let simd = p.product(&xq, m, 0..n, level);
                     for (a, b) in simd.iter().zip(&scalar) {
-                        assert!(
-                            (a - b).abs() <= 1e-5 * b.abs(),
-                            "{dtype:?} {level:?}: {a} vs {b}"
-                        );
+                        let what = format!("{dtype:?} {level:?}: {a} vs {b}");
+                        assert!((a - b).abs() <= 1e-5 * b.abs(), "{what}");
                     }
                 }
             }
