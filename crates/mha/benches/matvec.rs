@@ -146,17 +146,14 @@ fn bench_qmatvec(c: &mut Criterion) {
     group.finish();
 }
 
-/// A prefill's products with block-quantized weights on a CPU without AVX-512 VNNI:
-/// `mha::qgemm` (the integer GEMM on 8-bit activations) against each task dequantizing its
-/// span for the f32 GEMM (`qmatvec::prefill_dequantized`, what it replaced), and for q4_K
-/// and q6_K against Candle's repacked kernels (`QMatMul`, what `Proj` used for those). Throughput is
-/// in multiply-adds per second (`elements`). `cargo bench -p mha --bench matvec -- qgemm`.
-fn bench_qgemm(c: &mut Criterion) {
-    if !mha::qgemm::available() {
-        return;
-    }
+/// A prefill's products with block-quantized weights: ours packed (`Packed::matmul`, where
+/// this CPU has kernels for the format) against each task dequantizing its span for the f32
+/// GEMM (`qmatvec::prefill_dequantized`) and Candle's `QMatMul` (its repacked kernels for
+/// q4_K and q6_K, and q8_0 with VNNI, keep a copy beside the blocks). Throughput is in
+/// multiply-adds per second (`elements`). `cargo bench -p mha --bench matvec -- prefill`.
+fn bench_prefill(c: &mut Criterion) {
     let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
-    let mut group = c.benchmark_group("qgemm");
+    let mut group = c.benchmark_group("prefill");
     group.sample_size(10);
     let rows = 512;
     let dtypes = [
@@ -170,30 +167,30 @@ fn bench_qgemm(c: &mut Criterion) {
         for (name, d_in, d_out) in [("c_fc_768x3072", 768, 3072), ("c_proj_3072x768", 3072, 768)] {
             let w = QTensor::quantize(&randn((d_out, d_in)), dtype).unwrap();
             let xs = randn((rows, d_in));
+            let x: Vec<f32> = xs.flatten_all().unwrap().to_vec1().unwrap();
             let id = format!("{dtype:?}/{name}/rows{rows}");
             group.throughput(Throughput::Elements((rows * d_in * d_out) as u64));
-            group.bench_function(BenchmarkId::new("integer", &id), |bench| {
-                bench.iter(|| pool.install(|| mha::qgemm::prefill(&xs, &w, 0..d_out).unwrap()))
-            });
+            if let Some(packed) = Packed::new(&w).unwrap() {
+                group.bench_function(BenchmarkId::new("packed", &id), |bench| {
+                    bench.iter(|| pool.install(|| packed.matmul(&x, rows, 0..d_out).unwrap()))
+                });
+            }
             group.bench_function(BenchmarkId::new("dequantized", &id), |bench| {
                 bench.iter(|| {
                     pool.install(|| mha::qmatvec::prefill_dequantized(&xs, &w, 0..d_out).unwrap())
                 })
             });
-            if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) {
-                // Candle's repacked kernels (AVX2), what `Proj` used for these before.
-                let qm = QMatMul::from_qtensor(
-                    QTensor::quantize(&w.dequantize(&Device::Cpu).unwrap(), dtype).unwrap(),
-                )
-                .unwrap();
-                group.bench_function(BenchmarkId::new("candle", &id), |bench| {
-                    bench.iter(|| qm.forward(&xs).unwrap())
-                });
-            }
+            let qm = QMatMul::from_qtensor(
+                QTensor::quantize(&w.dequantize(&Device::Cpu).unwrap(), dtype).unwrap(),
+            )
+            .unwrap();
+            group.bench_function(BenchmarkId::new("candle", &id), |bench| {
+                bench.iter(|| qm.forward(&xs).unwrap())
+            });
         }
     }
     group.finish();
 }
 
-criterion_group!(benches, bench_matvec, bench_qmatvec, bench_qgemm);
+criterion_group!(benches, bench_matvec, bench_qmatvec, bench_prefill);
 criterion_main!(benches);

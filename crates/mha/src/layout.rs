@@ -475,10 +475,10 @@ impl Proj {
             } => {
                 let (start, len) = cols.unwrap_or((0, *d_out));
                 let own = match w {
-                    // Decoding and small batches of q8_0 and q4_0 matrices that were not
-                    // packed (a CPU without AVX-512 VNNI): blocks read once from where they
-                    // are stored (Candle's kernels would keep a repacked copy of each matrix
-                    // beside the file's).
+                    // Decoding and small batches of matrices that were not packed (q8_0, q3_K
+                    // and q2_K on a CPU without AVX-512 VNNI, every format without AVX2):
+                    // blocks read once from where they are stored (Candle's kernels would keep
+                    // a repacked copy of each matrix beside the file's).
                     QMatMul::QTensor(q) if rows < DENSE_ROWS => {
                         match crate::qmatvec::qmatmul(&xs2, q, start..start + len)? {
                             Some(ys) => Some(ys),
@@ -488,33 +488,12 @@ impl Proj {
                     // A prefill where Candle has no repacked kernel: each GEMM task
                     // dequantizes its own span of the rows asked for.
                     // (GPT-2 124M q4_0 and SmolLM-135M q8_0 prefill 512 tokens 1.09× and 1.14×
-                    // the whole matrix dequantized first, on a Zen 3 CPU, medians of 7.)
-                    // q4_0 and q5_0 through the integer GEMM on CPUs with AVX2 (GPT-2 124M q4_0
-                    // prefill 1.38×, SmolLM-135M q4_0 1.20×, q4_K_M with its q5_0 1.08×, medians
-                    // of 5–6 alternating pairs on a Zen 3 CPU; q4_0 is packed there now, `qpacked`,
-                    // 1.12× and 1.18× this GEMM). Its q8_0 kernel measured level
-                    // with the f32 GEMM there (1.01×, 0.99×): q8_0 keeps the exact activations.
-                    // Where Candle has repacked kernels (q4_K, q6_K), q4_K through the integer
-                    // GEMM (products level with Candle's) and q6_K dequantized per task (level
-                    // with our integer kernel for it, and exact activations; Candle's 5–13%
-                    // faster): no repacked copy kept beside the file's blocks (GPT-2 124M
-                    // q4_K_M peak memory 243 -> 163–173 MB, prefill 1.00×; SmolLM-135M 1.02×).
-                    QMatMul::QTensor(q)
-                        if !candle_repacks(q, *d_in, *d_out)
-                            || (matches!(q.dtype(), GgmlDType::Q4K | GgmlDType::Q6K)
-                                && crate::qgemm::available()) =>
-                    {
-                        let rows = start..start + len;
-                        let int = match q.dtype() {
-                            GgmlDType::Q4_0 | GgmlDType::Q5_0 | GgmlDType::Q4K => {
-                                crate::qgemm::prefill(&xs2, q, rows.clone())?
-                            }
-                            _ => None,
-                        };
-                        match int {
-                            Some(ys) => Some(ys),
-                            None => crate::qmatvec::prefill_dequantized(&xs2, q, rows)?,
-                        }
+                    // the whole matrix dequantized first, on a Zen 3 CPU, medians of 7.) On
+                    // CPUs with AVX2 only q8_0, q3_K and q2_K come here (the others are
+                    // packed, `qpacked`); an integer GEMM on q8_0's stored blocks measured
+                    // level with this (1.01×, 0.99×), and this keeps the exact activations.
+                    QMatMul::QTensor(q) if !candle_repacks(q, *d_in, *d_out) => {
+                        crate::qmatvec::prefill_dequantized(&xs2, q, start..start + len)?
                     }
                     _ => None,
                 };

@@ -82,7 +82,6 @@ mod mask;
 pub mod matvec;
 pub mod memory;
 pub mod ops;
-pub mod qgemm;
 pub mod qmatvec;
 pub mod qpacked;
 mod rope;

@@ -76,46 +76,10 @@ pub fn supported(w: &QTensor) -> bool {
 /// (the caller then uses Candle's product). Any `m` works; the kernels pay off while a
 /// weight row read once serves every row of `x` from L1 (decoding, small batches).
 pub fn qmatmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Tensor>> {
-    with_stored_rows(xs, w, rows, |format, weights, row_bytes, x| {
-        product(level(), format, weights, row_bytes, x)
-    })
-}
-
-/// `f(format, bytes of rows `rows`, bytes per row, x quantized)` as an `[m, rows.len()]`
-/// tensor, after checking `xs [m, in]` against a q8_0, q4_0 or q5_0 `w [out, in]` on the
-/// CPU (`None` for other weights): the products on the blocks as stored, here and in
-/// [`crate::qgemm`].
-pub(crate) fn with_stored_rows(
-    xs: &Tensor,
-    w: &QTensor,
-    rows: Range<usize>,
-    f: impl FnOnce(Format, &[u8], usize, &QRows) -> Vec<f32>,
-) -> Result<Option<Tensor>> {
     let Some(format) = Format::of(w.dtype()) else {
         return Ok(None);
     };
-    if !supported(w) {
-        return Ok(None);
-    }
-    with_rows_of(
-        xs,
-        w,
-        rows,
-        (QK, format.block_bytes()),
-        |weights, row_bytes, x| f(format, weights, row_bytes, x),
-    )
-}
-
-/// [`with_stored_rows`] for any format of `block` = (values, bytes) per block of a 2-D
-/// `w` on the CPU: `f(bytes of rows `rows`, bytes per row, x quantized)`.
-pub(crate) fn with_rows_of(
-    xs: &Tensor,
-    w: &QTensor,
-    rows: Range<usize>,
-    (block_values, block_bytes): (usize, usize),
-    f: impl FnOnce(&[u8], usize, &QRows) -> Vec<f32>,
-) -> Result<Option<Tensor>> {
-    if !xs.device().is_cpu() || !w.device().is_cpu() || w.shape().elem_count() == 0 {
+    if !supported(w) || !xs.device().is_cpu() || w.shape().elem_count() == 0 {
         return Ok(None);
     }
     let (d_out, k) = w.shape().dims2()?;
@@ -126,11 +90,11 @@ pub(crate) fn with_rows_of(
     if rows.start > rows.end || rows.end > d_out {
         bail!("quantized product: rows {rows:?} of a weight with {d_out}")
     }
-    if !k.is_multiple_of(block_values) {
-        bail!("quantized product: input width {k} is not a multiple of {block_values}")
+    if !k.is_multiple_of(QK) {
+        bail!("quantized product: input width {k} is not a multiple of {QK}")
     }
     let data = w.data()?;
-    let row_bytes = k / block_values * block_bytes;
+    let row_bytes = k / QK * format.block_bytes();
     if data.len() < d_out * row_bytes {
         bail!(
             "quantized product: {} bytes for a [{d_out}, {k}] {:?} weight",
@@ -140,7 +104,7 @@ pub(crate) fn with_rows_of(
     }
     let x = crate::matvec::with_f32_values(xs, |x| Ok(QRows::new(x, k)))?;
     let weights = &data[rows.start * row_bytes..rows.end * row_bytes];
-    let ys = f(weights, row_bytes, &x);
+    let ys = product(level(), format, weights, row_bytes, &x);
     Tensor::from_vec(ys, (m, rows.len()), xs.device()).map(Some)
 }
 
@@ -281,11 +245,6 @@ impl QRows {
 
     pub(crate) fn rows(&self) -> usize {
         self.q.len() / self.k.max(1)
-    }
-
-    /// Values per row.
-    pub(crate) fn width(&self) -> usize {
-        self.k
     }
 }
 
@@ -893,7 +852,7 @@ pub(crate) mod tests {
     /// Values of every kind in blocks of `block`: ordinary ones, halves of the step, zeros
     /// of both signs, subnormals, the largest floats, infinities and NaN, blocks that are
     /// all zero or all subnormal.
-    pub(crate) fn awkward_rows(block: usize) -> Vec<f32> {
+    fn awkward_rows(block: usize) -> Vec<f32> {
         let specials = [
             0.0,
             -0.0,
@@ -987,7 +946,7 @@ pub(crate) mod tests {
 
     /// A `[n, k]` weight of standard normal values (with a few large ones, so blocks have
     /// different scales), quantized by Candle.
-    pub(crate) fn weight(n: usize, k: usize, dtype: GgmlDType, seed: u64) -> (Vec<f32>, QTensor) {
+    fn weight(n: usize, k: usize, dtype: GgmlDType, seed: u64) -> (Vec<f32>, QTensor) {
         let dev = Device::Cpu;
         let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
         let spikes = (Tensor::rand(0f32, 1.0, (n, k), &dev)
@@ -1007,16 +966,6 @@ pub(crate) mod tests {
             .to_vec1()
             .unwrap();
         (wd, q)
-    }
-
-    /// `x [m, k] · qᵀ` (`[m, n]`) by the scalar code: `x` quantized per block, exact
-    /// integer sums per block, f32 across blocks.
-    pub(crate) fn scalar_product(q: &QTensor, x: &[f32]) -> Vec<f32> {
-        let format = Format::of(q.dtype()).unwrap();
-        let k = q.shape().dims2().unwrap().1;
-        let row_bytes = k / QK * format.block_bytes();
-        let data = q.data().unwrap();
-        product(Level::Scalar, format, &data, row_bytes, &QRows::new(x, k))
     }
 
     #[test]

@@ -33,7 +33,7 @@
 //! blocks, as in ggml. The kernels use AVX-512 VNNI, and for all but q8_0, q3_K and q2_K
 //! AVX2 (`vpmaddubsw` on each half of a tile, rows 0–7 and 8–15, in place of `vpdpbusd`);
 //! [`Packed::new`] packs only where the CPU has kernels for the format (elsewhere a matrix
-//! stays a `QTensor` on [`crate::qmatvec`], [`crate::qgemm`] or Candle's kernels), and a
+//! stays a `QTensor` on [`crate::qmatvec`] or Candle's kernels), and a
 //! scalar version of the same arithmetic is the tests' reference for the packing and the
 //! kernels, beside Candle's dequantized weights and products.
 

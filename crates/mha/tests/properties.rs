@@ -1303,18 +1303,12 @@ fn quantized_projections_agree_across_row_counts() -> Result<()> {
         let want = xs.broadcast_matmul(&dense.t()?)?.broadcast_add(&bias)?;
         let got = proj.forward(&xs)?;
         let what = format!("{dtype:?} {d_in}x{d_out}");
-        // Prefill-sized products of matrices that none of Candle's repacked kernels, our
-        // packed ones (every format with AVX-512 VNNI, q4_0 with AVX2) or our integer GEMM
-        // (AVX2) take (all quantize `x` to 8 bits, as llama.cpp does) are the f32 product
-        // with the dequantized weight.
-        let packed = mha::qpacked::Packed::packs_here(dtype);
-        // (The integer GEMM takes q4_0, q5_0, q4_K and q6_K; q8_0 goes to it only where
-        // packed. k-quants, whose rows are whole super-blocks of 256, take 8-bit `x` on
-        // every path: Candle's, ours packed, or the integer GEMM.)
-        let ours = match dtype {
-            GgmlDType::Q4_0 => packed || mha::qgemm::available(),
-            _ => packed,
-        };
+        // Prefill-sized products of matrices that neither Candle's repacked kernels nor our
+        // packed ones (every format with AVX-512 VNNI, all but q8_0, q3_K and q2_K with
+        // AVX2) take (both quantize `x` to 8 bits, as llama.cpp does) are the f32 product
+        // with the dequantized weight. (k-quants, whose rows are whole super-blocks of 256,
+        // take 8-bit `x` on every path: Candle's or ours packed.)
+        let ours = mha::qpacked::Packed::packs_here(dtype);
         let eight_bit_x = match dtype {
             GgmlDType::Q8_0 => d_in % 256 == 0 || ours,
             GgmlDType::Q4_0 => ours,
