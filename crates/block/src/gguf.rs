@@ -603,7 +603,7 @@ impl Gguf {
         info.read(&mut *file, self.content.tensor_data_offset, device)
     }
 
-    /// A q8_0, q4_0, q4_K or q6_K matrix packed for this CPU's kernels straight from the
+    /// A block-quantized matrix packed for this CPU's kernels straight from the
     /// file, 16 rows at a time (no buffer or `QTensor` the size of the matrix beside it), or
     /// `None` when the tensor is of another format, the device not the CPU or the CPU
     /// without the kernels (the caller then reads a `QTensor`). Checks as [`Self::qtensor`].
