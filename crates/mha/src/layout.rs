@@ -475,8 +475,8 @@ impl Proj {
             } => {
                 let (start, len) = cols.unwrap_or((0, *d_out));
                 let own = match w {
-                    // Decoding and small batches of matrices that were not packed (q8_0, q3_K
-                    // and q2_K on a CPU without AVX-512 VNNI, every format without AVX2):
+                    // Decoding and small batches of matrices that were not packed (q8_0 on a
+                    // CPU without AVX-512 VNNI, every format without AVX2):
                     // blocks read once from where they are stored (Candle's kernels would keep
                     // a repacked copy of each matrix beside the file's).
                     QMatMul::QTensor(q) if rows < DENSE_ROWS => {
@@ -489,8 +489,8 @@ impl Proj {
                     // dequantizes its own span of the rows asked for.
                     // (GPT-2 124M q4_0 and SmolLM-135M q8_0 prefill 512 tokens 1.09× and 1.14×
                     // the whole matrix dequantized first, on a Zen 3 CPU, medians of 7.) On
-                    // CPUs with AVX2 only q8_0, q3_K and q2_K come here (the others are
-                    // packed, `qpacked`); an integer GEMM on q8_0's stored blocks measured
+                    // CPUs with AVX2 only q8_0 comes here (the others are packed,
+                    // `qpacked`); an integer GEMM on q8_0's stored blocks measured
                     // level with this (1.01×, 0.99×), and this keeps the exact activations.
                     QMatMul::QTensor(q) if !candle_repacks(q, *d_in, *d_out) => {
                         crate::qmatvec::prefill_dequantized(&xs2, q, start..start + len)?

@@ -30,8 +30,7 @@
 //! have zero scales.
 //!
 //! Sums are exact integers per block (per super-block for the k-quants) and f32 across
-//! blocks, as in ggml. The kernels use AVX-512 VNNI, and for all but q8_0, q3_K and q2_K
-//! AVX2 (`vpmaddubsw` on each half of a tile, rows 0–7 and 8–15, in place of `vpdpbusd`);
+//! blocks, as in ggml. The kernels use AVX-512 VNNI, and for every format but q8_0 AVX2 (`vpmaddubsw` on each half of a tile, rows 0–7 and 8–15, in place of `vpdpbusd`);
 //! [`Packed::new`] packs only where the CPU has kernels for the format (elsewhere a matrix
 //! stays a `QTensor` on [`crate::qmatvec`] or Candle's kernels), and a
 //! scalar version of the same arithmetic is the tests' reference for the packing and the
@@ -557,8 +556,7 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Level {
     Scalar,
-    /// AVX2, FMA and F16C: `vpmaddubsw` and `vpmaddwd` (q4_0, q5_0, q4_1, q5_1, q4_K,
-    /// q5_K, q6_K).
+    /// AVX2, FMA and F16C: `vpmaddubsw` and `vpmaddwd` (every format but q8_0).
     Avx2,
     /// AVX-512 with VNNI and byte operations: `vpdpbusd` for every packed format.
     Vnni,
@@ -582,16 +580,17 @@ impl Level {
 }
 
 impl Format {
-    /// Whether `level` has kernels for this format. AVX2 has them for the four-, five- and
-    /// six-bit formats, where the products through the blocks as stored spent as long
-    /// reducing each block's sums across lanes as multiplying them (`qmatvec`: SmolLM-135M
-    /// q4_0 decoded at 0.77× llama.cpp, which repacks q4_0 for AVX2 too) or kept a
-    /// repacked copy (Candle's q4_K and q6_K kernels). q8_0's values do not fit
-    /// `vpmaddubsw`'s unsigned operand, and q3_K and q2_K (rarer files) were not ported.
+    /// Whether `level` has kernels for this format. AVX2 has them for every format but
+    /// q8_0, where the products through the blocks as stored spent as long reducing each
+    /// block's sums across lanes as multiplying them (`qmatvec`: SmolLM-135M q4_0 decoded
+    /// at 0.77× llama.cpp, which repacks q4_0 for AVX2 too), ran Candle's block product
+    /// (the k-quants' decoding) or kept a repacked copy (Candle's q4_K and q6_K prefill).
+    /// q8_0's values do not fit `vpmaddubsw`'s unsigned operand (and its decoding through
+    /// `qmatvec` leads llama.cpp's).
     fn kernels(self, level: Level) -> bool {
         match level {
             Level::Vnni => true,
-            Level::Avx2 => !matches!(self, Self::Q8_0 | Self::Q3K | Self::Q2K),
+            Level::Avx2 => self != Self::Q8_0,
             Level::Scalar => false,
         }
     }
@@ -610,7 +609,7 @@ impl Packed {
     }
 
     /// Whether this CPU has kernels for packed matrices of `dtype`: every packed format
-    /// with AVX-512 VNNI, all but q8_0, q3_K and q2_K with AVX2 alone.
+    /// with AVX-512 VNNI, all but q8_0 with AVX2 alone.
     pub fn packs_here(dtype: GgmlDType) -> bool {
         Format::of(dtype).is_some_and(|f| f.kernels(Level::detect()))
     }
@@ -992,7 +991,7 @@ fn tile_rows<const T: usize>(
         if let XRows::Super(x) = x {
             // SAFETY: as above.
             unsafe {
-                use x86::{q4k_rows_avx2 as q4k, q6k_rows_avx2 as q6k};
+                use x86::{q2k_rows_avx2 as q2k, q4k_rows_avx2 as q4k, q6k_rows_avx2 as q6k};
                 macro_rules! by_rows {
                     ($kernel:ident, $($c:literal)?) => {
                         for (tiles, y) in tiles.into_iter().zip(y) {
@@ -1008,7 +1007,9 @@ fn tile_rows<const T: usize>(
                 match format {
                     Format::Q4K => return by_rows!(q4k, false),
                     Format::Q5K => return by_rows!(q4k, true),
-                    Format::Q6K => return by_rows!(q6k,),
+                    Format::Q6K => return by_rows!(q6k, false),
+                    Format::Q3K => return by_rows!(q6k, true),
+                    Format::Q2K => return by_rows!(q2k,),
                     _ => {}
                 }
             }
@@ -1726,15 +1727,36 @@ mod x86 {
         _mm256_and_si256(v, _mm256_set1_epi8(0x10))
     }
 
+    /// Bit `g` of each byte of `plane` moved to bit 2, the others cleared: the third bits of
+    /// group `g`'s q3_K operands (shifts as in [`fifth_bits_avx2`]: at most 2 left, 5 right).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn third_bits_avx2(plane: __m256i, g: usize) -> __m256i {
+        let v = match g {
+            0 => _mm256_slli_epi16::<2>(plane),
+            1 => _mm256_slli_epi16::<1>(plane),
+            2 => plane,
+            3 => _mm256_srli_epi16::<1>(plane),
+            4 => _mm256_srli_epi16::<2>(plane),
+            5 => _mm256_srli_epi16::<3>(plane),
+            6 => _mm256_srli_epi16::<4>(plane),
+            _ => _mm256_srli_epi16::<5>(plane),
+        };
+        _mm256_and_si256(v, _mm256_set1_epi8(0x04))
+    }
+
     /// For each of `R` rows of `x` (a block of 32 values at `xp[j]`), the integer sums
     /// `Σ u · x` of one half of a tile's block (rows 0–7 or 8–15 in the eight lanes), its
-    /// values 0–15 in the first vector and 16–31 in the second (`BITS` 6) or all in the
-    /// first (4, 5). The low four bits of the operands lie as a q4_0 tile's nibbles, this
-    /// half's 32 bytes of each group's 64 at `q + 64c`; `BITS` 5 or-s in bit 4 from the 32
-    /// bytes at `plane` (q5_0's layout), 6 bits 4–5 from those at `plane` and `plane + 64`
-    /// (q6_K's). Per group of four values, `vpmaddubsw` of the unsigned operands by `x`
-    /// (pairs of products: at most 2·15·127, 2·31·127, 2·63·127), summed in i16 over as
-    /// many groups as cannot overflow (8, 4, 2) before a `vpmaddwd` into i32.
+    /// values 0–15 in the first vector and 16–31 in the second (`BITS` 2, 3 and 6, whose
+    /// halves have their own scales) or all in the first (4, 5). The four-bit formats' low
+    /// bits lie as a q4_0 tile's nibbles, this half's 32 bytes of each group's 64 at
+    /// `q + 64c`; `BITS` 5 or-s in bit 4 from the 32 bytes at `plane` (q5_0's layout), 6
+    /// bits 4–5 from those at `plane` and `plane + 64` (q6_K's). Two- and three-bit values
+    /// lie as bit pairs, group `4h + f` at bits `2f..2f + 1` of the bytes at `q + 64h`, and 3
+    /// or-s in bit 2 from `plane` (q3_K's). Per group of four values, `vpmaddubsw` of the
+    /// unsigned operands by `x` (pairs of products: at most 2·15·127, 2·31·127, 2·63·127),
+    /// summed in i16 over as many groups as cannot overflow (8, 4, 2) before a `vpmaddwd`
+    /// into i32.
     #[target_feature(enable = "avx2")]
     #[inline]
     unsafe fn half_sums<const R: usize, const BITS: u8>(
@@ -1749,7 +1771,7 @@ mod x86 {
         // and at `plane + 64` (6), 32 values of `x` at each `xp[j]`.
         unsafe {
             let planes = match BITS {
-                5 => [_mm256_loadu_si256(plane.cast()), _mm256_setzero_si256()],
+                3 | 5 => [_mm256_loadu_si256(plane.cast()), _mm256_setzero_si256()],
                 6 => [
                     _mm256_loadu_si256(plane.cast()),
                     _mm256_loadu_si256(plane.add(64).cast()),
@@ -1757,10 +1779,29 @@ mod x86 {
                 _ => [_mm256_setzero_si256(); 2],
             };
             for c in 0..4 {
-                // Values 8c..8c + 3 (low nibbles) and 8c + 4..8c + 7 (high) of the rows.
-                let v = _mm256_loadu_si256(q.add(64 * c).cast());
-                let mut lo = _mm256_and_si256(v, mask);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask);
+                // Values 8c..8c + 3 (groups 2c, in `lo`) and 8c + 4..8c + 7 (2c + 1, `hi`).
+                let (mut lo, mut hi) = match BITS {
+                    2 | 3 => {
+                        let v = _mm256_loadu_si256(q.add(64 * (c / 2)).cast());
+                        let (l, h) = match c % 2 {
+                            0 => (v, _mm256_srli_epi16::<2>(v)),
+                            _ => (_mm256_srli_epi16::<4>(v), _mm256_srli_epi16::<6>(v)),
+                        };
+                        let pair = _mm256_set1_epi8(3);
+                        (_mm256_and_si256(l, pair), _mm256_and_si256(h, pair))
+                    }
+                    _ => {
+                        let v = _mm256_loadu_si256(q.add(64 * c).cast());
+                        (
+                            _mm256_and_si256(v, mask),
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask),
+                        )
+                    }
+                };
+                if BITS == 3 {
+                    lo = _mm256_or_si256(lo, third_bits_avx2(planes[0], 2 * c));
+                    hi = _mm256_or_si256(hi, third_bits_avx2(planes[0], 2 * c + 1));
+                }
                 if BITS == 5 {
                     lo = _mm256_or_si256(lo, fifth_bits_avx2(planes[0], 2 * c));
                     hi = _mm256_or_si256(hi, fifth_bits_avx2(planes[0], 2 * c + 1));
@@ -1789,11 +1830,11 @@ mod x86 {
                 }
                 let flush = match BITS {
                     4 => c == 3,
-                    5 => c % 2 == 1,
-                    _ => true,
+                    6 => true,
+                    _ => c % 2 == 1,
                 };
                 if flush {
-                    let half = if BITS == 6 { c / 2 } else { 0 };
+                    let half = if matches!(BITS, 4 | 5) { 0 } else { c / 2 };
                     for j in 0..R {
                         let s = _mm256_madd_epi16(s16[j], ones);
                         s32[half][j] = _mm256_add_epi32(s32[half][j], s);
@@ -1880,39 +1921,54 @@ mod x86 {
         }
     }
 
-    /// [`q6k_rows`] (q6_K only) for CPUs with AVX2 alone: per block of 32 and row of `x`,
-    /// the [`half_sums`] of its two halves of 16 values, each less 32 times the half's sum
-    /// of `x` and multiplied by its scales as integers; per super-block one multiply-add.
+    /// [`q6k_rows`] for CPUs with AVX2 alone, q6_K (or, `Q3`, q3_K): per block of 32 and
+    /// row of `x`, the [`half_sums`] of its two halves of 16 values, each less the offset
+    /// (32, 4) times the half's sum of `x` and multiplied by its scales as integers; per
+    /// super-block one multiply-add.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q6k_rows_avx2<const R: usize>(
+    pub unsafe fn q6k_rows_avx2<const R: usize, const Q3: bool>(
         tiles: &[u8],
         x: &SuperRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
     ) {
-        let nb = tiles.len() / q6k::BYTES;
+        // (The scales lie at the same place in both tiles: q6k::SC == q3k::SC.)
+        let (size, offset) = if Q3 {
+            (q3k::BYTES, 4)
+        } else {
+            (q6k::BYTES, 32)
+        };
+        let nb = tiles.len() / size;
         let xs = super_rows::<R>(x, r, nb);
         for h in 0..2 {
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
-                // SAFETY: tile b is `q6k::BYTES` readable bytes; super-block b of each row
-                // of `x` is in bounds (checked by `super_rows`).
+                // SAFETY: tile b is `size` readable bytes; super-block b of each row of `x`
+                // is in bounds (checked by `super_rows`).
                 unsafe {
-                    let tile = tiles.as_ptr().add(b * q6k::BYTES);
+                    let tile = tiles.as_ptr().add(b * size);
                     let mut sums = [_mm256_setzero_si256(); R];
                     for j in 0..8 {
                         let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
-                        let [lo, hi] = half_sums::<R, 6>(
-                            tile.add(q6k::QL + 256 * j + 32 * h),
-                            tile.add(q6k::QH + 128 * j + 32 * h),
-                            xp,
-                        );
+                        let [lo, hi] = match Q3 {
+                            true => half_sums::<R, 3>(
+                                tile.add(q3k::QL + 128 * j + 32 * h),
+                                tile.add(q3k::QH + 64 * j + 32 * h),
+                                xp,
+                            ),
+                            false => half_sums::<R, 6>(
+                                tile.add(q6k::QL + 256 * j + 32 * h),
+                                tile.add(q6k::QH + 128 * j + 32 * h),
+                                xp,
+                            ),
+                        };
                         let sc_lo = lanes8::<true>(tile.add(q6k::SC + 32 * j + 8 * h));
                         let sc_hi = lanes8::<true>(tile.add(q6k::SC + 32 * j + 16 + 8 * h));
                         for i in 0..R {
                             let s = xs[i].s.add(16 * b + 2 * j);
-                            let lo = _mm256_add_epi32(lo[i], _mm256_set1_epi32(-32 * *s));
-                            let hi = _mm256_add_epi32(hi[i], _mm256_set1_epi32(-32 * *s.add(1)));
+                            let lo = _mm256_add_epi32(lo[i], _mm256_set1_epi32(-offset * *s));
+                            let hi =
+                                _mm256_add_epi32(hi[i], _mm256_set1_epi32(-offset * *s.add(1)));
                             let sum = _mm256_add_epi32(
                                 _mm256_mullo_epi32(lo, sc_lo),
                                 _mm256_mullo_epi32(hi, sc_hi),
@@ -1925,6 +1981,73 @@ mod x86 {
                         let dx = _mm256_set1_ps(*xs[i].d.add(b));
                         let s = _mm256_cvtepi32_ps(sums[i]);
                         acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), s, acc[i]);
+                    }
+                }
+            }
+            for (y, acc) in y.iter_mut().zip(acc) {
+                // SAFETY: 8 floats to the half of a [f32; 16].
+                unsafe { _mm256_storeu_ps(y[8 * h..].as_mut_ptr(), acc) };
+            }
+        }
+    }
+
+    /// [`q2k_rows`] for CPUs with AVX2 alone: per block of 32 and row of `x`, the
+    /// [`half_sums`] of its two halves of 16 values, each multiplied by its 4-bit scale as
+    /// an integer, and the halves' sums of `x` by their minima; per super-block two
+    /// multiply-adds.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q2k_rows_avx2<const R: usize>(
+        tiles: &[u8],
+        x: &SuperRows,
+        r: usize,
+        y: &mut [[f32; TILE]; 4],
+    ) {
+        let nb = tiles.len() / q2k::BYTES;
+        let xs = super_rows::<R>(x, r, nb);
+        let low = _mm256_set1_epi32(15);
+        for h in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                // SAFETY: tile b is `q2k::BYTES` readable bytes; super-block b of each row
+                // of `x` is in bounds (checked by `super_rows`).
+                unsafe {
+                    let tile = tiles.as_ptr().add(b * q2k::BYTES);
+                    let mut sums = [_mm256_setzero_si256(); R];
+                    let mut mins = [_mm256_setzero_si256(); R];
+                    for j in 0..8 {
+                        let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
+                        let q = tile.add(q2k::QL + 128 * j + 32 * h);
+                        let [lo, hi] = half_sums::<R, 2>(q, std::ptr::null(), xp);
+                        // Scale in the low nibble, minimum in the high one, a lane per row.
+                        let s_lo = lanes8::<false>(tile.add(q2k::SC + 32 * j + 8 * h));
+                        let s_hi = lanes8::<false>(tile.add(q2k::SC + 32 * j + 16 + 8 * h));
+                        let (sc_lo, sc_hi) =
+                            (_mm256_and_si256(s_lo, low), _mm256_and_si256(s_hi, low));
+                        let (m_lo, m_hi) =
+                            (_mm256_srli_epi32::<4>(s_lo), _mm256_srli_epi32::<4>(s_hi));
+                        for i in 0..R {
+                            let s = xs[i].s.add(16 * b + 2 * j);
+                            let sum = _mm256_add_epi32(
+                                _mm256_mullo_epi32(lo[i], sc_lo),
+                                _mm256_mullo_epi32(hi[i], sc_hi),
+                            );
+                            sums[i] = _mm256_add_epi32(sums[i], sum);
+                            let m = _mm256_add_epi32(
+                                _mm256_mullo_epi32(m_lo, _mm256_set1_epi32(*s)),
+                                _mm256_mullo_epi32(m_hi, _mm256_set1_epi32(*s.add(1))),
+                            );
+                            mins[i] = _mm256_add_epi32(mins[i], m);
+                        }
+                    }
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
+                    let dmin =
+                        _mm256_cvtph_ps(_mm_loadu_si128(tile.add(q2k::DMIN + 16 * h).cast()));
+                    for i in 0..R {
+                        let dx = _mm256_set1_ps(*xs[i].d.add(b));
+                        let s = _mm256_cvtepi32_ps(sums[i]);
+                        acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), s, acc[i]);
+                        let m = _mm256_cvtepi32_ps(mins[i]);
+                        acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), m, acc[i]);
                     }
                 }
             }

@@ -1304,10 +1304,10 @@ fn quantized_projections_agree_across_row_counts() -> Result<()> {
         let got = proj.forward(&xs)?;
         let what = format!("{dtype:?} {d_in}x{d_out}");
         // Prefill-sized products of matrices that neither Candle's repacked kernels nor our
-        // packed ones (every format with AVX-512 VNNI, all but q8_0, q3_K and q2_K with
-        // AVX2) take (both quantize `x` to 8 bits, as llama.cpp does) are the f32 product
-        // with the dequantized weight. (k-quants, whose rows are whole super-blocks of 256,
-        // take 8-bit `x` on every path: Candle's or ours packed.)
+        // packed ones (every format with AVX-512 VNNI, all but q8_0 with AVX2) take (both
+        // quantize `x` to 8 bits, as llama.cpp does) are the f32 product with the
+        // dequantized weight. (k-quants, whose rows are whole super-blocks of 256, take
+        // 8-bit `x` on every path: Candle's or ours packed.)
         let ours = mha::qpacked::Packed::packs_here(dtype);
         let eight_bit_x = match dtype {
             GgmlDType::Q8_0 => d_in % 256 == 0 || ours,
