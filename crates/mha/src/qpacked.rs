@@ -794,12 +794,14 @@ impl Packed {
         // A prefill unpacks each column of five- and six-bit tiles once, for all its rows
         // of `x`: the kernels would or in the bit planes again for every four rows. (Four-
         // bit tiles take a mask or a shift per operand: unpacking them ahead measured the
-        // same, and q8_0 tiles are their operands.)
+        // same, and q8_0 tiles are their operands.) With AVX2 too: whole prefills of 512
+        // tokens 1.06× (SmolLM-135M q4_K_M, its q5_0 and q6_K), 1.05× (GPT-2 124M q4_K_M),
+        // 1.01× (GPT-2 q3_K_M), paired medians of 5 on a Zen 3 CPU.
         let planes = matches!(
             self.format,
             Format::Q5_0 | Format::Q5_1 | Format::Q5K | Format::Q6K | Format::Q3K
         );
-        let unpack = level == Level::Vnni && planes && m >= UNPACK_ROWS;
+        let unpack = level >= Level::Avx2 && planes && m >= UNPACK_ROWS;
         let need = if unpack { self.k * TILE } else { 0 };
         // Each thread takes a contiguous range of tiles (read as two streams when decoding
         // the legacy formats, below). (Four
@@ -851,9 +853,14 @@ impl Packed {
                     }
                     #[cfg(target_arch = "x86_64")]
                     if unpack {
-                        // SAFETY: `unpack` is only set at the level of AVX-512 VNNI, which
-                        // the CPU has; `ops` holds k·16 bytes, 512 per block of 32 values.
-                        unsafe { x86::unpack(self.format, self.tiles(t0 + t), ops) };
+                        // SAFETY: `unpack` is only set at a level of kernels (at most the
+                        // CPU's); `ops` holds k·16 bytes, 512 per block of 32 values.
+                        unsafe {
+                            match level {
+                                Level::Vnni => x86::unpack(self.format, self.tiles(t0 + t), ops),
+                                _ => x86::unpack_avx2(self.format, self.tiles(t0 + t), ops),
+                            }
+                        };
                     }
                     self.columns([t0 + t], ops, x, m, &cols, out, level);
                 }
@@ -972,10 +979,10 @@ fn tile_rows<const T: usize>(
                 macro_rules! by_rows {
                     ($bits:literal, $min:literal) => {
                         match rows {
-                            1 => legacy::<1, $bits, $min, T>(tiles, x, r, y),
-                            2 => legacy::<2, $bits, $min, T>(tiles, x, r, y),
-                            3 => legacy::<3, $bits, $min, T>(tiles, x, r, y),
-                            _ => legacy::<4, $bits, $min, T>(tiles, x, r, y),
+                            1 => legacy::<1, $bits, $min, T>(tiles, ops, x, r, y),
+                            2 => legacy::<2, $bits, $min, T>(tiles, ops, x, r, y),
+                            3 => legacy::<3, $bits, $min, T>(tiles, ops, x, r, y),
+                            _ => legacy::<4, $bits, $min, T>(tiles, ops, x, r, y),
                         }
                     };
                 }
@@ -993,23 +1000,23 @@ fn tile_rows<const T: usize>(
             unsafe {
                 use x86::{q2k_rows_avx2 as q2k, q4k_rows_avx2 as q4k, q6k_rows_avx2 as q6k};
                 macro_rules! by_rows {
-                    ($kernel:ident, $($c:literal)?) => {
+                    ($kernel:ident, $($c:literal)? ; $($ops:ident)?) => {
                         for (tiles, y) in tiles.into_iter().zip(y) {
                             match rows {
-                                1 => $kernel::<1 $(, $c)?>(tiles, x, r, y),
-                                2 => $kernel::<2 $(, $c)?>(tiles, x, r, y),
-                                3 => $kernel::<3 $(, $c)?>(tiles, x, r, y),
-                                _ => $kernel::<4 $(, $c)?>(tiles, x, r, y),
+                                1 => $kernel::<1 $(, $c)?>(tiles, $($ops,)? x, r, y),
+                                2 => $kernel::<2 $(, $c)?>(tiles, $($ops,)? x, r, y),
+                                3 => $kernel::<3 $(, $c)?>(tiles, $($ops,)? x, r, y),
+                                _ => $kernel::<4 $(, $c)?>(tiles, $($ops,)? x, r, y),
                             }
                         }
                     };
                 }
                 match format {
-                    Format::Q4K => return by_rows!(q4k, false),
-                    Format::Q5K => return by_rows!(q4k, true),
-                    Format::Q6K => return by_rows!(q6k, false),
-                    Format::Q3K => return by_rows!(q6k, true),
-                    Format::Q2K => return by_rows!(q2k,),
+                    Format::Q4K => return by_rows!(q4k, false; ops),
+                    Format::Q5K => return by_rows!(q4k, true; ops),
+                    Format::Q6K => return by_rows!(q6k, false; ops),
+                    Format::Q3K => return by_rows!(q6k, true; ops),
+                    Format::Q2K => return by_rows!(q2k,;),
                     _ => {}
                 }
             }
@@ -1745,6 +1752,124 @@ mod x86 {
         _mm256_and_si256(v, _mm256_set1_epi8(0x04))
     }
 
+    /// The bit planes of one half of a block for [`half_operands`]: the 32 bytes at `plane`
+    /// (`BITS` 3 and 5), and at `plane + 64` (6).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn half_planes<const BITS: u8>(plane: *const u8) -> [__m256i; 2] {
+        // SAFETY (caller): as above.
+        unsafe {
+            match BITS {
+                3 | 5 => [_mm256_loadu_si256(plane.cast()), _mm256_setzero_si256()],
+                6 => [
+                    _mm256_loadu_si256(plane.cast()),
+                    _mm256_loadu_si256(plane.add(64).cast()),
+                ],
+                _ => [_mm256_setzero_si256(); 2],
+            }
+        }
+    }
+
+    /// The unsigned operands of groups `2c` and `2c + 1` of one half of a block (values
+    /// `8c..8c + 3` and `8c + 4..8c + 7` of its eight rows), laid out as [`half_sums`]
+    /// says, with the planes from [`half_planes`].
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn half_operands<const BITS: u8>(
+        q: *const u8,
+        planes: [__m256i; 2],
+        c: usize,
+    ) -> (__m256i, __m256i) {
+        let mask = _mm256_set1_epi8(0x0f);
+        // SAFETY (caller): 32 readable bytes at `q + 64c` (or `q + 64(c / 2)`).
+        let (mut lo, mut hi) = unsafe {
+            match BITS {
+                2 | 3 => {
+                    let v = _mm256_loadu_si256(q.add(64 * (c / 2)).cast());
+                    let (l, h) = match c % 2 {
+                        0 => (v, _mm256_srli_epi16::<2>(v)),
+                        _ => (_mm256_srli_epi16::<4>(v), _mm256_srli_epi16::<6>(v)),
+                    };
+                    let pair = _mm256_set1_epi8(3);
+                    (_mm256_and_si256(l, pair), _mm256_and_si256(h, pair))
+                }
+                _ => {
+                    let v = _mm256_loadu_si256(q.add(64 * c).cast());
+                    (
+                        _mm256_and_si256(v, mask),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask),
+                    )
+                }
+            }
+        };
+        if BITS == 3 {
+            lo = _mm256_or_si256(lo, third_bits_avx2(planes[0], 2 * c));
+            hi = _mm256_or_si256(hi, third_bits_avx2(planes[0], 2 * c + 1));
+        }
+        if BITS == 5 {
+            lo = _mm256_or_si256(lo, fifth_bits_avx2(planes[0], 2 * c));
+            hi = _mm256_or_si256(hi, fifth_bits_avx2(planes[0], 2 * c + 1));
+        }
+        if BITS == 6 {
+            // Bits 2f..2f + 1 of plane c / 2 go to bits 4..5 of group 4(c / 2) + f.
+            let (p, two) = (planes[c / 2], _mm256_set1_epi8(0x30));
+            let (l, h) = match c % 2 {
+                0 => (_mm256_slli_epi16::<4>(p), _mm256_slli_epi16::<2>(p)),
+                _ => (p, _mm256_srli_epi16::<2>(p)),
+            };
+            lo = _mm256_or_si256(lo, _mm256_and_si256(l, two));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(h, two));
+        }
+        (lo, hi)
+    }
+
+    /// Every operand of one column of `format` tiles with bit planes (q5_0, q5_1, q5_K,
+    /// q6_K, q3_K) into `ops`, 512 bytes per block of 32 values (per half, per group pair
+    /// `c`, the two groups' 32 bytes), as [`half_operands`] builds them: unpacked once for
+    /// all the rows of `x` of a prefill instead of once per four rows.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn unpack_avx2(format: Format, tiles: &[u8], ops: &mut [u8]) {
+        let size = format.tile_bytes();
+        let per_tile = format.values() / QK;
+        assert!(ops.len() >= tiles.len() / size * per_tile * 512);
+        for (b, tile) in tiles.chunks_exact(size).enumerate() {
+            for j in 0..per_tile {
+                // (q, plane) of this block of 32: where its low bits and its planes start.
+                let (q, plane, bits) = match format {
+                    Format::Q5_0 | Format::Q5_1 => {
+                        let at = format.nibbles();
+                        (at, at + 256, 5)
+                    }
+                    Format::Q5K => (q4k::QS + 256 * j, q4k::BYTES + 64 * j, 5),
+                    Format::Q6K => (q6k::QL + 256 * j, q6k::QH + 128 * j, 6),
+                    Format::Q3K => (q3k::QL + 128 * j, q3k::QH + 64 * j, 3),
+                    _ => unreachable!("{format:?} tiles have no planes to unpack"),
+                };
+                for h in 0..2 {
+                    let out = &mut ops[(b * per_tile + j) * 512 + 256 * h..][..256];
+                    // SAFETY: the tile holds its values and planes at these offsets (half
+                    // h: 32 bytes further); 256 bytes of `ops` at `out`.
+                    unsafe {
+                        let out = out.as_mut_ptr();
+                        let (q, plane) = (
+                            tile.as_ptr().add(q + 32 * h),
+                            tile.as_ptr().add(plane + 32 * h),
+                        );
+                        for c in 0..4 {
+                            let (lo, hi) = match bits {
+                                3 => half_operands::<3>(q, half_planes::<3>(plane), c),
+                                5 => half_operands::<5>(q, half_planes::<5>(plane), c),
+                                _ => half_operands::<6>(q, half_planes::<6>(plane), c),
+                            };
+                            _mm256_storeu_si256(out.add(64 * c).cast(), lo);
+                            _mm256_storeu_si256(out.add(64 * c + 32).cast(), hi);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// For each of `R` rows of `x` (a block of 32 values at `xp[j]`), the integer sums
     /// `Σ u · x` of one half of a tile's block (rows 0–7 or 8–15 in the eight lanes), its
     /// values 0–15 in the first vector and 16–31 in the second (`BITS` 2, 3 and 6, whose
@@ -1762,60 +1887,28 @@ mod x86 {
     unsafe fn half_sums<const R: usize, const BITS: u8>(
         q: *const u8,
         plane: *const u8,
+        pre: *const u8,
         xp: [*const i8; R],
     ) -> [[__m256i; R]; 2] {
-        let (mask, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
+        let ones = _mm256_set1_epi16(1);
         let mut s32 = [[_mm256_setzero_si256(); R]; 2];
         let mut s16 = [_mm256_setzero_si256(); R];
         // SAFETY (caller): 32 readable bytes at `q + 64c` (c < 4), at `plane` (`BITS` 5)
-        // and at `plane + 64` (6), 32 values of `x` at each `xp[j]`.
+        // and at `plane + 64` (6), or 256 at `pre` when it is not null; 32 values of `x` at
+        // each `xp[j]`.
         unsafe {
-            let planes = match BITS {
-                3 | 5 => [_mm256_loadu_si256(plane.cast()), _mm256_setzero_si256()],
-                6 => [
-                    _mm256_loadu_si256(plane.cast()),
-                    _mm256_loadu_si256(plane.add(64).cast()),
-                ],
-                _ => [_mm256_setzero_si256(); 2],
+            let planes = match pre.is_null() {
+                true => half_planes::<BITS>(plane),
+                false => [_mm256_setzero_si256(); 2],
             };
             for c in 0..4 {
-                // Values 8c..8c + 3 (groups 2c, in `lo`) and 8c + 4..8c + 7 (2c + 1, `hi`).
-                let (mut lo, mut hi) = match BITS {
-                    2 | 3 => {
-                        let v = _mm256_loadu_si256(q.add(64 * (c / 2)).cast());
-                        let (l, h) = match c % 2 {
-                            0 => (v, _mm256_srli_epi16::<2>(v)),
-                            _ => (_mm256_srli_epi16::<4>(v), _mm256_srli_epi16::<6>(v)),
-                        };
-                        let pair = _mm256_set1_epi8(3);
-                        (_mm256_and_si256(l, pair), _mm256_and_si256(h, pair))
-                    }
-                    _ => {
-                        let v = _mm256_loadu_si256(q.add(64 * c).cast());
-                        (
-                            _mm256_and_si256(v, mask),
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(v), mask),
-                        )
-                    }
+                let (lo, hi) = match pre.is_null() {
+                    true => half_operands::<BITS>(q, planes, c),
+                    false => (
+                        _mm256_loadu_si256(pre.add(64 * c).cast()),
+                        _mm256_loadu_si256(pre.add(64 * c + 32).cast()),
+                    ),
                 };
-                if BITS == 3 {
-                    lo = _mm256_or_si256(lo, third_bits_avx2(planes[0], 2 * c));
-                    hi = _mm256_or_si256(hi, third_bits_avx2(planes[0], 2 * c + 1));
-                }
-                if BITS == 5 {
-                    lo = _mm256_or_si256(lo, fifth_bits_avx2(planes[0], 2 * c));
-                    hi = _mm256_or_si256(hi, fifth_bits_avx2(planes[0], 2 * c + 1));
-                }
-                if BITS == 6 {
-                    // Bits 2f..2f + 1 of plane c / 2 go to bits 4..5 of group 4(c / 2) + f.
-                    let (p, two) = (planes[c / 2], _mm256_set1_epi8(0x30));
-                    let (l, h) = match c % 2 {
-                        0 => (_mm256_slli_epi16::<4>(p), _mm256_slli_epi16::<2>(p)),
-                        _ => (p, _mm256_srli_epi16::<2>(p)),
-                    };
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(l, two));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(h, two));
-                }
                 for j in 0..R {
                     let p = xp[j].add(8 * c).cast::<i32>();
                     let x0 = _mm256_set1_epi32(p.read_unaligned());
@@ -1867,6 +1960,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn q4k_rows_avx2<const R: usize, const FIVE: bool>(
         tiles: &[u8],
+        ops: &[u8],
         x: &SuperRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
@@ -1874,6 +1968,7 @@ mod x86 {
         let size = if FIVE { q4k::Q5_BYTES } else { q4k::BYTES };
         let nb = tiles.len() / size;
         let xs = super_rows::<R>(x, r, nb);
+        assert!(ops.is_empty() || (FIVE && ops.len() >= nb * 8 * 512));
         for h in 0..2 {
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
@@ -1886,11 +1981,14 @@ mod x86 {
                     for j in 0..8 {
                         let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
                         let q = tile.add(q4k::QS + 256 * j + 32 * h);
+                        let pre = match ops.is_empty() {
+                            true => std::ptr::null(),
+                            false => ops.as_ptr().add(512 * (8 * b + j) + 256 * h),
+                        };
+                        let plane = tile.add(q4k::BYTES + 64 * j + 32 * h);
                         let [s, _] = match FIVE {
-                            true => {
-                                half_sums::<R, 5>(q, tile.add(q4k::BYTES + 64 * j + 32 * h), xp)
-                            }
-                            false => half_sums::<R, 4>(q, std::ptr::null(), xp),
+                            true => half_sums::<R, 5>(q, plane, pre, xp),
+                            false => half_sums::<R, 4>(q, std::ptr::null(), pre, xp),
                         };
                         let sc = lanes8::<false>(tile.add(q4k::SC + 16 * j + 8 * h));
                         let m = lanes8::<false>(tile.add(q4k::MIN + 16 * j + 8 * h));
@@ -1928,6 +2026,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn q6k_rows_avx2<const R: usize, const Q3: bool>(
         tiles: &[u8],
+        ops: &[u8],
         x: &SuperRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
@@ -1940,6 +2039,7 @@ mod x86 {
         };
         let nb = tiles.len() / size;
         let xs = super_rows::<R>(x, r, nb);
+        assert!(ops.is_empty() || ops.len() >= nb * 8 * 512);
         for h in 0..2 {
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
@@ -1950,15 +2050,21 @@ mod x86 {
                     let mut sums = [_mm256_setzero_si256(); R];
                     for j in 0..8 {
                         let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
+                        let pre = match ops.is_empty() {
+                            true => std::ptr::null(),
+                            false => ops.as_ptr().add(512 * (8 * b + j) + 256 * h),
+                        };
                         let [lo, hi] = match Q3 {
                             true => half_sums::<R, 3>(
                                 tile.add(q3k::QL + 128 * j + 32 * h),
                                 tile.add(q3k::QH + 64 * j + 32 * h),
+                                pre,
                                 xp,
                             ),
                             false => half_sums::<R, 6>(
                                 tile.add(q6k::QL + 256 * j + 32 * h),
                                 tile.add(q6k::QH + 128 * j + 32 * h),
+                                pre,
                                 xp,
                             ),
                         };
@@ -2017,7 +2123,7 @@ mod x86 {
                     for j in 0..8 {
                         let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
                         let q = tile.add(q2k::QL + 128 * j + 32 * h);
-                        let [lo, hi] = half_sums::<R, 2>(q, std::ptr::null(), xp);
+                        let [lo, hi] = half_sums::<R, 2>(q, std::ptr::null(), std::ptr::null(), xp);
                         // Scale in the low nibble, minimum in the high one, a lane per row.
                         let s_lo = lanes8::<false>(tile.add(q2k::SC + 32 * j + 8 * h));
                         let s_hi = lanes8::<false>(tile.add(q2k::SC + 32 * j + 16 + 8 * h));
@@ -2071,6 +2177,7 @@ mod x86 {
         const T: usize,
     >(
         tiles: [&[u8]; T],
+        ops: &[u8],
         x: &QRows,
         r: usize,
         y: [&mut [[f32; TILE]; 4]; T],
@@ -2085,6 +2192,8 @@ mod x86 {
         };
         let nb = tiles[0].len() / size;
         assert!(tiles.iter().all(|t| t.len() >= nb * size));
+        // Operands unpacked ahead (a prefill's) come for one column.
+        assert!(ops.is_empty() || (T == 1 && five && ops.len() >= nb * 512));
         let mut xq = [std::ptr::null::<i8>(); R];
         let mut xd = [std::ptr::null::<f32>(); R];
         let mut xs = [std::ptr::null::<i32>(); R];
@@ -2104,9 +2213,13 @@ mod x86 {
                         let tile = tiles.as_ptr().add(b * size);
                         let xp = xq.map(|q| q.add(b * QK));
                         let q = tile.add(head + 32 * h);
+                        let pre = match ops.is_empty() {
+                            true => std::ptr::null(),
+                            false => ops.as_ptr().add(512 * b + 256 * h),
+                        };
                         let [sums, _] = match five {
-                            true => half_sums::<R, 5>(q, tile.add(head + 256 + 32 * h), xp),
-                            false => half_sums::<R, 4>(q, std::ptr::null(), xp),
+                            true => half_sums::<R, 5>(q, tile.add(head + 256 + 32 * h), pre, xp),
+                            false => half_sums::<R, 4>(q, std::ptr::null(), pre, xp),
                         };
                         let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
                         let m = match MIN {
