@@ -563,19 +563,22 @@ enum Level {
 }
 
 impl Level {
-    /// This CPU's.
+    /// This CPU's (looked up once: every product asks).
     fn detect() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("f16c") {
-                return Self::Vnni;
+        static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
+        *LEVEL.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                use std::arch::is_x86_feature_detected as has;
+                if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("f16c") {
+                    return Level::Vnni;
+                }
+                if has!("avx2") && has!("fma") && has!("f16c") {
+                    return Level::Avx2;
+                }
             }
-            if has!("avx2") && has!("fma") && has!("f16c") {
-                return Self::Avx2;
-            }
-        }
-        Self::Scalar
+            Level::Scalar
+        })
     }
 }
 
