@@ -957,9 +957,10 @@ struct SharedOut(*mut f32);
 unsafe impl Sync for SharedOut {}
 
 /// `y[c][j] += x row r + j · tile rows of column c`, for `rows` (1–4) rows of `x` and `T`
-/// (1 or 2) columns of tiles; `ops` holds the (one) column's operands unpacked by
-/// `x86::unpack`, or is empty. The legacy formats' kernel reads two columns together; the
-/// k-quants' take them one after the other.
+/// (1 or 2) columns of tiles, with the kernels of `level`; `ops` holds the (one) column's
+/// operands unpacked by `x86::unpack` (`unpack_avx2` at the AVX2 level), or is empty. The
+/// legacy formats' kernel reads two columns together; the k-quants' take them one after
+/// the other.
 #[allow(clippy::too_many_arguments)]
 fn tile_rows<const T: usize>(
     format: Format,
