@@ -651,7 +651,7 @@ impl Packed {
     /// A matrix `[n, k]` of a packed format (`None` for other formats) packed from its
     /// stored rows, which `read` fills 16 at a time (fewer for the last tile), in order: a
     /// loader can read them from a file with no buffer the size of the matrix. Packs
-    /// whatever the CPU; [`Self::available`] says whether the kernels will run.
+    /// whatever the CPU; [`Self::packs_here`] says whether the kernels will run.
     pub fn from_rows(
         dtype: GgmlDType,
         n: usize,
