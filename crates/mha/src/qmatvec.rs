@@ -380,15 +380,18 @@ fn product(level: Level, format: Format, w: &[u8], row_bytes: usize, x: &QRows) 
     ys
 }
 
-/// The instruction sets the kernels use, best first.
+/// The instruction sets the kernels (here and in `qpacked`) use, best last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Level {
+pub(crate) enum Level {
     Scalar,
+    /// AVX2, FMA and F16C (`vpmaddubsw`, `vpmaddwd`).
     Avx2,
+    /// AVX-512 with VNNI and byte operations (`vpdpbusd`).
     Avx512Vnni,
 }
 
-fn level() -> Level {
+/// This CPU's level (looked up once: every product asks).
+pub(crate) fn level() -> Level {
     static LEVEL: OnceLock<Level> = OnceLock::new();
     *LEVEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]

@@ -42,7 +42,7 @@ use half::f16;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::matvec::{map_ranges, ranges};
-use crate::qmatvec::{abs_max, quantize_in_parts, saturate_i8, QRows};
+use crate::qmatvec::{abs_max, level, quantize_in_parts, saturate_i8, Level, QRows};
 
 /// Rows per tile.
 const TILE: usize = 16;
@@ -552,36 +552,6 @@ static PACKED_BYTES: AtomicUsize = AtomicUsize::new(0);
 /// is prefetched (see [`Packed::product`]). The unit tests' small matrices take that path.
 const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 
-/// The instruction sets with kernels here, best last.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Level {
-    Scalar,
-    /// AVX2, FMA and F16C: `vpmaddubsw` and `vpmaddwd` (every format but q8_0).
-    Avx2,
-    /// AVX-512 with VNNI and byte operations: `vpdpbusd` for every packed format.
-    Vnni,
-}
-
-impl Level {
-    /// This CPU's (looked up once: every product asks).
-    fn detect() -> Self {
-        static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
-        *LEVEL.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            {
-                use std::arch::is_x86_feature_detected as has;
-                if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("f16c") {
-                    return Level::Vnni;
-                }
-                if has!("avx2") && has!("fma") && has!("f16c") {
-                    return Level::Avx2;
-                }
-            }
-            Level::Scalar
-        })
-    }
-}
-
 impl Format {
     /// Whether `level` has kernels for this format. AVX2 has them for every format but
     /// q8_0, where the products through the blocks as stored spent as long reducing each
@@ -592,7 +562,7 @@ impl Format {
     /// `qmatvec` leads llama.cpp's).
     fn kernels(self, level: Level) -> bool {
         match level {
-            Level::Vnni => true,
+            Level::Avx512Vnni => true,
             Level::Avx2 => self != Self::Q8_0,
             Level::Scalar => false,
         }
@@ -614,7 +584,7 @@ impl Packed {
     /// Whether this CPU has kernels for packed matrices of `dtype`: every packed format
     /// with AVX-512 VNNI, all but q8_0 with AVX2 alone.
     pub fn packs_here(dtype: GgmlDType) -> bool {
-        Format::of(dtype).is_some_and(|f| f.kernels(Level::detect()))
+        Format::of(dtype).is_some_and(|f| f.kernels(level()))
     }
 
     /// `w` repacked, or `None` when it is not a matrix of a format packed here (see the
@@ -775,7 +745,7 @@ impl Packed {
             bail!("packed product: outputs {cols:?} of {}", self.n)
         }
         let x = XRows::new(self.format, x, self.k);
-        let level = Level::detect();
+        let level = level();
         let level = if self.format.kernels(level) {
             level
         } else {
@@ -785,7 +755,7 @@ impl Packed {
     }
 
     /// The product with the kernels of `level` (the scalar code where `level` has none for
-    /// this format), which must not be above [`Level::detect`].
+    /// this format), which must not be above [`level()`].
     fn product(&self, x: &XRows, m: usize, cols: std::ops::Range<usize>, level: Level) -> Vec<f32> {
         let (t0, t1) = (cols.start / TILE, cols.end.div_ceil(TILE));
         let width = cols.len();
@@ -860,7 +830,9 @@ impl Packed {
                         // CPU's); `ops` holds k·16 bytes, 512 per block of 32 values.
                         unsafe {
                             match level {
-                                Level::Vnni => x86::unpack(self.format, self.tiles(t0 + t), ops),
+                                Level::Avx512Vnni => {
+                                    x86::unpack(self.format, self.tiles(t0 + t), ops)
+                                }
                                 _ => x86::unpack_avx2(self.format, self.tiles(t0 + t), ops),
                             }
                         };
@@ -975,7 +947,7 @@ fn tile_rows<const T: usize>(
     #[cfg(target_arch = "x86_64")]
     if level == Level::Avx2 {
         if let XRows::Blocks(x) = x {
-            // SAFETY: `level` is at most what the CPU has (`Level::detect`); the kernels
+            // SAFETY: `level` is at most what the CPU has (`level()`); the kernels
             // check the lengths.
             unsafe {
                 use x86::legacy_rows_avx2 as legacy;
@@ -1027,8 +999,8 @@ fn tile_rows<const T: usize>(
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if level == Level::Vnni {
-        // SAFETY: `level` is at most what the CPU has (`Level::detect`); the kernels check
+    if level == Level::Avx512Vnni {
+        // SAFETY: `level` is at most what the CPU has (`level()`); the kernels check
         // the lengths.
         unsafe {
             use x86::{legacy_rows as legacy, q2k_rows as q2k, q4k_rows as q4k, q6k_rows as q6k};
@@ -2470,8 +2442,8 @@ mod tests {
                 }
             }
             // Every level of kernels this CPU runs that has them for the format.
-            for level in [Level::Avx2, Level::Vnni] {
-                if level > Level::detect() || !p.format.kernels(level) {
+            for level in [Level::Avx2, Level::Avx512Vnni] {
+                if level > crate::qmatvec::level() || !p.format.kernels(level) {
                     continue;
                 }
                 let simd = p.product(&xq, m, cols.clone(), level);
@@ -2513,8 +2485,8 @@ mod tests {
             for m in [1, 4] {
                 let xq = XRows::new(p.format, &vec![1.0; m * k], k);
                 let scalar = p.product(&xq, m, 0..n, Level::Scalar);
-                for level in [Level::Avx2, Level::Vnni] {
-                    if level > Level::detect() || !p.format.kernels(level) {
+                for level in [Level::Avx2, Level::Avx512Vnni] {
+                    if level > crate::qmatvec::level() || !p.format.kernels(level) {
                         continue;
                     }
                     let simd = p.product(&xq, m, 0..n, level);
