@@ -514,6 +514,18 @@ impl MultiHeadAttention {
             Some(c) => c.len(),
             None => mask.causal.unwrap_or(0),
         };
+        let mask = match cfg.window {
+            Some(w) => Mask {
+                window: Some(mask.window.map_or(w, |m| m.min(w))),
+                ..mask
+            },
+            None => mask,
+        };
+        if cache.is_none() && rope.is_none() && !need_weights {
+            if let Some(ys) = self.train_from_qkv(query, key, value, &mask, train)? {
+                return Ok((self.proj.o.forward(&ys)?, None));
+            }
+        }
         let exact = need_weights || self.dropout.is_active(train);
         let Projected { q, k, v, dtype } = self.project(query, key, value, rope, offset, exact)?;
         let (k, v) = match cache {
@@ -526,13 +538,6 @@ impl MultiHeadAttention {
             train,
             need_weights,
         };
-        let mask = match cfg.window {
-            Some(w) => Mask {
-                window: Some(mask.window.map_or(w, |m| m.min(w))),
-                ..mask
-            },
-            None => mask,
-        };
         let (ys, weights) = self.attend(&q, k, v, &mask, &params)?;
         // (b, h, tq, hd) -> (b, tq, h·hd)
         let ys = ys
@@ -541,6 +546,51 @@ impl MultiHeadAttention {
             .reshape((b, tq, cfg.d_model))?;
         let weights = weights.map(|per_head| AttnWeights { per_head });
         Ok((self.proj.o.forward(&ys)?, weights))
+    }
+
+    /// Training self-attention through a fused q/k/v projection, on the CPU in f32:
+    /// the heads' outputs `[b, t, d_model]` by one op from the projection's output
+    /// ([`kernel::flash_attn_cpu_train_qkv`]), which computes what the general path's fused
+    /// kernel does with a fraction of its gradient bookkeeping. `None` (nothing computed)
+    /// where that path must run: inference, rotary embeddings, appended keys, additive
+    /// masks, separate projections.
+    fn train_from_qkv(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        mask: &Mask,
+        train: bool,
+    ) -> Result<Option<Tensor>> {
+        let cfg = &self.cfg;
+        let Some(proj) = &self.proj.qkv else {
+            return Ok(None);
+        };
+        let (h, h_kv, hd) = (cfg.n_heads, cfg.kv_heads(), cfg.head_dim());
+        let (b, t, _) = query.dims3()?;
+        let applies = (train || query.track_op())
+            && query.id() == key.id()
+            && key.id() == value.id()
+            && self.rope.is_none()
+            && self.bias_kv.is_none()
+            && !cfg.add_zero_attn
+            && mask.is_structural()
+            && query.device().is_cpu()
+            && query.dtype() == DType::F32
+            && b * t > 0
+            && cfg.d_model == h * hd
+            && cfg.kv_width() == h_kv * hd;
+        if !applies {
+            return Ok(None);
+        }
+        let qkv = proj.forward(query)?;
+        if qkv.dtype() != DType::F32 || qkv.dim(2)? != (h + 2 * h_kv) * hd {
+            bail!("attention: the fused projection gives {:?} for {h} query and {h_kv} key/value heads of {hd}", qkv.dims())
+        }
+        let dropout = Some(&self.dropout).filter(|d| d.is_active(train));
+        let ys =
+            kernel::flash_attn_cpu_train_qkv(&qkv, h, h_kv, mask, cfg.softmax_scale(), dropout)?;
+        Ok(Some(ys))
     }
 
     /// Self-attention of a batch whose rows are separate sequences, each with its own cache

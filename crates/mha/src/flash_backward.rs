@@ -29,6 +29,27 @@ pub(crate) fn backward(
     grad_out: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, h, tq, d) = q.dims4()?;
+    let (_, h_kv, tk, dv) = v.dims4()?;
+    let (dq, dk, dv_all) = gradients(op, q, k, v, out, grad_out)?;
+    let dev = q.device();
+    Ok((
+        Tensor::from_vec(dq, (b, h, tq, d), dev)?,
+        Tensor::from_vec(dk, (b, h_kv, tk, d), dev)?,
+        Tensor::from_vec(dv_all, (b, h_kv, tk, dv), dev)?,
+    ))
+}
+
+/// [`backward`]'s gradients as contiguous `[b, h, tq, d]`, `[b, h_kv, tk, d]` and
+/// `[b, h_kv, tk, dv]` values.
+pub(crate) fn gradients(
+    op: &FlashAttn,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    grad_out: &Tensor,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let (b, h, tq, d) = q.dims4()?;
     let (_, h_kv, tk, _) = k.dims4()?;
     let dv = v.dim(3)?;
     let n_rep = h / h_kv;
@@ -76,12 +97,7 @@ pub(crate) fn backward(
                 }
             });
     }
-    let dev = q.device();
-    Ok((
-        Tensor::from_vec(dq_all, (b, h, tq, d), dev)?,
-        Tensor::from_vec(dk_all, (b, h_kv, tk, d), dev)?,
-        Tensor::from_vec(dv_all, (b, h_kv, tk, dv), dev)?,
-    ))
+    Ok((dq_all, dk_all, dv_all))
 }
 
 fn rows<'a>(s: &'a Storage, l: &Layout, name: &str) -> Result<Rows<'a>> {

@@ -86,6 +86,132 @@ pub fn flash_attn_cpu_train(
     unit(q)?.apply_op3(&unit(k)?, &unit(v)?, op)
 }
 
+/// [`flash_attn_cpu_train`] straight from the output of a fused q/k/v projection, for
+/// self-attention: one differentiable op from `qkv` to the heads' outputs side by side.
+///
+/// The same kernels on the same numbers: the heads are read in place, and the backward pass
+/// writes the gradients of the three parts into one tensor of `qkv`'s shape. Taken apart
+/// with `narrow`, `reshape` and `transpose` instead, Candle's backward pass pads each
+/// part's gradient to the whole width, concatenates and adds the three, and copies the
+/// output's transposes: about ten passes over a tensor the size of `qkv` per layer and
+/// training step where this makes one.
+///
+/// # Shapes
+/// - `qkv`: `[b, t, (n_heads + 2·n_kv_heads)·head_dim]`, queries then keys then values
+/// - returns `[b, t, n_heads·head_dim]`
+pub fn flash_attn_cpu_train_qkv(
+    qkv: &Tensor,
+    n_heads: usize,
+    n_kv_heads: usize,
+    mask: &Mask,
+    scale: f64,
+    dropout: Option<&Dropout>,
+) -> Result<Tensor> {
+    let (_, _, width) = qkv.dims3()?;
+    let parts = n_heads + 2 * n_kv_heads;
+    if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || !width.is_multiple_of(parts) {
+        bail!("flash_attn_cpu_train_qkv: a width of {width} for {n_heads} query and {n_kv_heads} key/value heads")
+    }
+    let qkv = qkv.contiguous()?;
+    let (q, k, _) = qkv_heads(&qkv, n_heads, n_kv_heads)?;
+    let drop = dropout.filter(|d| d.is_active(true)).map(Dropout::draw);
+    let inner = FlashAttn::new(&q, &k, mask, scale, drop)?;
+    qkv.apply_op1(FlashAttnQkv {
+        inner,
+        n_heads,
+        n_kv_heads,
+    })
+}
+
+/// Views `[b, h, t, d]` of the queries, keys and values in a contiguous `[b, t, w]`.
+fn qkv_heads(qkv: &Tensor, h: usize, h_kv: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, w) = qkv.dims3()?;
+    // (b, t, w) -> (b, t, h + 2·h_kv, d): free on a contiguous tensor.
+    let heads = qkv.reshape((b, t, h + 2 * h_kv, w / (h + 2 * h_kv)))?;
+    let part = |at: usize, n: usize| heads.narrow(2, at, n)?.transpose(1, 2);
+    Ok((part(0, h)?, part(h, h_kv)?, part(h + h_kv, h_kv)?))
+}
+
+/// The op of [`flash_attn_cpu_train_qkv`].
+struct FlashAttnQkv {
+    inner: FlashAttn,
+    n_heads: usize,
+    n_kv_heads: usize,
+}
+
+impl CustomOp1 for FlashAttnQkv {
+    fn name(&self) -> &'static str {
+        "flash-attn-cpu-qkv"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, t, w) = l.shape().dims3()?;
+        let (h, h_kv) = (self.n_heads, self.n_kv_heads);
+        let d = w / (h + 2 * h_kv);
+        if !l.is_contiguous() {
+            bail!("flash_attn_cpu_train_qkv: expected a contiguous input")
+        }
+        // Part `at..at + n` of the heads as (b, n, t, d): strides (t·w, d, w, 1).
+        let view = |at: usize, n: usize| {
+            Layout::new(
+                Shape::from((b, n, t, d)),
+                vec![t * w, d, w, 1],
+                l.start_offset() + at * d,
+            )
+        };
+        let (lq, lk, lv) = (view(0, h), view(h, h_kv), view(h + h_kv, h_kv));
+        let (heads, _) = self.inner.cpu_fwd(s, &lq, s, &lk, s, &lv)?;
+        let CpuStorage::F32(heads) = heads else {
+            bail!("flash_attn_cpu_train_qkv: expected f32 outputs")
+        };
+        // (b, h, t, d) -> (b, t, h·d)
+        let mut ys = vec![0f32; b * t * h * d];
+        if !ys.is_empty() {
+            ys.par_chunks_mut(t * h * d)
+                .zip(heads.par_chunks(h * t * d))
+                .for_each(|(ys, heads)| {
+                    for (hi, head) in heads.chunks_exact(t * d).enumerate() {
+                        for (ti, row) in head.chunks_exact(d).enumerate() {
+                            ys[(ti * h + hi) * d..][..d].copy_from_slice(row);
+                        }
+                    }
+                });
+        }
+        Ok((CpuStorage::F32(ys), Shape::from((b, t, h * d))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, ys: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let (h, h_kv) = (self.n_heads, self.n_kv_heads);
+        let (b, t, w) = qkv.dims3()?;
+        let d = w / (h + 2 * h_kv);
+        let (q, k, v) = qkv_heads(&qkv.contiguous()?, h, h_kv)?;
+        let heads = |x: &Tensor| x.reshape((b, t, h, d))?.transpose(1, 2);
+        let (dq, dk, dv) = crate::flash_backward::gradients(
+            &self.inner,
+            &q,
+            &k,
+            &v,
+            &heads(ys)?,
+            &heads(&grad.contiguous()?)?,
+        )?;
+        // Each position's row of the gradient: its query heads' rows, then keys', values'.
+        let mut dqkv = vec![0f32; b * t * w];
+        if !dqkv.is_empty() {
+            dqkv.par_chunks_mut(w).enumerate().for_each(|(bt, row)| {
+                let (bi, ti) = (bt / t, bt % t);
+                let parts = [(&dq, h, 0), (&dk, h_kv, h), (&dv, h_kv, h + h_kv)];
+                for (src, n, at) in parts {
+                    for hi in 0..n {
+                        let from = ((bi * n + hi) * t + ti) * d;
+                        row[(at + hi) * d..][..d].copy_from_slice(&src[from..from + d]);
+                    }
+                }
+            });
+        }
+        Ok(Some(Tensor::from_vec(dqkv, (b, t, w), qkv.device())?))
+    }
+}
+
 /// The kernels read rows with unit stride; cache views (strided heads) are fine.
 fn unit(t: &Tensor) -> Result<Tensor> {
     if t.stride().last() == Some(&1) {

@@ -443,6 +443,60 @@ fn rotary_windowed_layer_paths_agree_and_differentiate() -> Result<()> {
     Ok(())
 }
 
+/// Training through a fused q/k/v projection in f32 (GPT-2's `c_attn`, which takes
+/// `kernel::flash_attn_cpu_train_qkv` from the projection's output) gives the outputs and
+/// the gradients of every weight and of the input that the same layer gives in f64, where
+/// the general path runs (separate views, the reference attention): causal with a window
+/// and key padding, and a second, unmasked case.
+#[test]
+fn fused_projection_training_equals_the_general_path() -> Result<()> {
+    let cfg = MhaConfig {
+        window: Some(3),
+        ..MhaConfig::new(16, 4)
+    };
+    let keep = Tensor::new(&[[1u8, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], &DEV)?;
+    for mask in [Mask::causal(0).with_keep(&keep), Mask::NONE] {
+        let (vm32, attn32) = layer(&cfg, &WeightLayout::Gpt2Conv1d, DType::F32);
+        let (vm64, attn64) = layer(&cfg, &WeightLayout::Gpt2Conv1d, DType::F64);
+        for (name, var) in vm64.data().lock().unwrap().iter() {
+            let w32 = vm32.data().lock().unwrap()[name].as_tensor().clone();
+            var.set(&w32.to_dtype(DType::F64)?)?;
+        }
+        let xs = randn(&[2, 6, 16]);
+        let target = randn(&[2, 6, 16]);
+        let run = |attn: &MultiHeadAttention, vm: &VarMap, dtype| -> Result<Vec<Tensor>> {
+            let x = Var::from_tensor(&xs.to_dtype(dtype)?)?;
+            let t = x.as_tensor();
+            let ys = attn.forward(t, t, t, &mask, true)?;
+            let grads = (&ys * target.to_dtype(dtype)?)?.sum_all()?.backward()?;
+            let mut out = vec![ys, grads.get(t).unwrap().clone()];
+            let data = vm.data().lock().unwrap();
+            let mut names: Vec<_> = data.keys().cloned().collect();
+            names.sort();
+            for n in names {
+                out.push(grads.get(data[&n].as_tensor()).unwrap().clone());
+            }
+            Ok(out
+                .into_iter()
+                .map(|t| t.to_dtype(DType::F32).unwrap())
+                .collect())
+        };
+        let fast = run(&attn32, &vm32, DType::F32)?;
+        let general = run(&attn64, &vm64, DType::F64)?;
+        assert_eq!(fast.len(), general.len());
+        for (i, (a, b)) in fast.iter().zip(&general).enumerate() {
+            assert_close(
+                a,
+                b,
+                1e-5,
+                1e-4,
+                &format!("tensor {i} (output, input, weights)"),
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn training_mode_keeps_gradients_with_dropout() -> Result<()> {
     // With dropout on, every parameter still receives a gradient (no fused op drops it).
@@ -847,6 +901,59 @@ fn fused_training_kernel_gradients_equal_reference() -> Result<()> {
             assert_close(a, r, 1e-5, 1e-4, &format!("{name}, {what}"));
         }
     }
+    Ok(())
+}
+
+/// The fused kernel straight from a q/k/v projection's output (`flash_attn_cpu_train_qkv`,
+/// which training through GPT-2's `c_attn` takes) computes what the kernel computes on the
+/// views the general path cuts from it: the same outputs, and the gradient of the whole
+/// projection output, with GQA, windows, key padding and dropout. The same sums in the
+/// same order, so equal to the last bit.
+#[test]
+fn qkv_training_kernel_equals_the_kernel_on_views() -> Result<()> {
+    for (b, t, h, h_kv, causal, padded, window, p) in [
+        (2, 5, 2, 2, true, false, None, 0.0),
+        (2, 150, 4, 2, true, false, None, 0.25),
+        (1, 70, 3, 1, false, true, None, 0.0),
+        (1, 130, 4, 4, true, false, Some(33), 0.5),
+    ] {
+        let d = 16;
+        let what = format!(
+            "b={b} t={t} h={h}/{h_kv} causal={causal} padded={padded} window={window:?} p={p}"
+        );
+        let qkv = Var::from_tensor(&randn(&[b, t, (h + 2 * h_kv) * d]))?;
+        let weight = randn(&[b, t, h * d]);
+        let keep = keep_mask(b, t, 0x0f0f_3355_00ff_ffff);
+        let mut mask = if causal { Mask::causal(0) } else { Mask::NONE };
+        if padded {
+            mask = mask.with_keep(&keep);
+        }
+        mask.window = window;
+        let scale = 1.0 / (d as f64).sqrt();
+        let run = |fused: bool| -> Result<(Tensor, Tensor)> {
+            let dropout = Dropout::new(p, 11)?;
+            let ys = if fused {
+                mha::kernel::flash_attn_cpu_train_qkv(&qkv, h, h_kv, &mask, scale, Some(&dropout))?
+            } else {
+                let heads = qkv.reshape((b, t, h + 2 * h_kv, d))?;
+                let part = |at, n| heads.narrow(2, at, n)?.transpose(1, 2);
+                let (q, k, v) = (part(0, h)?, part(h, h_kv)?, part(h + h_kv, h_kv)?);
+                mha::kernel::flash_attn_cpu_train(&q, &k, &v, &mask, scale, Some(&dropout))?
+                    .transpose(1, 2)?
+                    .reshape((b, t, h * d))?
+            };
+            let grads = (&ys * &weight)?.sum_all()?.backward()?;
+            Ok((ys, grads.get(qkv.as_tensor()).unwrap().clone()))
+        };
+        let (fast, fast_g) = run(true)?;
+        let (views, views_g) = run(false)?;
+        assert_eq!(fast.dims(), views.dims(), "{what}");
+        assert_eq!(fast_g.dims(), views_g.dims(), "{what}");
+        assert_eq!(max_abs_diff(&fast, &views), 0.0, "output, {what}");
+        assert_eq!(max_abs_diff(&fast_g, &views_g), 0.0, "d(qkv), {what}");
+    }
+    let bad = randn(&[1, 4, 50]);
+    assert!(mha::kernel::flash_attn_cpu_train_qkv(&bad, 3, 2, &Mask::NONE, 1.0, None).is_err());
     Ok(())
 }
 
