@@ -61,6 +61,12 @@ impl Block {
         })
     }
 
+    /// The block's dropouts, in a fixed order: the attention weights', the residual
+    /// branches'.
+    pub fn dropouts(&self) -> [&Dropout; 2] {
+        [self.attn.dropout(), &self.resid_drop]
+    }
+
     /// Distinct, reproducible dropout streams per block and per site.
     fn seed(cfg: &GptConfig, layer_idx: usize) -> u64 {
         cfg.seed

@@ -489,6 +489,13 @@ impl Gpt {
         &self.h
     }
 
+    /// Every dropout of the model in a fixed order (the embeddings', then each block's):
+    /// what a training checkpoint records the draw counts of ([`Dropout::calls`]).
+    pub fn dropouts(&self) -> Vec<&Dropout> {
+        let blocks = self.h.iter().flat_map(|b| b.dropouts());
+        std::iter::once(&self.drop).chain(blocks).collect()
+    }
+
     /// Token embedding `[vocab, d]`.
     pub fn embedding(&self) -> &Embedding {
         &self.wte

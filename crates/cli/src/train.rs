@@ -101,6 +101,11 @@ struct TrainState {
     best_val: f64,
     rng: u64,
     config: GptConfig,
+    /// Masks drawn by each dropout ([`Gpt::dropouts`]), so that a resumed run draws the
+    /// masks an uninterrupted one would. (Checkpoints written before it was recorded lack
+    /// it; their runs resume with fresh counts.)
+    #[serde(default)]
+    dropout_calls: Vec<u64>,
 }
 
 /// GPT-2's initialisation, drawn from `seed` (Candle's CPU generator cannot be seeded):
@@ -369,6 +374,20 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
             &dev,
         )?)?;
         (step, best_val, rng) = (state.step, state.best_val, Rng(state.rng));
+        let dropouts = model.dropouts();
+        match state.dropout_calls.len() {
+            0 => {}
+            n if n == dropouts.len() => {
+                for (d, &calls) in dropouts.iter().zip(&state.dropout_calls) {
+                    d.set_calls(calls);
+                }
+            }
+            n => bail!(
+                "{}/state.json: {n} dropout counts for a model with {} dropouts",
+                dir.display(),
+                dropouts.len()
+            ),
+        }
         eprintln!(
             "resuming {} at step {step} (best validation loss {best_val:.4})",
             dir.display()
@@ -450,6 +469,7 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
                 best_val,
                 rng: rng.0,
                 config: cfg.clone(),
+                dropout_calls: model.dropouts().iter().map(|d| d.calls()).collect(),
             };
             save_checkpoint(&a.out, &model, &opt, &state)?;
             if a.quiet {

@@ -759,15 +759,21 @@ fn train_lowers_validation_loss_and_saves_a_loadable_model() {
 
 #[test]
 fn resume_continues_from_the_last_checkpoint() {
+    // With dropout too: the checkpoint records how many masks each dropout has drawn.
+    for p in ["0", "0.1"] {
+        resume_equals_an_uninterrupted_run(p);
+    }
+}
+
+fn resume_equals_an_uninterrupted_run(dropout: &str) {
     let dir = tempfile::tempdir().unwrap();
     let data = small_corpus(dir.path());
     let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
-    // Dropout off, so the two runs must agree to rounding.
     let mut a = train_args(data.to_str().unwrap(), straight.to_str().unwrap());
-    a.extend(["--steps", "30", "--dropout", "0"]);
+    a.extend(["--steps", "30", "--dropout", dropout]);
     ok(&a);
     let mut b = train_args(data.to_str().unwrap(), resumed.to_str().unwrap());
-    b.extend(["--steps", "30", "--dropout", "0", "--stop-after", "20"]);
+    b.extend(["--steps", "30", "--dropout", dropout, "--stop-after", "20"]);
     ok(&b);
     let state: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(resumed.join("checkpoint/state.json")).unwrap(),
@@ -779,7 +785,7 @@ fn resume_continues_from_the_last_checkpoint() {
         "--steps",
         "30",
         "--dropout",
-        "0",
+        dropout,
         "--resume",
         resumed.to_str().unwrap(),
     ]);
@@ -811,7 +817,7 @@ fn resume_continues_from_the_last_checkpoint() {
             .unwrap()
             .to_scalar::<f64>()
             .unwrap();
-        assert!(diff < 1e-5, "{name} differs by {diff}");
+        assert!(diff < 1e-5, "dropout {dropout}: {name} differs by {diff}");
     }
     // Both runs logged steps 10, 20, 30.
     let steps = |p: &Path| -> Vec<String> {

@@ -365,6 +365,11 @@ impl MultiHeadAttention {
         self.rope.as_ref()
     }
 
+    /// The dropout on the attention weights (drawn only in training).
+    pub fn dropout(&self) -> &Dropout {
+        &self.dropout
+    }
+
     /// The configuration this layer was built with.
     pub fn config(&self) -> &MhaConfig {
         &self.cfg

@@ -46,6 +46,18 @@ impl Dropout {
         self.p
     }
 
+    /// How many masks this dropout has drawn: each training call draws the next one. A
+    /// training run saves it with its checkpoint and [`Self::set_calls`] restores it, so a
+    /// resumed run draws the masks an uninterrupted one would.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    /// Makes the next call draw mask number `calls` (see [`Self::calls`]).
+    pub fn set_calls(&self, calls: u64) {
+        self.calls.store(calls, Ordering::Relaxed)
+    }
+
     /// True when a call with this `train` flag changes its input.
     pub fn is_active(&self, train: bool) -> bool {
         train && self.p > 0.0
