@@ -11,6 +11,7 @@ use mha::qpacked::Packed;
 use mha::{neox_to_fused, Dropout, KvCache, Mask, Proj, RopeTables};
 
 use crate::family::TensorNames;
+use crate::norm::at_least_f32;
 use crate::{Block, Family, GptConfig, Norm, NormPlacement};
 
 /// Which positions get logits.
@@ -983,7 +984,7 @@ pub fn next_token_loss(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
         .narrow(1, 1, t - 1)?
         .flatten_all()?
         .to_dtype(DType::U32)?;
-    candle_nn::loss::cross_entropy(&inputs.to_dtype(DType::F32)?, &targets)
+    candle_nn::loss::cross_entropy(&inputs.to_dtype(at_least_f32(logits.dtype()))?, &targets)
 }
 
 /// Log-probability of each next token, `[b, t - 1]`: entry `(i, j)` is
@@ -995,7 +996,9 @@ pub fn token_logprobs(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
     }
     check_targets(ids, b, t, v)?;
     let logp = candle_nn::ops::log_softmax(
-        &logits.narrow(1, 0, t - 1)?.to_dtype(DType::F32)?,
+        &logits
+            .narrow(1, 0, t - 1)?
+            .to_dtype(at_least_f32(logits.dtype()))?,
         D::Minus1,
     )?;
     let targets = ids

@@ -88,11 +88,20 @@ impl RmsNorm {
             // One fused op whose backward recomputes the row scale (training).
             return mha::ops::rms_norm(xs, &self.weight, self.eps);
         }
+        // Half precision is widened to f32 for the statistics; f64 stays f64.
         let dtype = xs.dtype();
-        let x = xs.to_dtype(DType::F32)?;
+        let x = xs.to_dtype(at_least_f32(dtype))?;
         let var = x.sqr()?.mean_keepdim(D::Minus1)?;
         let x = x.broadcast_div(&(var + self.eps)?.sqrt()?)?;
         x.to_dtype(dtype)?.broadcast_mul(&self.weight)
+    }
+}
+
+/// The dtype statistics are computed in: f32 for half precision, the dtype itself otherwise.
+pub(crate) fn at_least_f32(dtype: DType) -> DType {
+    match dtype {
+        DType::F16 | DType::BF16 => DType::F32,
+        d => d,
     }
 }
 

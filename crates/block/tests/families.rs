@@ -6,8 +6,9 @@
 //! relative, greedy tokens identical (steps after a near-tie of the reference, top-two
 //! margin < 1e-4, are not compared). Then, without a reference: cached decoding equals the
 //! full pass within 1e-5, left-padded rows equal the rows alone, the older `config.json`
-//! field names give the same model, quantized and half-precision models track f32, and
-//! bad configs are one-line errors that name the field.
+//! field names give the same model, quantized and half-precision models track f32, bad
+//! configs are one-line errors that name the field, and training through every family but
+//! GPT-NeoX has the gradients finite differences give.
 
 #[path = "../../mha/tests/common/mod.rs"]
 mod common;
@@ -18,8 +19,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
-use gpt_blocks::{load_dir, Gpt, GptCache, Logits};
+use gpt_blocks::{load_dir, read_config, Gpt, GptCache, Logits};
 
 const MODELS: [&str; 7] = [
     "llama_gqa_bias",
@@ -649,4 +651,83 @@ fn named_tensors_round_trip_and_bare_names_load() {
             &format!("{name}: bare names"),
         );
     }
+}
+
+/// The fixture's model with its weights in variables of `dtype`, as training holds them.
+fn trainable(name: &str, dtype: DType) -> (Vec<(String, candle_core::Var)>, Gpt) {
+    let dir = fixture(name);
+    let cfg = read_config(&dir).unwrap();
+    let varmap = VarMap::new();
+    let gpt = Gpt::new(&cfg, VarBuilder::from_varmap(&varmap, dtype, &Device::Cpu)).unwrap();
+    let weights =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut vars = common::vars_of(&varmap);
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    for (n, var) in &vars {
+        let w = weights
+            .get(n)
+            .unwrap_or_else(|| panic!("{name}: no {n} in the file"));
+        var.set(&w.to_dtype(dtype).unwrap()).unwrap();
+    }
+    (vars, gpt)
+}
+
+const TRAIN_IDS: [[u32; 10]; 2] = [
+    [1, 5, 2, 9, 3, 3, 7, 8, 1, 2],
+    [4, 0, 10, 7, 6, 1, 2, 3, 4, 5],
+];
+
+/// Training through every family but GPT-NeoX (whose fused, head-interleaved q/k/v rows
+/// are regrouped at load, for inference): RoPE (partial and scaled), RMSNorm, SwiGLU,
+/// grouped and multi-query heads, q/k/v biases, sliding and local windows, untied heads.
+/// The loss's gradient in f64 against central finite differences.
+#[test]
+fn gradients_match_finite_differences_in_the_trainable_families() {
+    let ids = Tensor::new(&TRAIN_IDS, &Device::Cpu).unwrap();
+    for name in MODELS.iter().filter(|n| !n.starts_with("neox")) {
+        let (vars, gpt) = trainable(name, DType::F64);
+        let loss = gpt.loss(&ids, true).unwrap();
+        assert_eq!(loss.dtype(), DType::F64, "{name}: the loss keeps f64");
+        let grads = loss.backward().unwrap();
+        let value = || gpt.loss(&ids, true)?.to_scalar::<f64>();
+        let checked = common::check_gradients(&vars, &grads, 3, 1e-4, value).unwrap();
+        assert!(checked >= 2 * vars.len(), "{name}: {checked} coordinates");
+    }
+}
+
+/// The f32 training path on the CPU (fused RMSNorm, attention with its own backward, fused
+/// cross-entropy) gives the gradients the f64 path gives, for the same weights.
+#[test]
+fn f32_training_kernels_track_f64_in_every_family() {
+    let ids = Tensor::new(&TRAIN_IDS, &Device::Cpu).unwrap();
+    for name in MODELS.iter().filter(|n| !n.starts_with("neox")) {
+        let (vars32, gpt32) = trainable(name, DType::F32);
+        let (vars64, gpt64) = trainable(name, DType::F64);
+        let (loss32, loss64) = (
+            gpt32.loss(&ids, true).unwrap(),
+            gpt64.loss(&ids, true).unwrap(),
+        );
+        let l64 = loss64.to_dtype(DType::F32).unwrap();
+        assert_close(&loss32, &l64, 0.0, 1e-5, &format!("{name}: loss"));
+        let (g32, g64) = (loss32.backward().unwrap(), loss64.backward().unwrap());
+        for ((n, v32), (_, v64)) in vars32.iter().zip(&vars64) {
+            let want = g64.get(v64).unwrap().to_dtype(DType::F32).unwrap();
+            let got = g32.get(v32).unwrap();
+            assert_close(got, &want, 1e-5, 1e-4, &format!("{name}: d loss / d {n}"));
+        }
+    }
+}
+
+#[test]
+fn training_gpt_neox_is_refused_with_the_reason() {
+    let cfg = read_config(&fixture("neox_parallel")).unwrap();
+    let varmap = VarMap::new();
+    let err = Gpt::new(
+        &cfg,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("for inference"), "{err}");
+    assert!(!err.contains("bias"), "a misleading hint: {err}");
 }

@@ -833,7 +833,7 @@ pub(crate) fn load(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Re
             check_unexpected_biases(cfg, layout, &vb)?;
             Ok(p)
         }
-        Err(e) => match diagnose(cfg, layout, &vb) {
+        Err(e) => match diagnose(cfg, layout, &vb, &e.to_string()) {
             Some(hint) => bail!("{e}; {hint}"),
             None => Err(e),
         },
@@ -857,8 +857,14 @@ pub(crate) fn layout_in_file(vb: &VarBuilder) -> Option<(&'static str, &'static 
     .find(|(name, _)| vb.contains_tensor(name))
 }
 
-/// What to change when loading failed: another layout, `bias: false`, `kdim`/`vdim`.
-fn diagnose(cfg: &MhaConfig, layout: &WeightLayout, vb: &VarBuilder) -> Option<String> {
+/// What to change when loading failed with `error`: another layout, `bias: false`,
+/// `kdim`/`vdim`.
+fn diagnose(
+    cfg: &MhaConfig,
+    layout: &WeightLayout,
+    vb: &VarBuilder,
+    error: &str,
+) -> Option<String> {
     let (found, fix) = layout_in_file(vb)?;
     let matches = match layout {
         WeightLayout::TorchInProj => found.ends_with("proj_weight"),
@@ -885,7 +891,8 @@ fn diagnose(cfg: &MhaConfig, layout: &WeightLayout, vb: &VarBuilder) -> Option<S
         "out_proj.bias",
         "o_proj.bias",
     ];
-    if cfg.bias && !biases.iter().any(|b| vb.contains_tensor(b)) {
+    // Only when a bias is what was missing (a layer built for training has none yet).
+    if cfg.bias && error.contains("bias") && !biases.iter().any(|b| vb.contains_tensor(b)) {
         return Some(
             "the file has no biases (nn.MultiheadAttention(bias=False)): set `bias: false`".into(),
         );
