@@ -1,6 +1,6 @@
-//! Loads a GPT-2 checkpoint (a Hugging Face directory or a nanoGPT `ckpt.pt`), writes it
+//! Loads a GPT-2 or Llama checkpoint (a Hugging Face directory or a nanoGPT `ckpt.pt`), writes it
 //! back as a Hugging Face directory, and records our logits beside it, so that
-//! `scripts/gpt2_roundtrip.py` can check that transformers reads the same model.
+//! `scripts/hf_roundtrip.py` can check that transformers reads the same model.
 //!
 //! `cargo run -p gpt-blocks --example resave -- SRC OUT`
 

@@ -208,8 +208,10 @@ pub fn load_files(
     Gpt::build(cfg, with_prefix_fallback(vb, cfg, prefixed), quantize)
 }
 
-/// Writes `model` as a Hugging Face GPT-2 directory (`config.json`, `model.safetensors`)
-/// that `transformers.GPT2LMHeadModel.from_pretrained` loads. Each file is written to a
+/// Writes `model` as a Hugging Face directory (`config.json`, `model.safetensors`) that
+/// `transformers.AutoModelForCausalLM.from_pretrained` loads: GPT-2 models as
+/// `GPT2LMHeadModel`, Llama models as `LlamaForCausalLM` (other families are refused, see
+/// [`GptConfig::to_json`](crate::GptConfig::to_json)). Each file is written to a
 /// temporary name and renamed, so an interrupted save never leaves a half-written file.
 pub fn save_dir(model: &Gpt, dir: &Path) -> Result<()> {
     save_dir_as(model, dir, model.dtype())
@@ -218,10 +220,8 @@ pub fn save_dir(model: &Gpt, dir: &Path) -> Result<()> {
 /// As [`save_dir`], storing the weights as `dtype` (f16 halves the file).
 pub fn save_dir_as(model: &Gpt, dir: &Path, dtype: DType) -> Result<()> {
     if model.config().norm_placement != crate::NormPlacement::Pre {
-        // transformers would read the file as a pre-norm GPT-2 and silently differ.
-        bail!(
-            "post-norm models have no Hugging Face GPT-2 layout; only pre-norm models can be saved"
-        )
+        // transformers would read the file as a pre-norm model and silently differ.
+        bail!("post-norm models have no Hugging Face layout; only pre-norm models can be saved")
     }
     // Refuse what cannot be written before anything is.
     let json = model.config().to_json()?;

@@ -731,3 +731,44 @@ fn training_gpt_neox_is_refused_with_the_reason() {
     assert!(err.contains("for inference"), "{err}");
     assert!(!err.contains("bias"), "a misleading hint: {err}");
 }
+
+/// Llama configs are written as transformers reads them (`scripts/hf_roundtrip.py` loads
+/// the written directories in transformers: logits within 3e-6) and read back unchanged;
+/// what Llama's file cannot express is refused before anything is written.
+#[test]
+fn llama_configs_round_trip_and_others_are_refused() {
+    for name in ["llama_gqa_bias", "llama_mqa_linear"] {
+        let model = load(&fixture(name), DType::F32);
+        let dir =
+            std::env::temp_dir().join(format!("gpt-blocks-save-{name}-{}", std::process::id()));
+        gpt_blocks::save_dir(&model, &dir).unwrap();
+        let again = load(&dir, DType::F32);
+        assert_eq!(again.config(), model.config(), "{name}");
+        let ids = Tensor::new(&TRAIN_IDS, &Device::Cpu).unwrap();
+        let (a, b) = (
+            model.infer(&ids, None, None, Logits::All).unwrap(),
+            again.infer(&ids, None, None, Logits::All).unwrap(),
+        );
+        assert_eq!(max_abs_diff(&a, &b), 0.0, "{name}: logits after saving");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    for name in [
+        "mistral_window",
+        "qwen2_bias_window",
+        "neox_parallel",
+        "neo_local",
+    ] {
+        let dir =
+            std::env::temp_dir().join(format!("gpt-blocks-save-{name}-{}", std::process::id()));
+        let err = gpt_blocks::save_dir(&load(&fixture(name), DType::F32), &dir)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("can be saved"), "{name}: {err}");
+        assert!(!dir.exists(), "{name}: nothing is written");
+    }
+    // A Llama-family model with a window has no Llama file.
+    let mut cfg = read_config(&fixture("mistral_window")).unwrap();
+    cfg.family = gpt_blocks::Family::Llama;
+    let err = cfg.to_json().unwrap_err().to_string();
+    assert!(err.contains("cannot express"), "{err}");
+}

@@ -8,9 +8,10 @@ use anyhow::{anyhow, bail, Context, Result};
 // Batches and initialisation replay exactly after a resume.
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use gpt_blocks::{
-    save_dir_as, write_atomic, AdamW, AdamWParams, Gpt, GptConfig, SplitMix64 as Rng,
+    save_dir_as, write_atomic, Activation, AdamW, AdamWParams, Family, Gpt, GptConfig, NormKind,
+    SplitMix64 as Rng,
 };
 use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
@@ -18,14 +19,27 @@ use tokenizers::Tokenizer;
 use crate::common::{self, DtypeArg, ModelArgs};
 use crate::plot;
 
+/// The architecture `gpt train` builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arch {
+    /// GPT-2: learned positions, LayerNorm, a GELU MLP of 4 × the width, one fused q/k/v
+    /// projection, biases everywhere (saved as `GPT2LMHeadModel`).
+    #[default]
+    Gpt2,
+    /// Llama: rotary positions, RMSNorm, a SwiGLU MLP, grouped-query heads with
+    /// --n-kv-head, no biases (saved as `LlamaForCausalLM`).
+    Llama,
+}
+
 /// Options of `gpt train`.
 #[derive(Debug, Clone, Args, Serialize, Deserialize)]
 pub struct TrainArgs {
     /// Text files to train on (UTF-8).
     #[arg(long, num_args = 1.., required = true)]
     pub data: Vec<PathBuf>,
-    /// Output directory: the best model as a Hugging Face GPT-2 directory, the last
-    /// checkpoint (for --resume) in OUT/checkpoint, loss.csv and loss.png.
+    /// Output directory: the best model as a Hugging Face directory, the last checkpoint
+    /// (for --resume) in OUT/checkpoint, loss.csv and loss.png.
     #[arg(long)]
     pub out: PathBuf,
     /// A tokenizer.json to use; without it a byte-level BPE tokenizer is trained on the data.
@@ -34,15 +48,34 @@ pub struct TrainArgs {
     /// Vocabulary size of the trained tokenizer.
     #[arg(long, default_value_t = 2048)]
     pub vocab_size: usize,
+    /// The model's architecture.
+    #[arg(long, value_enum, default_value = "gpt2")]
+    #[serde(default)]
+    pub arch: Arch,
     /// Number of blocks.
     #[arg(long, default_value_t = 4)]
     pub n_layer: usize,
     /// Attention heads per block.
     #[arg(long, default_value_t = 4)]
     pub n_head: usize,
+    /// Key/value heads (grouped-query attention; --arch llama): must divide --n-head.
+    /// Default: --n-head.
+    #[arg(long)]
+    #[serde(default)]
+    pub n_kv_head: Option<usize>,
     /// Model width.
     #[arg(long, default_value_t = 128)]
     pub n_embd: usize,
+    /// Hidden width of the MLP. Default: 4 × --n-embd for GPT-2; for Llama's gated MLP
+    /// (three matrices, not two) 8/3 × --n-embd rounded up to a multiple of 32, the same
+    /// parameter count.
+    #[arg(long)]
+    #[serde(default)]
+    pub n_inner: Option<usize>,
+    /// RoPE base (--arch llama).
+    #[arg(long)]
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
     /// Context length in tokens.
     #[arg(long, default_value_t = 128)]
     pub block_size: usize,
@@ -101,6 +134,10 @@ struct TrainState {
     best_val: f64,
     rng: u64,
     config: GptConfig,
+    /// The model's Hugging Face `config.json`, for architectures other than GPT-2 (whose
+    /// parts `config` does not carry); `config` still gives the dropouts and the seed.
+    #[serde(default)]
+    hf_config: Option<String>,
     /// Masks drawn by each dropout ([`Gpt::dropouts`]), so that a resumed run draws the
     /// masks an uninterrupted one would. (Checkpoints written before it was recorded lack
     /// it; their runs resume with fresh counts.)
@@ -110,7 +147,8 @@ struct TrainState {
 
 /// GPT-2's initialisation, drawn from `seed` (Candle's CPU generator cannot be seeded):
 /// N(0, 0.02) for matrices and the token embedding, N(0, 0.01) for positions, residual
-/// projections scaled by 1/sqrt(2·n_layer) as in GPT-2 and nanoGPT, LayerNorm 1/0, biases 0.
+/// projections (GPT-2's `c_proj`, Llama's `o_proj` and `down_proj`) scaled by
+/// 1/sqrt(2·n_layer) as in GPT-2 and nanoGPT, norms 1 (and LayerNorm's bias 0), biases 0.
 fn init_weights(vars: &[(String, candle_core::Var)], cfg: &GptConfig, seed: u64) -> Result<()> {
     let mut rng = Rng(seed ^ 0x1A17);
     let mut normal = |n: usize, std: f64| -> Vec<f32> {
@@ -128,11 +166,14 @@ fn init_weights(vars: &[(String, candle_core::Var)], cfg: &GptConfig, seed: u64)
         let n = var.elem_count();
         let values = if name.ends_with(".bias") {
             vec![0f32; n]
-        } else if name.contains(".ln_") {
+        } else if name.contains(".ln_") || name.contains("norm") {
             vec![1f32; n]
         } else if name.ends_with("wpe.weight") {
             normal(n, 0.01)
-        } else if name.ends_with("c_proj.weight") {
+        } else if ["c_proj.weight", "o_proj.weight", "down_proj.weight"]
+            .iter()
+            .any(|p| name.ends_with(p))
+        {
             normal(n, resid)
         } else {
             normal(n, 0.02)
@@ -140,6 +181,79 @@ fn init_weights(vars: &[(String, candle_core::Var)], cfg: &GptConfig, seed: u64)
         var.set(&Tensor::from_vec(values, var.shape(), var.device())?)?;
     }
     Ok(())
+}
+
+/// The model a new run trains, from the command line.
+fn new_config(a: &TrainArgs, vocab_size: usize, eot: Option<u32>) -> Result<GptConfig> {
+    let base = GptConfig {
+        vocab_size,
+        n_positions: a.block_size,
+        n_embd: a.n_embd,
+        n_layer: a.n_layer,
+        n_head: a.n_head,
+        n_inner: a.n_inner,
+        resid_pdrop: a.dropout,
+        embd_pdrop: a.dropout,
+        attn_pdrop: a.dropout,
+        bos_token_id: eot,
+        eos_token_id: eot,
+        seed: a.seed,
+        ..GptConfig::gpt2()
+    };
+    Ok(match a.arch {
+        Arch::Gpt2 => {
+            if a.n_kv_head.is_some() || a.rope_theta.is_some() {
+                bail!("--n-kv-head and --rope-theta are for --arch llama (GPT-2 has neither)")
+            }
+            base
+        }
+        Arch::Llama => {
+            let theta = a.rope_theta.unwrap_or(10_000.0);
+            if !(theta > 1.0 && theta.is_finite()) {
+                bail!("--rope-theta must be a finite number above 1, got {theta}")
+            }
+            let kv = a.n_kv_head.unwrap_or(a.n_head);
+            if kv == 0 || !a.n_head.is_multiple_of(kv) {
+                bail!("--n-kv-head {kv} must divide --n-head {}", a.n_head)
+            }
+            let inner = a
+                .n_inner
+                .unwrap_or_else(|| (8 * a.n_embd).div_ceil(3).next_multiple_of(32));
+            GptConfig {
+                family: Family::Llama,
+                model_type: Some(Family::Llama.model_type().into()),
+                n_kv_head: Some(kv),
+                n_inner: Some(inner),
+                activation_function: Activation::Silu,
+                norm: NormKind::RmsNorm,
+                layer_norm_epsilon: 1e-5,
+                rope: Some(mha::RopeConfig {
+                    theta,
+                    ..Default::default()
+                }),
+                gated_mlp: true,
+                attn_bias: false,
+                attn_out_bias: false,
+                mlp_bias: false,
+                ..base
+            }
+        }
+    })
+}
+
+/// The model a checkpoint holds: its Hugging Face config (other architectures than
+/// GPT-2), with the dropouts and seed of the run.
+fn resumed_config(s: &TrainState) -> Result<GptConfig> {
+    let Some(json) = &s.hf_config else {
+        return Ok(s.config.clone());
+    };
+    Ok(GptConfig {
+        resid_pdrop: s.config.resid_pdrop,
+        embd_pdrop: s.config.embd_pdrop,
+        attn_pdrop: s.config.attn_pdrop,
+        seed: s.config.seed,
+        ..GptConfig::from_json(json)?
+    })
 }
 
 /// Trains a byte-level BPE tokenizer on `files` (GPT-2's scheme, `<|endoftext|>` special).
@@ -313,23 +427,23 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
     }
     let eot = tokenizer.token_to_id("<|endoftext|>");
     let cfg = match &resume {
-        Some((_, s)) => s.config.clone(),
-        None => GptConfig {
-            vocab_size: tokenizer.get_vocab_size(true),
-            n_positions: a.block_size,
-            n_embd: a.n_embd,
-            n_layer: a.n_layer,
-            n_head: a.n_head,
-            resid_pdrop: a.dropout,
-            embd_pdrop: a.dropout,
-            attn_pdrop: a.dropout,
-            bos_token_id: eot,
-            eos_token_id: eot,
-            seed: a.seed,
-            ..GptConfig::gpt2()
-        },
+        Some((dir, s)) => {
+            resumed_config(s).with_context(|| format!("{}/state.json", dir.display()))?
+        }
+        None => new_config(a, tokenizer.get_vocab_size(true), eot)?,
     };
     cfg.validate()?;
+    let arch_family = match a.arch {
+        Arch::Gpt2 => Family::Gpt2,
+        Arch::Llama => Family::Llama,
+    };
+    if cfg.family != arch_family {
+        bail!(
+            "the checkpoint holds a {} model; resume it with --arch {}",
+            cfg.family.model_type(),
+            cfg.family.model_type()
+        )
+    }
     let varmap = VarMap::new();
     let model = Gpt::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
     let named: Vec<(String, candle_core::Var)> = {
@@ -469,6 +583,9 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
                 best_val,
                 rng: rng.0,
                 config: cfg.clone(),
+                hf_config: (cfg.family != Family::Gpt2)
+                    .then(|| cfg.to_json())
+                    .transpose()?,
                 dropout_calls: model.dropouts().iter().map(|d| d.calls()).collect(),
             };
             save_checkpoint(&a.out, &model, &opt, &state)?;
@@ -520,4 +637,86 @@ pub fn read_loss_csv(path: &Path) -> Result<Vec<(f64, f64, f64)>> {
         }
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+
+    /// Each tensor of a new model gets its part's initialisation, whatever the names.
+    #[test]
+    fn initialisation_follows_the_parts_in_both_architectures() -> Result<()> {
+        for arch in ["gpt2", "llama"] {
+            let cli = Cli::parse_from([
+                "train",
+                "--data",
+                "x",
+                "--out",
+                "y",
+                "--arch",
+                arch,
+                "--n-layer",
+                "2",
+                "--n-embd",
+                "64",
+                "--n-head",
+                "4",
+            ]);
+            let cfg = new_config(&cli.args, 512, Some(0))?;
+            let varmap = VarMap::new();
+            Gpt::new(
+                &cfg,
+                VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+            )?;
+            let named: Vec<_> = varmap
+                .data()
+                .lock()
+                .map_err(|_| anyhow!("poisoned"))?
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            init_weights(&named, &cfg, 7)?;
+            let resid = 0.02 / 4f64.sqrt(); // 0.02 / sqrt(2 · n_layer)
+            let (mut norms, mut resids) = (0, 0);
+            for (name, var) in &named {
+                let v: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
+                let n = v.len() as f64;
+                let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+                let std = (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+                let is_norm = name.contains("norm") || name.contains(".ln_");
+                if name.ends_with(".bias") {
+                    assert!(v.iter().all(|&x| x == 0.0), "{arch}: {name}");
+                } else if is_norm {
+                    assert!(v.iter().all(|&x| x == 1.0), "{arch}: {name}");
+                    norms += 1;
+                } else {
+                    let want = if ["c_proj.weight", "o_proj.weight", "down_proj.weight"]
+                        .iter()
+                        .any(|p| name.ends_with(p))
+                    {
+                        resids += 1;
+                        resid
+                    } else if name.ends_with("wpe.weight") {
+                        0.01
+                    } else {
+                        0.02
+                    };
+                    assert!(
+                        (std / want - 1.0).abs() < 0.1,
+                        "{arch}: {name} std {std} vs {want}"
+                    );
+                }
+            }
+            // Two norms per block and the final one; two residual projections per block.
+            assert_eq!((norms, resids), (5, 4), "{arch}");
+        }
+        Ok(())
+    }
 }

@@ -715,11 +715,18 @@ fn train_args<'a>(data: &'a str, out: &'a str) -> Vec<&'a str> {
 
 #[test]
 fn train_lowers_validation_loss_and_saves_a_loadable_model() {
+    for (arch, extra) in [("gpt2", &[][..]), ("llama", &["--n-kv-head", "1"][..])] {
+        trains_and_saves(arch, extra);
+    }
+}
+
+fn trains_and_saves(arch: &str, extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let data = small_corpus(dir.path());
     let out = dir.path().join("run");
     let mut args = train_args(data.to_str().unwrap(), out.to_str().unwrap());
-    args.extend(["--steps", "40"]);
+    args.extend(["--steps", "40", "--arch", arch]);
+    args.extend(extra);
     ok(&args);
     let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
     let vals: Vec<f64> = csv
@@ -730,7 +737,7 @@ fn train_lowers_validation_loss_and_saves_a_loadable_model() {
     assert_eq!(vals.len(), 4, "{csv}");
     assert!(
         vals[3] < vals[0] - 0.5,
-        "validation loss did not fall: {vals:?}"
+        "{arch}: validation loss did not fall: {vals:?}"
     );
     let png = image::open(out.join("loss.png")).unwrap();
     assert_eq!((png.width(), png.height()), (800, 500));
@@ -754,26 +761,71 @@ fn train_lowers_validation_loss_and_saves_a_loadable_model() {
     ]);
     let v: serde_json::Value = serde_json::from_str(info.trim()).unwrap();
     assert_eq!(v["config"]["n_embd"], 32);
+    assert_eq!(v["config"]["model_type"], arch);
     assert_eq!(v["tokenizer"], 300);
+    // Written as the architecture's Hugging Face config (what transformers reads).
+    let hf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let class = match arch {
+        "gpt2" => "GPT2LMHeadModel",
+        _ => "LlamaForCausalLM",
+    };
+    assert_eq!(hf["architectures"][0], class);
+    if arch == "llama" {
+        assert_eq!(hf["num_key_value_heads"], 1);
+        assert_eq!(hf["intermediate_size"], 96, "8/3 × 32 rounded up to 32s");
+    }
+}
+
+#[test]
+fn train_refuses_architecture_options_that_do_not_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_corpus(dir.path());
+    let out = dir.path().join("run");
+    let (data, out) = (data.to_str().unwrap(), out.to_str().unwrap());
+    let with = |extra: &[&'static str]| {
+        let mut a = train_args(data, out);
+        a.extend(extra);
+        a
+    };
+    fails(&with(&["--n-kv-head", "1"]), "are for --arch llama");
+    fails(&with(&["--rope-theta", "500000"]), "are for --arch llama");
+    fails(
+        &with(&["--arch", "llama", "--rope-theta", "0.5"]),
+        "--rope-theta must be a finite number above 1",
+    );
+    fails(
+        &with(&["--arch", "llama", "--n-kv-head", "3"]),
+        "--n-kv-head 3 must divide --n-head 2",
+    );
 }
 
 #[test]
 fn resume_continues_from_the_last_checkpoint() {
     // With dropout too: the checkpoint records how many masks each dropout has drawn.
-    for p in ["0", "0.1"] {
-        resume_equals_an_uninterrupted_run(p);
+    // A Llama checkpoint also carries its Hugging Face config (rotary, grouped heads).
+    for (arch, p) in [("gpt2", "0"), ("gpt2", "0.1"), ("llama", "0.1")] {
+        resume_equals_an_uninterrupted_run(arch, p);
     }
 }
 
-fn resume_equals_an_uninterrupted_run(dropout: &str) {
+fn resume_equals_an_uninterrupted_run(arch: &str, dropout: &str) {
     let dir = tempfile::tempdir().unwrap();
     let data = small_corpus(dir.path());
     let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
     let mut a = train_args(data.to_str().unwrap(), straight.to_str().unwrap());
+    let arch_args = ["--arch", arch, "--n-kv-head", "1"];
+    let arch_args = if arch == "gpt2" {
+        &arch_args[..2]
+    } else {
+        &arch_args[..]
+    };
     a.extend(["--steps", "30", "--dropout", dropout]);
+    a.extend(arch_args);
     ok(&a);
     let mut b = train_args(data.to_str().unwrap(), resumed.to_str().unwrap());
     b.extend(["--steps", "30", "--dropout", dropout, "--stop-after", "20"]);
+    b.extend(arch_args);
     ok(&b);
     let state: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(resumed.join("checkpoint/state.json")).unwrap(),
@@ -789,6 +841,7 @@ fn resume_equals_an_uninterrupted_run(dropout: &str) {
         "--resume",
         resumed.to_str().unwrap(),
     ]);
+    c.extend(arch_args);
     let out = gpt(&c);
     assert!(
         out.status.success(),
@@ -817,7 +870,10 @@ fn resume_equals_an_uninterrupted_run(dropout: &str) {
             .unwrap()
             .to_scalar::<f64>()
             .unwrap();
-        assert!(diff < 1e-5, "dropout {dropout}: {name} differs by {diff}");
+        assert!(
+            diff < 1e-5,
+            "{arch}, dropout {dropout}: {name} differs by {diff}"
+        );
     }
     // Both runs logged steps 10, 20, 30.
     let steps = |p: &Path| -> Vec<String> {
@@ -829,6 +885,12 @@ fn resume_equals_an_uninterrupted_run(dropout: &str) {
             .collect()
     };
     assert_eq!(steps(&straight), steps(&resumed));
+    // The checkpoint's architecture decides; another one on the command line is an error.
+    let other = if arch == "gpt2" { "llama" } else { "gpt2" };
+    let mut d = train_args(data.to_str().unwrap(), resumed.to_str().unwrap());
+    d.extend(["--steps", "40", "--arch", other, "--resume"]);
+    d.push(resumed.to_str().unwrap());
+    fails(&d, &format!("resume it with --arch {arch}"));
 }
 
 #[test]

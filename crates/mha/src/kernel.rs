@@ -726,11 +726,13 @@ impl Block<'_> {
     }
 }
 
-/// SwiGLU's product `silu(gate)·up` for inference: on f32 CPU tensors whose rows (the last
-/// dimension) have unit stride, views into one `[.., 2·inner]` gate-and-up product
-/// included, one vectorised pass split over the rayon pool, into one new tensor (Candle's
-/// `silu` calls libm's `expf` per element and the product is a second pass and a second
-/// tensor). Elsewhere (gradients, half precision, other devices or layouts) Candle's ops.
+/// SwiGLU's product `silu(gate)·up`: on f32 CPU tensors whose rows (the last dimension)
+/// have unit stride, views into one `[.., 2·inner]` gate-and-up product included, one
+/// vectorised pass split over the rayon pool, into one new tensor (Candle's `silu` calls
+/// libm's `expf` per element and the product is a second pass and a second tensor). With
+/// gradients (training, f32 on the CPU) it is one differentiable op whose backward pass
+/// is one sweep too (Candle's builds `silu`'s derivative from eight tensor ops). Elsewhere
+/// (half precision, other devices) Candle's ops.
 ///
 /// # Shapes
 /// `gate`, `up`: `[.., inner]`, the same; returns `[.., inner]`, contiguous.
@@ -741,6 +743,10 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             gate.dims(),
             up.dims()
         )
+    }
+    let trainable = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    if (gate.track_op() || up.track_op()) && trainable(gate) && trainable(up) {
+        return gate.contiguous()?.apply_op2(&up.contiguous()?, SiluMul);
     }
     let fast = |t: &Tensor| {
         let plain = t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op();
@@ -777,6 +783,80 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     });
     drop((gst, ust));
     Tensor::from_vec(ys, gate.dims(), gate.device())
+}
+
+/// The differentiable [`silu_mul`] on contiguous f32 CPU tensors.
+struct SiluMul;
+
+fn cpu(s: &candle_core::Storage) -> Result<&CpuStorage> {
+    match s {
+        candle_core::Storage::Cpu(s) => Ok(s),
+        _ => bail!("silu_mul backward: expected CPU tensors"),
+    }
+}
+
+/// Elements per task of the SwiGLU passes.
+const SILU_CHUNK: usize = 1 << 14;
+
+/// The contiguous f32 values of a CPU tensor's storage.
+fn f32_values<'a>(storage: &'a CpuStorage, layout: &Layout, what: &str) -> Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
+        _ => bail!("silu_mul: expected a contiguous f32 {what}"),
+    }
+}
+
+impl CustomOp2 for SiluMul {
+    fn name(&self) -> &'static str {
+        "silu-mul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sg: &CpuStorage,
+        lg: &Layout,
+        su: &CpuStorage,
+        lu: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (g, u) = (f32_values(sg, lg, "gate")?, f32_values(su, lu, "up")?);
+        if g.len() != u.len() {
+            bail!("silu_mul: gate and up sizes differ")
+        }
+        let mut ys = vec![0f32; g.len()];
+        ys.par_chunks_mut(SILU_CHUNK)
+            .zip(g.par_chunks(SILU_CHUNK).zip(u.par_chunks(SILU_CHUNK)))
+            .for_each(|(y, (g, u))| simd::silu_mul(g, u, y));
+        Ok((CpuStorage::F32(ys), lg.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        _ys: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let (sg, lg) = gate.storage_and_layout();
+        let (su, lu) = up.storage_and_layout();
+        let (sd, ld) = grad.storage_and_layout();
+        let g = f32_values(cpu(&sg)?, lg, "gate")?;
+        let u = f32_values(cpu(&su)?, lu, "up")?;
+        let mut dg = f32_values(cpu(&sd)?, ld, "gradient")?.to_vec();
+        if g.len() != u.len() || g.len() != dg.len() {
+            bail!("silu_mul backward: gate, up and gradient sizes differ")
+        }
+        let mut du = vec![0f32; g.len()];
+        dg.par_chunks_mut(SILU_CHUNK)
+            .zip(du.par_chunks_mut(SILU_CHUNK))
+            .zip(g.par_chunks(SILU_CHUNK).zip(u.par_chunks(SILU_CHUNK)))
+            .for_each(|((dg, du), (g, u))| simd::silu_mul_grad(g, u, dg, du));
+        drop((sg, su, sd));
+        Ok((
+            Some(Tensor::from_vec(dg, gate.shape(), gate.device())?),
+            Some(Tensor::from_vec(du, up.shape(), up.device())?),
+        ))
+    }
 }
 
 /// `(offset of row 0, row stride)` of a tensor seen as rows of its last dimension, when

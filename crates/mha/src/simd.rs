@@ -118,6 +118,19 @@ fn silu_mul_impl(g: &[f32], u: &[f32], ys: &mut [f32]) {
     }
 }
 
+/// SwiGLU's backward: with `s = 1 / (1 + exp(-g))`, `d(silu(g)·u)/du = g·s` and
+/// `d/dg = u·s·(1 + g·(1 - s))`; `dg` holds the output's gradient on entry and the
+/// gate's on return, `du` receives the up projection's.
+#[inline(always)]
+fn silu_mul_grad_impl(g: &[f32], u: &[f32], dg: &mut [f32], du: &mut [f32]) {
+    for (((dg, du), &g), &u) in dg.iter_mut().zip(du.iter_mut()).zip(g).zip(u) {
+        let s = 1.0 / (1.0 + exp(-g));
+        let dy = *dg;
+        *du = dy * g * s;
+        *dg = dy * u * s * (1.0 + g * (1.0 - s));
+    }
+}
+
 /// [`gelu_tanh_impl`] over `xs` itself (a product's outputs, as it writes them).
 #[inline(always)]
 fn gelu_tanh_in_place_impl(xs: &mut [f32]) {
@@ -807,6 +820,11 @@ dispatch!(
 dispatch!(
     /// `ys[i] = silu(g[i])·u[i]` over the shortest of the three slices.
     silu_mul, silu_mul_impl, (g: &[f32], u: &[f32], ys: &mut [f32]) -> ()
+);
+dispatch!(
+    /// The gradients of `silu(g)·u`: `dg[i]` (the output's gradient on entry) becomes the
+    /// gate's, `du[i]` the up projection's, over the shortest of the four slices.
+    silu_mul_grad, silu_mul_grad_impl, (g: &[f32], u: &[f32], dg: &mut [f32], du: &mut [f32]) -> ()
 );
 dispatch!(
     /// `xs[i] = gelu_tanh(xs[i])`.

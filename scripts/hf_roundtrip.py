@@ -1,13 +1,14 @@
-"""Checks that checkpoints written by `block::save_dir` load in transformers and give our
-logits. Run it after changing the writer:
+"""Checks that checkpoints written by `block::save_dir` (GPT-2 and Llama directories) load
+in transformers and give our logits. Run it after changing the writer:
 
-    /tmp/ref/bin/python scripts/gpt2_roundtrip.py
+    /tmp/ref/bin/python scripts/hf_roundtrip.py
 
-For each fixture (Hugging Face directories and the nanoGPT ckpt.pt) and the built-in model
-written by `gpt train`, the `resave` example
-loads it, saves it as a Hugging Face directory and records our logits; transformers'
-GPT2LMHeadModel.from_pretrained then loads that directory. Exits non-zero when any logit
-differs by more than 1e-4.
+For each fixture (GPT-2 Hugging Face directories, the nanoGPT ckpt.pt, the Llama ones) and
+the built-in model written by `gpt train`, the `resave` example loads it, saves it as a
+Hugging Face directory and records our logits; transformers'
+AutoModelForCausalLM.from_pretrained then loads that directory (GPT2LMHeadModel or
+LlamaForCausalLM, by its config.json). Exits non-zero when any logit differs by more than
+1e-4.
 """
 import os
 import subprocess
@@ -16,12 +17,14 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file
-from transformers import GPT2LMHeadModel
+from transformers import AutoModelForCausalLM
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIX = os.path.join(ROOT, "crates", "block", "tests", "fixtures")
 sources = [os.path.join(FIX, n) for n in ("tiny", "inverse_layer_scale", "untied_exact_gelu")]
 sources.append(os.path.join(FIX, "nanogpt", "ckpt.pt"))
+# Llama: q/k/v/o biases with grouped heads; one key/value head with linear RoPE scaling.
+sources += [os.path.join(FIX, "families", n) for n in ("llama_gqa_bias", "llama_mqa_linear")]
 # The built-in model, trained and saved by `gpt train` (f16 weights).
 sources.append(os.path.join(ROOT, "crates", "cli", "models", "default"))
 worst = 0.0
@@ -31,11 +34,12 @@ with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["cargo", "run", "-q", "-p", "gpt-blocks", "--example", "resave", "--", src, out],
                        cwd=ROOT, check=True)
         ours = load_file(os.path.join(out, "ours.safetensors"))
-        model = GPT2LMHeadModel.from_pretrained(out).eval()
+        model = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert type(model).__name__ in ("GPT2LMHeadModel", "LlamaForCausalLM"), type(model)
         with torch.no_grad():
             theirs = model(ours["input_ids"]).logits
         diff = (theirs - ours["logits"]).abs().max().item()
         worst = max(worst, diff)
-        print(f"{os.path.relpath(src, ROOT)}: max |logit diff| {diff:.3e}")
+        print(f"{os.path.relpath(src, ROOT)} ({type(model).__name__}): max |logit diff| {diff:.3e}")
 print(f"worst {worst:.3e}")
 sys.exit(0 if worst <= 1e-4 else 1)
