@@ -227,7 +227,14 @@ impl Rope {
             ),
             false => (xs.clone(), None),
         };
-        let rotated = if xs.track_op() {
+        let cpu_f32 = xs.device().is_cpu() && dtype == DType::F32;
+        let rotated = if xs.track_op() && cpu_f32 {
+            // One op each way: the backward pass is the rotation by the opposite angles.
+            rot.contiguous()?.apply_op1(RopeTrain {
+                cos: cos.contiguous()?,
+                sin: sin.contiguous()?,
+            })?
+        } else if xs.track_op() {
             // [b, 1, t, rot]: each half of the pair sees the same angle.
             let cos = Tensor::cat(&[&cos, &cos], D::Minus1)?.unsqueeze(1)?;
             let sin = Tensor::cat(&[&sin, &sin], D::Minus1)?.unsqueeze(1)?;
@@ -242,5 +249,83 @@ impl Rope {
             Some(pass) => Tensor::cat(&[&rotated, &pass], D::Minus1),
             None => Ok(rotated),
         }
+    }
+}
+
+/// The differentiable rotation of a contiguous f32 CPU `[b, h, t, rot]` tensor by the angles
+/// of `cos`/`sin` (`[b, t, rot/2]`, contiguous): Candle's `rope` has no backward pass, and
+/// the rotation built from tensor ops costs a dozen passes over q and k each way.
+struct RopeTrain {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RopeTrain {
+    /// Rotates each `[t, rot]` plane of `xs` by the angles, or by their opposites
+    /// (`inverse`: the transpose of the rotation, i.e. its backward pass).
+    fn rotate(&self, xs: &[f32], shape: &candle_core::Shape, inverse: bool) -> Result<Vec<f32>> {
+        use rayon::prelude::*;
+        let (b, h, t, rot) = shape.dims4()?;
+        let half = rot / 2;
+        if self.cos.dims() != [b, t, half] || self.sin.dims() != [b, t, half] || rot % 2 != 0 {
+            bail!(
+                "rope: tables {:?} do not fit {:?}",
+                self.cos.dims(),
+                shape.dims()
+            )
+        }
+        let cos = self.cos.flatten_all()?.to_vec1::<f32>()?;
+        let sin = self.sin.flatten_all()?.to_vec1::<f32>()?;
+        let sign = if inverse { -1f32 } else { 1f32 };
+        let mut ys = vec![0f32; xs.len()];
+        let plane = t * rot;
+        ys.par_chunks_mut(plane)
+            .zip(xs.par_chunks(plane))
+            .enumerate()
+            .for_each(|(bh, (y, x))| {
+                let angles = (bh / h.max(1)) * t * half;
+                for ((y, x), (c, s)) in y.chunks_mut(rot).zip(x.chunks(rot)).zip(
+                    cos[angles..angles + t * half]
+                        .chunks(half)
+                        .zip(sin[angles..angles + t * half].chunks(half)),
+                ) {
+                    let (x1, x2) = x.split_at(half);
+                    let (y1, y2) = y.split_at_mut(half);
+                    for i in 0..half {
+                        let s = sign * s[i];
+                        // [x1, x2] · cos + [-x2, x1] · sin
+                        y1[i] = x1[i] * c[i] - x2[i] * s;
+                        y2[i] = x2[i] * c[i] + x1[i] * s;
+                    }
+                }
+            });
+        Ok(ys)
+    }
+}
+
+impl candle_core::CustomOp1 for RopeTrain {
+    fn name(&self) -> &'static str {
+        "rope-train"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (candle_core::CpuStorage::F32(xs), Some((start, end))) =
+            (storage, layout.contiguous_offsets())
+        else {
+            bail!("rope: expected a contiguous f32 tensor")
+        };
+        let ys = self.rotate(&xs[start..end], layout.shape(), false)?;
+        Ok((candle_core::CpuStorage::F32(ys), layout.shape().clone()))
+    }
+
+    fn bwd(&self, xs: &Tensor, _ys: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let grad = grad.contiguous()?.to_dtype(DType::F32)?;
+        let g = grad.flatten_all()?.to_vec1::<f32>()?;
+        let gx = self.rotate(&g, xs.shape(), true)?;
+        Ok(Some(Tensor::from_vec(gx, xs.shape(), xs.device())?))
     }
 }

@@ -423,7 +423,7 @@ fn rotary_windowed_layer_paths_agree_and_differentiate() -> Result<()> {
         window: Some(3),
         ..MhaConfig::new(12, 2)
     };
-    let (_vm, attn) = layer(&cfg, &WeightLayout::hf(), DType::F32);
+    let (vm32, attn) = layer(&cfg, &WeightLayout::hf(), DType::F32);
     let xs = randn(&[2, 7, 12]);
     let fused = attn.forward(&xs, &xs, &xs, &Mask::causal(0), false)?;
     let var = Var::from_tensor(&xs)?;
@@ -440,6 +440,27 @@ fn rotary_windowed_layer_paths_agree_and_differentiate() -> Result<()> {
 
     let checked = gradients_checked(&cfg, &WeightLayout::hf(), &[1, 5, 12], &Mask::causal(0))?;
     assert!(checked >= 20, "only {checked} coordinates checked");
+
+    // The f32 training path (one rotation op with its own backward pass, the fused
+    // attention kernel) gives the input gradient the f64 path gives.
+    let (vm64, attn64) = layer(&cfg, &WeightLayout::hf(), DType::F64);
+    for (name, var) in vm64.data().lock().unwrap().iter() {
+        let w32 = vm32.data().lock().unwrap()[name].as_tensor().clone();
+        var.set(&w32.to_dtype(DType::F64)?)?;
+    }
+    let target = randn(&[2, 7, 12]);
+    let input_grad = |attn: &MultiHeadAttention, dtype: DType| -> Result<Tensor> {
+        let x = Var::from_tensor(&xs.to_dtype(dtype)?)?;
+        let t = x.as_tensor();
+        let ys = attn.forward(t, t, t, &Mask::causal(0), true)?;
+        let grads = (ys * target.to_dtype(dtype)?)?.sum_all()?.backward()?;
+        grads.get(t).unwrap().to_dtype(DType::F32)
+    };
+    let (g32, g64) = (
+        input_grad(&attn, DType::F32)?,
+        input_grad(&attn64, DType::F64)?,
+    );
+    assert_close(&g32, &g64, 1e-5, 1e-4, "f32 training gradient vs f64");
     Ok(())
 }
 
