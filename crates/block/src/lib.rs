@@ -5,12 +5,13 @@
 //!   an MLP (plain or gated), residuals in sequence or in parallel, dropout, pre- or
 //!   post-norm;
 //! - [`Gpt`]: embeddings, blocks, final norm, tied or separate LM head; training mode with
-//!   dropout and a next-token loss, cached decoding, left-padded batches. The [`Family`]
+//!   dropout and a next-token loss (every family but GPT-NeoX, whose fused q/k/v rows are
+//!   regrouped at load), cached decoding, left-padded batches. The [`Family`]
 //!   (GPT-2, Llama, Mistral, Qwen2, GPT-NeoX, GPT-Neo) decides the parts and the tensor
 //!   names, nothing else;
 //! - [`load_dir`]: Hugging Face directories of any family (`config.json` in either
 //!   generation of field names + safetensors, sharded or not, with or without the root
-//!   prefix); [`save_dir`]: GPT-2 directories;
+//!   prefix); [`save_dir`]: GPT-2 and Llama directories;
 //! - [`Gguf`] / [`load_gguf`]: llama.cpp's GGUF files (llama, qwen2, gpt2, gptneox), block-
 //!   quantized matrices kept as stored, the tokenizer's metadata checked ([`GgufVocab`]);
 //!   [`save_gguf`]: any model as a GGUF file llama.cpp runs;
