@@ -3,12 +3,16 @@ alternation.
 
     /tmp/ref/bin/python bench/train_compare.py [--data FILE] [--threads 2] [--rounds 3]
         [--steps 12] [--batch 16] [--block 256] [--layers 4] [--heads 6] [--width 192]
+        [--arch gpt2|llama] [--kv-heads N]
 
 The model is GPT-2's architecture at the given size (learned positions, pre-LayerNorm,
-tanh GELU, biases, tied LM head, no dropout), with the default model's tokenizer
-(vocabulary 2048). PyTorch trains it with a nanoGPT-style loop: its `GPT` module written
-the same way (`F.scaled_dot_product_attention(is_causal=True)`, the fused kernel PyTorch
-picks on the CPU), AdamW (betas 0.9/0.95, weight decay 0.1 on matrices, `fused=True`
+tanh GELU, biases, tied LM head, no dropout), or with --arch llama Llama's (rotary
+positions with theta 10000 in the rotate-half layout, RMSNorm with eps 1e-5, SwiGLU of
+8/3 × the width rounded up to 32s, --kv-heads key/value heads, no biases, tied head: what
+`gpt train --arch llama` builds), with the default model's tokenizer (vocabulary 2048).
+PyTorch trains it with a nanoGPT-style loop: its module written the same way
+(`F.scaled_dot_product_attention(is_causal=True)`, the fused kernel PyTorch picks on the
+CPU; `nn.RMSNorm`), AdamW (betas 0.9/0.95, weight decay 0.1 on matrices, `fused=True`
 where the build has it), gradient clipping at 1.0, random batches from the tokenized
 text, `torch.set_num_threads(--threads)`, eager mode (nanoGPT's `torch.compile` needs a
 C++ toolchain at run time and minutes of compilation; pass --compile to try it).
@@ -43,6 +47,8 @@ def args_parser():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--width", type=int, default=192)
+    p.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
+    p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -107,15 +113,73 @@ def torch_child(a):
             logits = self.lm_head(self.ln_f(x))
             return F.cross_entropy(logits.view(-1, V), targets.reshape(-1))
 
-    model = GPT()
+    H = a.heads
+    KV = a.kv_heads or H
+    D = C // H
+    F_ = (8 * C + 2) // 3
+    F_ = (F_ + 31) // 32 * 32
+    half = D // 2
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, half, dtype=torch.float32) * 2 / D))
+    angles = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq)
+    cos = torch.cat([angles.cos(), angles.cos()], -1)  # [T, D]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)
+
+    def rope(t):  # [B, h, T, D], rotate-half (Llama's layout in transformers)
+        t1, t2 = t[..., :half], t[..., half:]
+        n = t.shape[2]
+        return t * cos[:n] + torch.cat([-t2, t1], -1) * sin[:n]
+
+    class LlamaBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm = nn.RMSNorm(C, eps=1e-5)
+            self.post_attention_layernorm = nn.RMSNorm(C, eps=1e-5)
+            self.q_proj = nn.Linear(C, C, bias=False)
+            self.k_proj = nn.Linear(C, KV * D, bias=False)
+            self.v_proj = nn.Linear(C, KV * D, bias=False)
+            self.o_proj = nn.Linear(C, C, bias=False)
+            self.gate_proj = nn.Linear(C, F_, bias=False)
+            self.up_proj = nn.Linear(C, F_, bias=False)
+            self.down_proj = nn.Linear(F_, C, bias=False)
+
+        def forward(self, x):
+            B, T_, _ = x.shape
+            h = self.input_layernorm(x)
+            q = self.q_proj(h).view(B, T_, H, D).transpose(1, 2)
+            k = self.k_proj(h).view(B, T_, KV, D).transpose(1, 2)
+            v = self.v_proj(h).view(B, T_, KV, D).transpose(1, 2)
+            y = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True,
+                                               enable_gqa=KV != H)
+            x = x + self.o_proj(y.transpose(1, 2).contiguous().view(B, T_, C))
+            h = self.post_attention_layernorm(x)
+            return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(V, C)
+            self.h = nn.ModuleList(LlamaBlock() for _ in range(a.layers))
+            self.norm = nn.RMSNorm(C, eps=1e-5)
+            self.lm_head = nn.Linear(C, V, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, idx, targets):
+            x = self.wte(idx)
+            for b in self.h:
+                x = b(x)
+            logits = self.lm_head(self.norm(x))
+            return F.cross_entropy(logits.view(-1, V), targets.reshape(-1))
+
+    model = GPT() if a.arch == "gpt2" else Llama()
     # nanoGPT's initialisation (and `gpt train`'s): N(0, 0.02), residual projections
     # scaled by 1/sqrt(2·layers), positions N(0, 0.01) as GPT-2, biases 0.
     for name, p in model.named_parameters():
         if name.endswith("bias"):
             nn.init.zeros_(p)
-        elif ".ln_" in name or name.startswith("ln_f"):
+        elif ".ln_" in name or name.startswith("ln_f") or "norm" in name:
             nn.init.ones_(p)
-        elif name.endswith("proj.weight"):
+        elif name.endswith(("attn_proj.weight", "mlp_proj.weight", "o_proj.weight",
+                            "down_proj.weight")):
             nn.init.normal_(p, std=0.02 / (2 * a.layers) ** 0.5)
         elif name == "wpe.weight":
             nn.init.normal_(p, std=0.01)
@@ -167,7 +231,10 @@ def main():
     gpt = os.path.join(ROOT, "target", "release", "gpt")
     shape = ["--batch", str(a.batch), "--block", str(a.block), "--layers", str(a.layers),
              "--heads", str(a.heads), "--width", str(a.width), "--steps", str(a.steps),
-             "--threads", str(a.threads), "--data", a.data]
+             "--threads", str(a.threads), "--data", a.data, "--arch", a.arch]
+    if a.kv_heads:
+        shape += ["--kv-heads", str(a.kv_heads)]
+    arch = ["--arch", a.arch] + (["--n-kv-head", str(a.kv_heads)] if a.kv_heads else [])
     torch_cmd = [sys.executable, os.path.abspath(__file__), "--torch-child", *shape]
     if a.compile:
         torch_cmd.append("--compile")
@@ -180,7 +247,7 @@ def main():
                                 "--n-head", str(a.heads), "--n-embd", str(a.width),
                                 "--block-size", str(a.block), "--batch-size", str(a.batch),
                                 "--steps", str(a.steps), "--eval-every", str(a.steps),
-                                "--eval-batches", "1", "--dropout", "0", "--quiet"], env)
+                                "--eval-batches", "1", "--dropout", "0", "--quiet", *arch], env)
         m = re.search(r"steps: (\d+) tokens/s", out)
         if not m:
             sys.exit(f"no throughput line in gpt's output:\n{out}")
@@ -195,7 +262,7 @@ def main():
               f"PyTorch {float(tok):.0f} tok/s, {rss:.0f} MB (after import {float(base):.0f} MB), "
               f"loss {loss}", flush=True)
     med = statistics.median
-    print(f"\n{a.batch} x {a.block} tokens, {a.layers} layers, width {a.width}, {a.heads} heads, "
+    print(f"\n{a.arch}: {a.batch} x {a.block} tokens, {a.layers} layers, width {a.width}, {a.heads} heads, "
           f"{a.threads} threads, {a.steps} steps, medians of {a.rounds} rounds")
     print("| | gpt train | PyTorch | ours / theirs |\n|---|---|---|---|")
     print(f"| tokens/s | {med(ours['tok']):.0f} | {med(theirs['tok']):.0f} | "
