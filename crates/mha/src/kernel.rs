@@ -20,6 +20,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::dropout::DropMask;
+use crate::ops::{cpu, values};
 use crate::{decode, simd, Dropout, Mask};
 
 /// Query rows per block.
@@ -788,23 +789,8 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// The differentiable [`silu_mul`] on contiguous f32 CPU tensors.
 struct SiluMul;
 
-fn cpu(s: &candle_core::Storage) -> Result<&CpuStorage> {
-    match s {
-        candle_core::Storage::Cpu(s) => Ok(s),
-        _ => bail!("silu_mul backward: expected CPU tensors"),
-    }
-}
-
 /// Elements per task of the SwiGLU passes.
 const SILU_CHUNK: usize = 1 << 14;
-
-/// The contiguous f32 values of a CPU tensor's storage.
-fn f32_values<'a>(storage: &'a CpuStorage, layout: &Layout, what: &str) -> Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
-        _ => bail!("silu_mul: expected a contiguous f32 {what}"),
-    }
-}
 
 impl CustomOp2 for SiluMul {
     fn name(&self) -> &'static str {
@@ -818,7 +804,10 @@ impl CustomOp2 for SiluMul {
         su: &CpuStorage,
         lu: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (g, u) = (f32_values(sg, lg, "gate")?, f32_values(su, lu, "up")?);
+        let (g, u) = (
+            values(sg, lg, "silu_mul gate")?,
+            values(su, lu, "silu_mul up")?,
+        );
         if g.len() != u.len() {
             bail!("silu_mul: gate and up sizes differ")
         }
@@ -840,9 +829,10 @@ impl CustomOp2 for SiluMul {
         let (sg, lg) = gate.storage_and_layout();
         let (su, lu) = up.storage_and_layout();
         let (sd, ld) = grad.storage_and_layout();
-        let g = f32_values(cpu(&sg)?, lg, "gate")?;
-        let u = f32_values(cpu(&su)?, lu, "up")?;
-        let mut dg = f32_values(cpu(&sd)?, ld, "gradient")?.to_vec();
+        let what = "silu_mul backward";
+        let g = values(cpu(&sg, what)?, lg, what)?;
+        let u = values(cpu(&su, what)?, lu, what)?;
+        let mut dg = values(cpu(&sd, what)?, ld, what)?.to_vec();
         if g.len() != u.len() || g.len() != dg.len() {
             bail!("silu_mul backward: gate, up and gradient sizes differ")
         }

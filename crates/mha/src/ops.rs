@@ -61,7 +61,7 @@ struct LayerNorm {
 }
 
 /// The f32 values of a contiguous CPU tensor.
-fn values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+pub(crate) fn values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
         _ => bail!("{what}: expected a contiguous f32 CPU tensor"),
@@ -492,7 +492,8 @@ unsafe fn matmul(
     )
 }
 
-fn cpu<'a>(s: &'a Storage, what: &str) -> Result<&'a CpuStorage> {
+/// The CPU storage of a tensor.
+pub(crate) fn cpu<'a>(s: &'a Storage, what: &str) -> Result<&'a CpuStorage> {
     match s {
         Storage::Cpu(s) => Ok(s),
         _ => bail!("{what}: expected a CPU tensor"),

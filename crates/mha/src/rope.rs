@@ -313,12 +313,8 @@ impl candle_core::CustomOp1 for RopeTrain {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let (candle_core::CpuStorage::F32(xs), Some((start, end))) =
-            (storage, layout.contiguous_offsets())
-        else {
-            bail!("rope: expected a contiguous f32 tensor")
-        };
-        let ys = self.rotate(&xs[start..end], layout.shape(), false)?;
+        let xs = crate::ops::values(storage, layout, "rope")?;
+        let ys = self.rotate(xs, layout.shape(), false)?;
         Ok((candle_core::CpuStorage::F32(ys), layout.shape().clone()))
     }
 
