@@ -375,6 +375,13 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
     if margs.quantize.is_some() {
         bail!("--quantize is for inference: quantized products have no gradient, so training needs full-precision weights")
     }
+    // Silently ignoring them would train something other than what was asked for.
+    if let Some(m) = &margs.model {
+        bail!("gpt train builds a new model from --arch and the size options; starting from the weights of --model {m} (fine-tuning) is not supported")
+    }
+    if margs.dtype.is_some_and(|d| d != DtypeArg::F32) || margs.kv_dtype.is_some() {
+        bail!("gpt train computes in f32 (--save-dtype sets the saved model's precision); --dtype and --kv-dtype are for inference")
+    }
     let dev = common::device(margs.device)?;
     if a.block_size < 2
         || a.batch_size == 0

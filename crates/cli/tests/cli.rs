@@ -798,6 +798,13 @@ fn train_refuses_architecture_options_that_do_not_fit() {
         &with(&["--arch", "llama", "--n-kv-head", "3"]),
         "--n-kv-head 3 must divide --n-head 2",
     );
+    // Options of the other subcommands that training cannot honour are errors.
+    fails(
+        &with(&["--model", "gpt2"]),
+        "(fine-tuning) is not supported",
+    );
+    fails(&with(&["--dtype", "f16"]), "gpt train computes in f32");
+    fails(&with(&["--kv-dtype", "f16"]), "gpt train computes in f32");
 }
 
 #[test]
