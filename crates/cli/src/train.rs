@@ -112,7 +112,8 @@ pub struct TrainArgs {
     /// Seed of initialisation, batches and dropout.
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
-    /// Continue the run saved in this directory (its OUT/checkpoint).
+    /// Continue the run saved in this directory (its OUT/checkpoint), whether it started
+    /// from a new model or from --model's.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Stop at this step with a checkpoint, as an interruption would (--resume continues
@@ -376,9 +377,6 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
         bail!("--quantize is for inference: quantized products have no gradient, so training needs full-precision weights")
     }
     // Silently ignoring them would train something other than what was asked for.
-    if let Some(m) = &margs.model {
-        bail!("gpt train builds a new model from --arch and the size options; starting from the weights of --model {m} (fine-tuning) is not supported")
-    }
     if margs.dtype.is_some_and(|d| d != DtypeArg::F32) || margs.kv_dtype.is_some() {
         bail!("gpt train computes in f32 (--save-dtype sets the saved model's precision); --dtype and --kv-dtype are for inference")
     }
@@ -405,9 +403,28 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
         }
         None => None,
     };
-    let tokenizer = match (&a.tokenizer, &resume) {
-        (Some(p), _) => common::read_tokenizer(p)?,
-        (None, Some(_)) => {
+    // Fine-tuning: the model --model names, with its tokenizer (a resumed run has both in
+    // its checkpoint).
+    let base = match (&margs.model, &resume) {
+        (Some(_), None) => {
+            if a.tokenizer.is_some() {
+                bail!("--tokenizer with --model: a model is fine-tuned with its own tokenizer")
+            }
+            let loaded = common::load(margs)?;
+            let Some(tokenizer) = loaded.tokenizer else {
+                bail!(
+                    "{}: no tokenizer.json beside the model to fine-tune with",
+                    loaded.source
+                )
+            };
+            Some((loaded.model, tokenizer))
+        }
+        _ => None,
+    };
+    let tokenizer = match (&base, &a.tokenizer, &resume) {
+        (Some((_, t)), _, _) => t.clone(),
+        (None, Some(p), _) => common::read_tokenizer(p)?,
+        (None, None, Some(_)) => {
             let p = a
                 .resume
                 .as_ref()
@@ -415,7 +432,7 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
                 .unwrap_or_default();
             common::read_tokenizer(&p)?
         }
-        (None, None) => train_tokenizer(&a.data, a.vocab_size)?,
+        (None, None, None) => train_tokenizer(&a.data, a.vocab_size)?,
     };
     tokenizer
         .save(a.out.join("tokenizer.json"), false)
@@ -437,14 +454,36 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
         Some((dir, s)) => {
             resumed_config(s).with_context(|| format!("{}/state.json", dir.display()))?
         }
-        None => new_config(a, tokenizer.get_vocab_size(true), eot)?,
+        None => match &base {
+            Some((model, _)) => {
+                let cfg = GptConfig {
+                    resid_pdrop: a.dropout,
+                    embd_pdrop: a.dropout,
+                    attn_pdrop: a.dropout,
+                    seed: a.seed,
+                    ..model.config().clone()
+                };
+                if a.block_size > cfg.n_positions {
+                    bail!(
+                        "--block-size {} exceeds the model's context of {} tokens",
+                        a.block_size,
+                        cfg.n_positions
+                    )
+                }
+                // Refused before training rather than at the first save.
+                cfg.to_json()?;
+                cfg
+            }
+            None => new_config(a, tokenizer.get_vocab_size(true), eot)?,
+        },
     };
     cfg.validate()?;
     let arch_family = match a.arch {
         Arch::Gpt2 => Family::Gpt2,
         Arch::Llama => Family::Llama,
     };
-    if cfg.family != arch_family {
+    // A fine-tuned model's architecture is its own, whatever --arch says.
+    if cfg.family != arch_family && margs.model.is_none() {
         bail!(
             "the checkpoint holds a {} model; resume it with --arch {}",
             cfg.family.model_type(),
@@ -481,7 +520,18 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
         Gpt::new(&cfg, VarBuilder::from_tensors(detached, DType::F32, &dev))?
     };
     let (mut step, mut best_val, mut rng) = (0, f64::INFINITY, Rng(a.seed));
-    init_weights(&named, &cfg, a.seed)?;
+    match base {
+        Some((model, _)) => {
+            let weights = model.named_tensors()?;
+            for (name, var) in &named {
+                let t = weights
+                    .get(name)
+                    .ok_or_else(|| anyhow!("the model to fine-tune lacks {name}"))?;
+                var.set(&t.to_dtype(DType::F32)?.to_device(&dev)?)?;
+            }
+        }
+        None => init_weights(&named, &cfg, a.seed)?,
+    }
     if let Some((dir, state)) = &resume {
         let weights = candle_core::safetensors::load(dir.join("model.safetensors"), &dev)?;
         for (name, var) in &named {
