@@ -262,8 +262,10 @@ struct RopeTrain {
 
 impl RopeTrain {
     /// Rotates each `[t, rot]` plane of `xs` by the angles, or by their opposites
-    /// (`inverse`: the transpose of the rotation, i.e. its backward pass).
+    /// (`inverse`: the transpose of the rotation, i.e. its backward pass). The tables are
+    /// read in place, not copied per call.
     fn rotate(&self, xs: &[f32], shape: &candle_core::Shape, inverse: bool) -> Result<Vec<f32>> {
+        use candle_core::Storage;
         use rayon::prelude::*;
         let (b, h, t, rot) = shape.dims4()?;
         let half = rot / 2;
@@ -274,8 +276,15 @@ impl RopeTrain {
                 shape.dims()
             )
         }
-        let cos = self.cos.flatten_all()?.to_vec1::<f32>()?;
-        let sin = self.sin.flatten_all()?.to_vec1::<f32>()?;
+        let (sc, lc) = self.cos.storage_and_layout();
+        let (ss, ls) = self.sin.storage_and_layout();
+        let (cos, sin) = match (&*sc, &*ss) {
+            (Storage::Cpu(sc), Storage::Cpu(ss)) => (
+                crate::ops::values(sc, lc, "rope cos")?,
+                crate::ops::values(ss, ls, "rope sin")?,
+            ),
+            _ => bail!("rope: expected CPU tables"),
+        };
         let sign = if inverse { -1f32 } else { 1f32 };
         let mut ys = vec![0f32; xs.len()];
         let plane = t * rot;
@@ -320,8 +329,12 @@ impl candle_core::CustomOp1 for RopeTrain {
 
     fn bwd(&self, xs: &Tensor, _ys: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let grad = grad.contiguous()?.to_dtype(DType::F32)?;
-        let g = grad.flatten_all()?.to_vec1::<f32>()?;
-        let gx = self.rotate(&g, xs.shape(), true)?;
+        let (sg, lg) = grad.storage_and_layout();
+        let g = match &*sg {
+            candle_core::Storage::Cpu(sg) => crate::ops::values(sg, lg, "rope gradient")?,
+            _ => bail!("rope: expected a CPU gradient"),
+        };
+        let gx = self.rotate(g, xs.shape(), true)?;
         Ok(Some(Tensor::from_vec(gx, xs.shape(), xs.device())?))
     }
 }
