@@ -720,6 +720,15 @@ fn train_lowers_validation_loss_and_saves_a_loadable_model() {
     }
 }
 
+/// The validation losses a training run wrote to `dir/loss.csv`, in step order.
+fn val_losses(dir: &Path) -> Vec<f64> {
+    let csv = std::fs::read_to_string(dir.join("loss.csv")).unwrap();
+    csv.lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(2).unwrap().parse().unwrap())
+        .collect()
+}
+
 fn trains_and_saves(arch: &str, extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let data = small_corpus(dir.path());
@@ -728,13 +737,8 @@ fn trains_and_saves(arch: &str, extra: &[&str]) {
     args.extend(["--steps", "40", "--arch", arch]);
     args.extend(extra);
     ok(&args);
-    let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
-    let vals: Vec<f64> = csv
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').nth(2).unwrap().parse().unwrap())
-        .collect();
-    assert_eq!(vals.len(), 4, "{csv}");
+    let vals = val_losses(&out);
+    assert_eq!(vals.len(), 4, "{vals:?}");
     assert!(
         vals[3] < vals[0] - 0.5,
         "{arch}: validation loss did not fall: {vals:?}"
@@ -835,13 +839,8 @@ fn train_fine_tunes_a_model_with_its_tokenizer() {
         assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{name}");
     }
     let tuned = run("tuned", "3e-3");
-    let csv = std::fs::read_to_string(tuned.join("loss.csv")).unwrap();
-    let vals: Vec<f64> = csv
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').nth(2).unwrap().parse().unwrap())
-        .collect();
-    assert!(vals[vals.len() - 1] < vals[0], "{csv}");
+    let vals = val_losses(&tuned);
+    assert!(vals[vals.len() - 1] < vals[0], "{vals:?}");
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(tuned.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["architectures"][0], "LlamaForCausalLM");
