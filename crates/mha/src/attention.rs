@@ -526,8 +526,9 @@ impl MultiHeadAttention {
             },
             None => mask,
         };
-        if cache.is_none() && rope.is_none() && !need_weights {
-            if let Some(ys) = self.train_from_qkv(query, key, value, &mask, train)? {
+        if cache.is_none() && !need_weights {
+            let fused = self.train_from_qkv(query, key, value, &mask, rope, offset, train)?;
+            if let Some(ys) = fused {
                 return Ok((self.proj.o.forward(&ys)?, None));
             }
         }
@@ -553,30 +554,30 @@ impl MultiHeadAttention {
         Ok((self.proj.o.forward(&ys)?, weights))
     }
 
-    /// Training self-attention through a fused q/k/v projection, on the CPU in f32:
-    /// the heads' outputs `[b, t, d_model]` by one op from the projection's output
-    /// ([`kernel::flash_attn_cpu_train_qkv`]), which computes what the general path's fused
-    /// kernel does with a fraction of its gradient bookkeeping. `None` (nothing computed)
-    /// where that path must run: inference, rotary embeddings, appended keys, additive
-    /// masks, separate projections.
+    /// Training self-attention on the CPU in f32: the heads' outputs `[b, t, d_model]` by
+    /// one op from a fused q/k/v projection's output
+    /// ([`kernel::flash_attn_cpu_train_qkv`], which also applies the rotary embeddings),
+    /// computing what the general path's fused kernel does with a fraction of its gradient
+    /// bookkeeping. Separate q, k and v projections are fused for it
+    /// ([`Proj::concat_differentiable`]). `None` (nothing computed) where the general path
+    /// must run: inference, appended keys, additive masks, quantized projections.
+    #[allow(clippy::too_many_arguments)]
     fn train_from_qkv(
         &self,
         query: &Tensor,
         key: &Tensor,
         value: &Tensor,
         mask: &Mask,
+        rope: Option<&RopeTables>,
+        offset: usize,
         train: bool,
     ) -> Result<Option<Tensor>> {
         let cfg = &self.cfg;
-        let Some(proj) = &self.proj.qkv else {
-            return Ok(None);
-        };
         let (h, h_kv, hd) = (cfg.n_heads, cfg.kv_heads(), cfg.head_dim());
         let (b, t, _) = query.dims3()?;
         let applies = (train || query.track_op())
             && query.id() == key.id()
             && key.id() == value.id()
-            && self.rope.is_none()
             && self.bias_kv.is_none()
             && !cfg.add_zero_attn
             && mask.is_structural()
@@ -588,13 +589,36 @@ impl MultiHeadAttention {
         if !applies {
             return Ok(None);
         }
+        let own;
+        let proj = match &self.proj.qkv {
+            Some(qkv) => qkv,
+            None => {
+                let parts = [&self.proj.q, &self.proj.k, &self.proj.v];
+                match Proj::concat_differentiable(&parts)? {
+                    Some(p) => {
+                        own = p;
+                        &own
+                    }
+                    None => return Ok(None),
+                }
+            }
+        };
+        let own_tables;
+        let rope = match (&self.rope, rope) {
+            (None, _) => None,
+            (Some(r), Some(tables)) => Some((r, tables)),
+            (Some(r), None) => {
+                own_tables = r.tables_from(b, t, offset, query.device())?;
+                Some((r, &own_tables))
+            }
+        };
         let qkv = proj.forward(query)?;
         if qkv.dtype() != DType::F32 || qkv.dim(2)? != (h + 2 * h_kv) * hd {
             bail!("attention: the fused projection gives {:?} for {h} query and {h_kv} key/value heads of {hd}", qkv.dims())
         }
         let dropout = Some(&self.dropout).filter(|d| d.is_active(train));
-        let ys =
-            kernel::flash_attn_cpu_train_qkv(&qkv, h, h_kv, mask, cfg.softmax_scale(), dropout)?;
+        let scale = cfg.softmax_scale();
+        let ys = kernel::flash_attn_cpu_train_qkv(&qkv, h, h_kv, mask, scale, dropout, rope)?;
         Ok(Some(ys))
     }
 

@@ -20,8 +20,8 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::dropout::DropMask;
-use crate::ops::{cpu, values};
-use crate::{decode, simd, Dropout, Mask};
+use crate::ops::{cpu, values, with_values};
+use crate::{decode, simd, Dropout, Mask, Rope, RopeTables};
 
 /// Query rows per block.
 pub(crate) const BR: usize = 64;
@@ -97,6 +97,10 @@ pub fn flash_attn_cpu_train(
 /// output's transposes: about ten passes over a tensor the size of `qkv` per layer and
 /// training step where this makes one.
 ///
+/// With `rope`, queries and keys are first rotated at the positions of the tables
+/// (`[b, t, rotary_dim / 2]`, f32) as [`Rope::apply`] does, inside the op: its backward pass
+/// rotates their gradients back.
+///
 /// # Shapes
 /// - `qkv`: `[b, t, (n_heads + 2·n_kv_heads)·head_dim]`, queries then keys then values
 /// - returns `[b, t, n_heads·head_dim]`
@@ -107,12 +111,29 @@ pub fn flash_attn_cpu_train_qkv(
     mask: &Mask,
     scale: f64,
     dropout: Option<&Dropout>,
+    rope: Option<(&Rope, &RopeTables)>,
 ) -> Result<Tensor> {
-    let (_, _, width) = qkv.dims3()?;
+    let (b, t, width) = qkv.dims3()?;
     let parts = n_heads + 2 * n_kv_heads;
     if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || !width.is_multiple_of(parts) {
         bail!("flash_attn_cpu_train_qkv: a width of {width} for {n_heads} query and {n_kv_heads} key/value heads")
     }
+    let rope = match rope {
+        None => None,
+        Some((r, tables)) => {
+            let (rot, d) = (r.rotary_dim(), width / parts);
+            let half = rot / 2;
+            let fits = |x: &Tensor| x.dims() == [b, t, half] && x.dtype() == DType::F32;
+            if rot > d || rot % 2 != 0 || !fits(&tables.cos) || !fits(&tables.sin) {
+                bail!("flash_attn_cpu_train_qkv: rotary tables {:?} of {rot} features do not fit [{b}, {t}] positions of heads of {d}", tables.cos.dims())
+            }
+            Some(QkRotation {
+                cos: tables.cos.contiguous()?,
+                sin: tables.sin.contiguous()?,
+                rot,
+            })
+        }
+    };
     let qkv = qkv.contiguous()?;
     let (q, k, _) = qkv_heads(&qkv, n_heads, n_kv_heads)?;
     let drop = dropout.filter(|d| d.is_active(true)).map(Dropout::draw);
@@ -121,7 +142,48 @@ pub fn flash_attn_cpu_train_qkv(
         inner,
         n_heads,
         n_kv_heads,
+        rope,
     })
+}
+
+/// The rotation of the queries and keys in a fused `[b, t, w]` projection output.
+struct QkRotation {
+    /// `[b, t, rot / 2]`, contiguous f32.
+    cos: Tensor,
+    sin: Tensor,
+    rot: usize,
+}
+
+impl QkRotation {
+    /// Rotates, in place, the first `rot` features of the first `heads` heads (of `d`) in
+    /// every `[w]` row of `xs` (`[b·t, w]`), by the angles or their opposites.
+    fn apply(&self, xs: &mut [f32], w: usize, heads: usize, d: usize, inverse: bool) -> Result<()> {
+        let half = self.rot / 2;
+        if half == 0 || xs.is_empty() {
+            return Ok(());
+        }
+        with_values(&self.cos, "rotary cos", |cos| {
+            with_values(&self.sin, "rotary sin", |sin| {
+                xs.par_chunks_mut(w).enumerate().for_each(|(bt, row)| {
+                    let (c, s) = (&cos[bt * half..][..half], &sin[bt * half..][..half]);
+                    let mut x = [0f32; 512];
+                    for head in row[..heads * d].chunks_exact_mut(d) {
+                        // The rotation reads both halves: rotate from a copy (rot ≤ 512
+                        // on the stack, a heap copy past it).
+                        let head = &mut head[..self.rot];
+                        if self.rot <= x.len() {
+                            x[..self.rot].copy_from_slice(head);
+                            crate::rope::rotate_pairs(head, &x[..self.rot], c, s, inverse);
+                        } else {
+                            let x = head.to_vec();
+                            crate::rope::rotate_pairs(head, &x, c, s, inverse);
+                        }
+                    }
+                });
+                Ok(())
+            })
+        })
+    }
 }
 
 /// Views `[b, h, t, d]` of the queries, keys and values in a contiguous `[b, t, w]`.
@@ -138,6 +200,20 @@ struct FlashAttnQkv {
     inner: FlashAttn,
     n_heads: usize,
     n_kv_heads: usize,
+    rope: Option<QkRotation>,
+}
+
+impl FlashAttnQkv {
+    /// `qkv` with its queries and keys rotated (a copy), or `None` without a rotation.
+    fn rotated(&self, qkv: &[f32], w: usize) -> Result<Option<Vec<f32>>> {
+        let Some(rope) = &self.rope else {
+            return Ok(None);
+        };
+        let mut xs = qkv.to_vec();
+        let d = w / (self.n_heads + 2 * self.n_kv_heads);
+        rope.apply(&mut xs, w, self.n_heads + self.n_kv_heads, d, false)?;
+        Ok(Some(xs))
+    }
 }
 
 impl CustomOp1 for FlashAttnQkv {
@@ -161,7 +237,20 @@ impl CustomOp1 for FlashAttnQkv {
             )
         };
         let (lq, lk, lv) = (view(0, h), view(h, h_kv), view(h + h_kv, h_kv));
-        let (heads, _) = self.inner.cpu_fwd(s, &lq, s, &lk, s, &lv)?;
+        let rotated = self
+            .rotated(values(s, l, "flash_attn_cpu_train_qkv")?, w)?
+            .map(CpuStorage::F32);
+        let (heads, _) = match &rotated {
+            Some(r) => {
+                // The copy starts at 0 where `s` starts at the layout's offset.
+                let at = |l: Layout, n: usize| {
+                    Layout::new(l.shape().clone(), l.stride().to_vec(), n * d)
+                };
+                let (lq, lk, lv) = (at(lq, 0), at(lk, h), at(lv, h + h_kv));
+                self.inner.cpu_fwd(r, &lq, r, &lk, r, &lv)?
+            }
+            None => self.inner.cpu_fwd(s, &lq, s, &lk, s, &lv)?,
+        };
         let CpuStorage::F32(heads) = heads else {
             bail!("flash_attn_cpu_train_qkv: expected f32 outputs")
         };
@@ -185,7 +274,13 @@ impl CustomOp1 for FlashAttnQkv {
         let (h, h_kv) = (self.n_heads, self.n_kv_heads);
         let (b, t, w) = qkv.dims3()?;
         let d = w / (h + 2 * h_kv);
-        let (q, k, v) = qkv_heads(&qkv.contiguous()?, h, h_kv)?;
+        let qkv = qkv.contiguous()?;
+        let rotated = with_values(&qkv, "flash_attn_cpu_train_qkv", |x| self.rotated(x, w))?;
+        let qkv = match rotated {
+            Some(r) => Tensor::from_vec(r, (b, t, w), qkv.device())?,
+            None => qkv,
+        };
+        let (q, k, v) = qkv_heads(&qkv, h, h_kv)?;
         let heads = |x: &Tensor| x.reshape((b, t, h, d))?.transpose(1, 2);
         let (dq, dk, dv) = crate::flash_backward::gradients(
             &self.inner,
@@ -208,6 +303,10 @@ impl CustomOp1 for FlashAttnQkv {
                     }
                 }
             });
+        }
+        // The gradients of the rotated queries and keys, rotated back.
+        if let Some(rope) = &self.rope {
+            rope.apply(&mut dqkv, w, h + h_kv, d, true)?;
         }
         Ok(Some(Tensor::from_vec(dqkv, (b, t, w), qkv.device())?))
     }

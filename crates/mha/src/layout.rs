@@ -325,6 +325,41 @@ impl Proj {
         Ok(Self { w, b })
     }
 
+    /// One dense projection that computes `parts` side by side, differentiable: its weight
+    /// is Candle's concatenation of the parts' (a copy per call, of the weights' size), so
+    /// gradients reach each part's variables. For training through a fused kernel
+    /// ([`crate::kernel::flash_attn_cpu_train_qkv`]). `None` unless every part is dense
+    /// with the same input width, dtype and device, and all or none have biases.
+    pub fn concat_differentiable(parts: &[&Proj]) -> Result<Option<Proj>> {
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
+        let Weight::Dense(w0) = &first.w else {
+            return Ok(None);
+        };
+        let (mut ws, mut bs) = (Vec::new(), Vec::new());
+        for p in parts {
+            match &p.w {
+                Weight::Dense(w)
+                    if w.dim(0)? == w0.dim(0)?
+                        && w.dtype() == w0.dtype()
+                        && w.device().same_device(w0.device())
+                        && p.b.is_some() == first.b.is_some() =>
+                {
+                    // [in, out] -> [out, in]: rows are outputs, concatenated along dim 0.
+                    ws.push(w.t()?);
+                    bs.extend(p.b.clone());
+                }
+                _ => return Ok(None),
+            }
+        }
+        let b = match bs.is_empty() {
+            true => None,
+            false => Some(Tensor::cat(&bs, 0)?),
+        };
+        Ok(Some(Proj::new(Tensor::cat(&ws, 0)?.t()?, b)))
+    }
+
     /// One projection that computes `parts` side by side (their outputs concatenated in
     /// order), for inference: one product where there were several (a Llama layer's q, k
     /// and v, its gate and up), so decoding hands one product to the threads instead of

@@ -68,6 +68,19 @@ pub(crate) fn values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'
     }
 }
 
+/// `f` of the f32 values of a contiguous CPU tensor, read in place.
+pub(crate) fn with_values<R>(
+    t: &Tensor,
+    what: &str,
+    f: impl FnOnce(&[f32]) -> Result<R>,
+) -> Result<R> {
+    let (s, l) = t.storage_and_layout();
+    match &*s {
+        Storage::Cpu(s) => f(values(s, l, what)?),
+        _ => bail!("{what}: expected a CPU tensor"),
+    }
+}
+
 /// `ys` computed row by row from `xs` (rows of `dim`), `ROWS` rows per task.
 fn per_row(xs: &[f32], dim: usize, f: impl Fn(&mut [f32], &[f32]) + Sync) -> Vec<f32> {
     let mut ys = vec![0f32; xs.len()];

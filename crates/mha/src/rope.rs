@@ -10,6 +10,8 @@
 use candle_core::{bail, DType, Device, Result, Tensor, D};
 use serde::{Deserialize, Serialize};
 
+use crate::ops::with_values;
+
 /// How the frequencies are stretched for contexts longer than the model was trained on
 /// (`rope_scaling` / `rope_parameters.rope_type` in `config.json`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -265,7 +267,6 @@ impl RopeTrain {
     /// (`inverse`: the transpose of the rotation, i.e. its backward pass). The tables are
     /// read in place, not copied per call.
     fn rotate(&self, xs: &[f32], shape: &candle_core::Shape, inverse: bool) -> Result<Vec<f32>> {
-        use candle_core::Storage;
         use rayon::prelude::*;
         let (b, h, t, rot) = shape.dims4()?;
         let half = rot / 2;
@@ -276,38 +277,27 @@ impl RopeTrain {
                 shape.dims()
             )
         }
-        let (sc, lc) = self.cos.storage_and_layout();
-        let (ss, ls) = self.sin.storage_and_layout();
-        let (cos, sin) = match (&*sc, &*ss) {
-            (Storage::Cpu(sc), Storage::Cpu(ss)) => (
-                crate::ops::values(sc, lc, "rope cos")?,
-                crate::ops::values(ss, ls, "rope sin")?,
-            ),
-            _ => bail!("rope: expected CPU tables"),
-        };
-        let sign = if inverse { -1f32 } else { 1f32 };
         let mut ys = vec![0f32; xs.len()];
         let plane = t * rot;
-        ys.par_chunks_mut(plane)
-            .zip(xs.par_chunks(plane))
-            .enumerate()
-            .for_each(|(bh, (y, x))| {
-                let angles = (bh / h.max(1)) * t * half;
-                for ((y, x), (c, s)) in y.chunks_mut(rot).zip(x.chunks(rot)).zip(
-                    cos[angles..angles + t * half]
-                        .chunks(half)
-                        .zip(sin[angles..angles + t * half].chunks(half)),
-                ) {
-                    let (x1, x2) = x.split_at(half);
-                    let (y1, y2) = y.split_at_mut(half);
-                    for i in 0..half {
-                        let s = sign * s[i];
-                        // [x1, x2] · cos + [-x2, x1] · sin
-                        y1[i] = x1[i] * c[i] - x2[i] * s;
-                        y2[i] = x2[i] * c[i] + x1[i] * s;
-                    }
-                }
-            });
+        with_values(&self.cos, "rope cos", |cos| {
+            with_values(&self.sin, "rope sin", |sin| {
+                ys.par_chunks_mut(plane)
+                    .zip(xs.par_chunks(plane))
+                    .enumerate()
+                    .for_each(|(bh, (y, x))| {
+                        let angles = (bh / h.max(1)) * t * half;
+                        let (cos, sin) = (&cos[angles..][..t * half], &sin[angles..][..t * half]);
+                        for ((y, x), (c, s)) in y
+                            .chunks_mut(rot)
+                            .zip(x.chunks(rot))
+                            .zip(cos.chunks(half).zip(sin.chunks(half)))
+                        {
+                            rotate_pairs(y, x, c, s, inverse);
+                        }
+                    });
+                Ok(())
+            })
+        })?;
         Ok(ys)
     }
 }
@@ -329,12 +319,23 @@ impl candle_core::CustomOp1 for RopeTrain {
 
     fn bwd(&self, xs: &Tensor, _ys: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let grad = grad.contiguous()?.to_dtype(DType::F32)?;
-        let (sg, lg) = grad.storage_and_layout();
-        let g = match &*sg {
-            candle_core::Storage::Cpu(sg) => crate::ops::values(sg, lg, "rope gradient")?,
-            _ => bail!("rope: expected a CPU gradient"),
-        };
-        let gx = self.rotate(g, xs.shape(), true)?;
+        let gx = with_values(&grad, "rope gradient", |g| self.rotate(g, xs.shape(), true))?;
         Ok(Some(Tensor::from_vec(gx, xs.shape(), xs.device())?))
+    }
+}
+
+/// Rotates one row of `2 · half` features (`x`, halves `[x1, x2]`) into `y` by the angles of
+/// `cos`/`sin` (`[half]`), or by their opposites (`inverse`): `[x1, x2] · cos + [-x2, x1] ·
+/// sin`, Hugging Face's rotate-half pairing. The one formula of every training path, so
+/// that they agree to the last bit.
+pub(crate) fn rotate_pairs(y: &mut [f32], x: &[f32], cos: &[f32], sin: &[f32], inverse: bool) {
+    let half = cos.len();
+    let sign = if inverse { -1f32 } else { 1f32 };
+    let (x1, x2) = x[..2 * half].split_at(half);
+    let (y1, y2) = y[..2 * half].split_at_mut(half);
+    for i in 0..half {
+        let s = sign * sin[i];
+        y1[i] = x1[i] * cos[i] - x2[i] * s;
+        y2[i] = x2[i] * cos[i] + x1[i] * s;
     }
 }

@@ -9,7 +9,7 @@ use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
 use mha::{
     masked_softmax, sdpa, sdpa_reference, Dropout, KvCache, Mask, MhaConfig, MultiHeadAttention,
-    Proj, SdpaParams, WeightLayout,
+    Proj, RopeConfig, SdpaParams, WeightLayout,
 };
 use proptest::prelude::*;
 
@@ -464,21 +464,47 @@ fn rotary_windowed_layer_paths_agree_and_differentiate() -> Result<()> {
     Ok(())
 }
 
-/// Training through a fused q/k/v projection in f32 (GPT-2's `c_attn`, which takes
-/// `kernel::flash_attn_cpu_train_qkv` from the projection's output) gives the outputs and
-/// the gradients of every weight and of the input that the same layer gives in f64, where
-/// the general path runs (separate views, the reference attention): causal with a window
-/// and key padding, and a second, unmasked case.
+/// Training in f32 through a fused q/k/v projection (GPT-2's `c_attn`) or through separate
+/// ones concatenated for it (a Llama's or Qwen2's, rotary embeddings included), both of
+/// which take `kernel::flash_attn_cpu_train_qkv` from the projection's output, gives the
+/// outputs and the gradients of every weight and of the input that the same layer gives
+/// in f64, where the general path runs (separate views, the rotation from tensor ops, the
+/// reference attention): causal with a window and key padding, and unmasked.
 #[test]
 fn fused_projection_training_equals_the_general_path() -> Result<()> {
-    let cfg = MhaConfig {
+    let gpt2 = MhaConfig {
         window: Some(3),
         ..MhaConfig::new(16, 4)
     };
+    let llama = MhaConfig {
+        n_kv_heads: Some(2),
+        bias: false,
+        rope: Some(RopeConfig::default()),
+        ..MhaConfig::new(16, 4)
+    };
+    let qwen2 = MhaConfig {
+        n_kv_heads: Some(1),
+        out_bias: Some(false),
+        window: Some(4),
+        rope: Some(RopeConfig {
+            rotary_dim: Some(2),
+            theta: 100.0,
+            ..Default::default()
+        }),
+        ..MhaConfig::new(16, 4)
+    };
     let keep = Tensor::new(&[[1u8, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], &DEV)?;
-    for mask in [Mask::causal(0).with_keep(&keep), Mask::NONE] {
-        let (vm32, attn32) = layer(&cfg, &WeightLayout::Gpt2Conv1d, DType::F32);
-        let (vm64, attn64) = layer(&cfg, &WeightLayout::Gpt2Conv1d, DType::F64);
+    let cases = [
+        (gpt2, WeightLayout::Gpt2Conv1d),
+        (llama, WeightLayout::hf()),
+        (qwen2, WeightLayout::hf()),
+    ];
+    for ((cfg, layout), mask) in cases
+        .iter()
+        .flat_map(|c| [(c, Mask::causal(0).with_keep(&keep)), (c, Mask::NONE)])
+    {
+        let (vm32, attn32) = layer(cfg, layout, DType::F32);
+        let (vm64, attn64) = layer(cfg, layout, DType::F64);
         for (name, var) in vm64.data().lock().unwrap().iter() {
             let w32 = vm32.data().lock().unwrap()[name].as_tensor().clone();
             var.set(&w32.to_dtype(DType::F64)?)?;
@@ -511,7 +537,7 @@ fn fused_projection_training_equals_the_general_path() -> Result<()> {
                 b,
                 1e-5,
                 1e-4,
-                &format!("tensor {i} (output, input, weights)"),
+                &format!("{layout:?}: tensor {i} (output, input, weights)"),
             );
         }
     }
@@ -926,21 +952,25 @@ fn fused_training_kernel_gradients_equal_reference() -> Result<()> {
 }
 
 /// The fused kernel straight from a q/k/v projection's output (`flash_attn_cpu_train_qkv`,
-/// which training through GPT-2's `c_attn` takes) computes what the kernel computes on the
-/// views the general path cuts from it: the same outputs, and the gradient of the whole
-/// projection output, with GQA, windows, key padding and dropout. The same sums in the
-/// same order, so equal to the last bit.
+/// which training through a fused or concatenated q/k/v projection takes) computes what the
+/// kernel computes on the views the general path cuts from it, rotated by `Rope::apply`
+/// where the layer has rotary embeddings: the same outputs, and the gradient of the whole
+/// projection output, with GQA, windows, key padding, dropout, and full or partial rotary
+/// embeddings at positions of their own per row. The same sums in the same order, so equal
+/// to the last bit.
 #[test]
 fn qkv_training_kernel_equals_the_kernel_on_views() -> Result<()> {
-    for (b, t, h, h_kv, causal, padded, window, p) in [
-        (2, 5, 2, 2, true, false, None, 0.0),
-        (2, 150, 4, 2, true, false, None, 0.25),
-        (1, 70, 3, 1, false, true, None, 0.0),
-        (1, 130, 4, 4, true, false, Some(33), 0.5),
+    for (b, t, h, h_kv, causal, padded, window, p, rot) in [
+        (2, 5, 2, 2, true, false, None, 0.0, None),
+        (2, 150, 4, 2, true, false, None, 0.25, None),
+        (1, 70, 3, 1, false, true, None, 0.0, None),
+        (1, 130, 4, 4, true, false, Some(33), 0.5, None),
+        (2, 90, 4, 2, true, false, None, 0.25, Some(16)),
+        (2, 33, 2, 1, true, true, Some(9), 0.0, Some(8)),
     ] {
         let d = 16;
         let what = format!(
-            "b={b} t={t} h={h}/{h_kv} causal={causal} padded={padded} window={window:?} p={p}"
+            "b={b} t={t} h={h}/{h_kv} causal={causal} padded={padded} window={window:?} p={p} rot={rot:?}"
         );
         let qkv = Var::from_tensor(&randn(&[b, t, (h + 2 * h_kv) * d]))?;
         let weight = randn(&[b, t, h * d]);
@@ -951,14 +981,41 @@ fn qkv_training_kernel_equals_the_kernel_on_views() -> Result<()> {
         }
         mask.window = window;
         let scale = 1.0 / (d as f64).sqrt();
+        // Each row at positions of its own (as after left padding).
+        let rope = match rot {
+            Some(r) => {
+                let cfg = mha::RopeConfig {
+                    rotary_dim: Some(r),
+                    ..Default::default()
+                };
+                let rope = mha::Rope::new(&cfg, d)?;
+                let pos: Vec<u32> = (0..b * t).map(|i| (i % t + 7 * (i / t)) as u32).collect();
+                let tables = rope.tables(&Tensor::from_vec(pos, (b, t), &Device::Cpu)?)?;
+                Some((rope, tables))
+            }
+            None => None,
+        };
         let run = |fused: bool| -> Result<(Tensor, Tensor)> {
             let dropout = Dropout::new(p, 11)?;
             let ys = if fused {
-                mha::kernel::flash_attn_cpu_train_qkv(&qkv, h, h_kv, &mask, scale, Some(&dropout))?
+                let rope = rope.as_ref().map(|(r, t)| (r, t));
+                mha::kernel::flash_attn_cpu_train_qkv(
+                    &qkv,
+                    h,
+                    h_kv,
+                    &mask,
+                    scale,
+                    Some(&dropout),
+                    rope,
+                )?
             } else {
                 let heads = qkv.reshape((b, t, h + 2 * h_kv, d))?;
                 let part = |at, n| heads.narrow(2, at, n)?.transpose(1, 2);
                 let (q, k, v) = (part(0, h)?, part(h, h_kv)?, part(h + h_kv, h_kv)?);
+                let (q, k) = match &rope {
+                    Some((r, tables)) => (r.apply(&q, tables)?, r.apply(&k, tables)?),
+                    None => (q, k),
+                };
                 mha::kernel::flash_attn_cpu_train(&q, &k, &v, &mask, scale, Some(&dropout))?
                     .transpose(1, 2)?
                     .reshape((b, t, h * d))?
@@ -974,7 +1031,20 @@ fn qkv_training_kernel_equals_the_kernel_on_views() -> Result<()> {
         assert_eq!(max_abs_diff(&fast_g, &views_g), 0.0, "d(qkv), {what}");
     }
     let bad = randn(&[1, 4, 50]);
-    assert!(mha::kernel::flash_attn_cpu_train_qkv(&bad, 3, 2, &Mask::NONE, 1.0, None).is_err());
+    let none = &Mask::NONE;
+    assert!(mha::kernel::flash_attn_cpu_train_qkv(&bad, 3, 2, none, 1.0, None, None).is_err());
+    // Tables that do not fit the positions, or a rotation wider than a head, are errors.
+    let qkv = randn(&[1, 4, 5 * 8]);
+    let rope = mha::Rope::new(&Default::default(), 8)?;
+    let wrong = rope.tables_from(1, 3, 0, &Device::Cpu)?;
+    let r =
+        mha::kernel::flash_attn_cpu_train_qkv(&qkv, 3, 1, none, 1.0, None, Some((&rope, &wrong)));
+    assert!(r.is_err());
+    let wide = mha::Rope::new(&Default::default(), 16)?;
+    let tables = wide.tables_from(1, 4, 0, &Device::Cpu)?;
+    let r =
+        mha::kernel::flash_attn_cpu_train_qkv(&qkv, 3, 1, none, 1.0, None, Some((&wide, &tables)));
+    assert!(r.is_err());
     Ok(())
 }
 
