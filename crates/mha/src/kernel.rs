@@ -166,18 +166,8 @@ impl QkRotation {
             with_values(&self.sin, "rotary sin", |sin| {
                 xs.par_chunks_mut(w).enumerate().for_each(|(bt, row)| {
                     let (c, s) = (&cos[bt * half..][..half], &sin[bt * half..][..half]);
-                    let mut x = [0f32; 512];
                     for head in row[..heads * d].chunks_exact_mut(d) {
-                        // The rotation reads both halves: rotate from a copy (rot ≤ 512
-                        // on the stack, a heap copy past it).
-                        let head = &mut head[..self.rot];
-                        if self.rot <= x.len() {
-                            x[..self.rot].copy_from_slice(head);
-                            crate::rope::rotate_pairs(head, &x[..self.rot], c, s, inverse);
-                        } else {
-                            let x = head.to_vec();
-                            crate::rope::rotate_pairs(head, &x, c, s, inverse);
-                        }
+                        crate::rope::rotate_pairs(head, c, s, inverse);
                     }
                 });
                 Ok(())

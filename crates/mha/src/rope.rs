@@ -277,24 +277,20 @@ impl RopeTrain {
                 shape.dims()
             )
         }
-        let mut ys = vec![0f32; xs.len()];
+        let mut ys = xs.to_vec();
         let plane = t * rot;
         with_values(&self.cos, "rope cos", |cos| {
             with_values(&self.sin, "rope sin", |sin| {
-                ys.par_chunks_mut(plane)
-                    .zip(xs.par_chunks(plane))
-                    .enumerate()
-                    .for_each(|(bh, (y, x))| {
-                        let angles = (bh / h.max(1)) * t * half;
-                        let (cos, sin) = (&cos[angles..][..t * half], &sin[angles..][..t * half]);
-                        for ((y, x), (c, s)) in y
-                            .chunks_mut(rot)
-                            .zip(x.chunks(rot))
-                            .zip(cos.chunks(half).zip(sin.chunks(half)))
-                        {
-                            rotate_pairs(y, x, c, s, inverse);
-                        }
-                    });
+                ys.par_chunks_mut(plane).enumerate().for_each(|(bh, y)| {
+                    let angles = (bh / h.max(1)) * t * half;
+                    let (cos, sin) = (&cos[angles..][..t * half], &sin[angles..][..t * half]);
+                    for (y, (c, s)) in y
+                        .chunks_mut(rot)
+                        .zip(cos.chunks(half).zip(sin.chunks(half)))
+                    {
+                        rotate_pairs(y, c, s, inverse);
+                    }
+                });
                 Ok(())
             })
         })?;
@@ -324,18 +320,18 @@ impl candle_core::CustomOp1 for RopeTrain {
     }
 }
 
-/// Rotates one row of `2 · half` features (`x`, halves `[x1, x2]`) into `y` by the angles of
-/// `cos`/`sin` (`[half]`), or by their opposites (`inverse`): `[x1, x2] · cos + [-x2, x1] ·
-/// sin`, Hugging Face's rotate-half pairing. The one formula of every training path, so
-/// that they agree to the last bit.
-pub(crate) fn rotate_pairs(y: &mut [f32], x: &[f32], cos: &[f32], sin: &[f32], inverse: bool) {
+/// Rotates, in place, the first `2 · half` features of one row (halves `[x1, x2]`) by the
+/// angles of `cos`/`sin` (`[half]`), or by their opposites (`inverse`): `[x1, x2] · cos +
+/// [-x2, x1] · sin`, Hugging Face's rotate-half pairing. The one formula of every training
+/// path, so that they agree to the last bit.
+pub(crate) fn rotate_pairs(x: &mut [f32], cos: &[f32], sin: &[f32], inverse: bool) {
     let half = cos.len();
     let sign = if inverse { -1f32 } else { 1f32 };
-    let (x1, x2) = x[..2 * half].split_at(half);
-    let (y1, y2) = y[..2 * half].split_at_mut(half);
+    let (x1, x2) = x[..2 * half].split_at_mut(half);
     for i in 0..half {
         let s = sign * sin[i];
-        y1[i] = x1[i] * cos[i] - x2[i] * s;
-        y2[i] = x2[i] * cos[i] + x1[i] * s;
+        let (a, b) = (x1[i], x2[i]);
+        x1[i] = a * cos[i] - b * s;
+        x2[i] = b * cos[i] + a * s;
     }
 }
