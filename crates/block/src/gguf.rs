@@ -32,10 +32,35 @@ const ARCHITECTURES: [(&str, Family); 4] = [
     ("gptneox", Family::GptNeox),
 ];
 
+/// Where a GGUF file's bytes are read from: a file, or bytes in memory (a model built into
+/// a binary).
+enum Source {
+    File(File),
+    Bytes(std::io::Cursor<&'static [u8]>),
+}
+
+impl Read for Source {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Self::File(f) => f.read(buf),
+            Self::Bytes(b) => b.read(buf),
+        }
+    }
+}
+
+impl Seek for Source {
+    fn seek(&mut self, pos: SeekFrom) -> std::io::Result<u64> {
+        match self {
+            Self::File(f) => f.seek(pos),
+            Self::Bytes(b) => b.seek(pos),
+        }
+    }
+}
+
 /// An opened GGUF file: its parsed header, checked against the file.
 pub struct Gguf {
     path: PathBuf,
-    file: Mutex<File>,
+    file: Mutex<Source>,
     content: gguf_file::Content,
     /// The tensors read so far: a file with tensors the model never reads holds parts this
     /// loader does not know (Llama 3.1's `rope_freqs`, say), and is refused.
@@ -108,12 +133,16 @@ fn guarded<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
 /// resident: GPT-2 124M in q8_0 peaked at 209 MiB for 130 MiB of weights. `None` for a
 /// format whose block size this does not know (the caller then uses Candle's reader). The
 /// byte range was checked when the file was opened.
-fn read_in_place(file: &mut File, dtype: GgmlDType, shape: &[usize]) -> Result<Option<QTensor>> {
+fn read_in_place(
+    file: &mut impl Read,
+    dtype: GgmlDType,
+    shape: &[usize],
+) -> Result<Option<QTensor>> {
     use candle_core::quantized::k_quants::*;
     use half::{bf16, f16};
 
     fn read<T: GgmlType + Send + Sync + 'static>(
-        file: &mut File,
+        file: &mut impl Read,
         dtype: GgmlDType,
         shape: &[usize],
     ) -> Result<Option<QTensor>> {
@@ -174,8 +203,23 @@ fn tensor_bytes(name: &str, dtype: GgmlDType, dims: &[usize]) -> Result<u64> {
 impl Gguf {
     /// Opens and checks a GGUF file; reads no tensor yet.
     pub fn open(path: &Path) -> Result<Self> {
-        let mut file = File::open(path).map_err(|e| path_err(path, e))?;
+        let file = File::open(path).map_err(|e| path_err(path, e))?;
         let len = file.metadata().map_err(|e| path_err(path, e))?.len();
+        Self::from_source(path, Source::File(file), len)
+    }
+
+    /// Opens and checks a GGUF file held in memory, such as one built into a binary with
+    /// `include_bytes!`; `name` stands for its path in messages. Reads as [`Self::open`].
+    pub fn from_bytes(name: &str, bytes: &'static [u8]) -> Result<Self> {
+        let len = bytes.len() as u64;
+        Self::from_source(
+            Path::new(name),
+            Source::Bytes(std::io::Cursor::new(bytes)),
+            len,
+        )
+    }
+
+    fn from_source(path: &Path, mut file: Source, len: u64) -> Result<Self> {
         let content = guarded(|| gguf_file::Content::read(&mut file))
             .map_err(|e| path_err(path, format!("not a valid GGUF file: {e}")))?;
         let gguf = Self {
@@ -570,7 +614,7 @@ impl Gguf {
         &self,
         name: &str,
         shape: &[usize],
-    ) -> Result<(&gguf_file::TensorInfo, std::sync::MutexGuard<'_, File>)> {
+    ) -> Result<(&gguf_file::TensorInfo, std::sync::MutexGuard<'_, Source>)> {
         let Some(info) = self.content.tensor_infos.get(name) else {
             bail!("tensor {name} is missing")
         };
@@ -596,7 +640,7 @@ impl Gguf {
     fn qtensor(&self, name: &str, shape: &[usize], device: &Device) -> Result<QTensor> {
         let (info, mut file) = self.claim(name, shape)?;
         if device.is_cpu() {
-            if let Some(q) = read_in_place(&mut file, info.ggml_dtype, shape)? {
+            if let Some(q) = read_in_place(&mut *file, info.ggml_dtype, shape)? {
                 return Ok(q);
             }
         }

@@ -248,6 +248,27 @@ fn quantized_matrices_stay_quantized() {
     assert!(formats.contains(&GgmlDType::Q4K) && formats.contains(&GgmlDType::Q6K));
 }
 
+/// A file's bytes in memory (a model built into a binary) load as the file does, and are
+/// checked as a file is: a truncated copy is an error naming the bytes, not a panic.
+#[test]
+fn bytes_in_memory_load_as_the_file() {
+    let file = "qwen2.q4_0.gguf";
+    let bytes: &'static [u8] = Vec::leak(std::fs::read(path(file)).unwrap());
+    let gguf = Gguf::from_bytes("in memory", bytes).unwrap();
+    let ids = &expected("qwen2")["input_ids"];
+    let from_bytes = gguf.load(DType::F32, &Device::Cpu).unwrap();
+    let diff = max_abs_diff(&logits(&from_bytes, ids), &logits(&load(file), ids));
+    assert_eq!(diff, 0.0, "{file}");
+    let truncated = &bytes[..bytes.len() - 100];
+    let err = Gguf::from_bytes("in memory", truncated)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("in memory") && err.contains("past the end"),
+        "{err}"
+    );
+}
+
 #[test]
 fn cached_decoding_equals_the_full_pass() {
     for file in [
