@@ -12,9 +12,11 @@ use crate::chat_template::ChatTemplate;
 use crate::{gguf_tokenizer, tokenizer};
 
 /// The small model built into the binary (see `crates/cli/models/default/README.md`).
+/// Its weights are `model.q5_0.gguf`, `gpt convert --type q5_0` of the directory's f16
+/// `model.safetensors` (which transformers loads; the crate leaves it out, to stay under
+/// crates.io's 10 MiB).
 mod embedded {
-    pub const CONFIG: &str = include_str!("../models/default/config.json");
-    pub const WEIGHTS: &[u8] = include_bytes!("../models/default/model.safetensors");
+    pub const GGUF: &[u8] = include_bytes!("../models/default/model.q5_0.gguf");
     pub const TOKENIZER: &[u8] = include_bytes!("../models/default/tokenizer.json");
 }
 
@@ -268,7 +270,8 @@ fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs, fuse: bool) -> 
     let dtype = load_as.dtype;
     let plain = || ChatTemplate::new(None, None, None);
     let Some(spec) = &args.model else {
-        let model = gpt_blocks::load_bytes(embedded::CONFIG, embedded::WEIGHTS, load_as, &dev)
+        let gguf = gpt_blocks::Gguf::from_bytes("built-in model", embedded::GGUF)?;
+        let model = gguf_model(&gguf, args.dtype.map(Into::into), &dev, fuse)
             .context("the built-in model")?;
         let tokenizer = tokenizer::parse(embedded::TOKENIZER)
             .map_err(|e| anyhow!("the built-in tokenizer: {e}"))?;
@@ -335,11 +338,6 @@ fn load_gguf(
     fuse: bool,
 ) -> Result<(Gpt, Option<Tokenizer>, ChatTemplate)> {
     let mut gguf = gpt_blocks::Gguf::open(path)?;
-    let dtype = match dtype {
-        Some(dtype) => dtype,
-        None if dev.is_cpu() => DType::F32,
-        None => gguf.float_dtype(),
-    };
     let name =
         |id: Option<u32>, tokens: &[String]| id.and_then(|i| tokens.get(i as usize).cloned());
     let vocab = match gguf.vocab() {
@@ -360,16 +358,30 @@ fn load_gguf(
     gguf.release_vocab();
     // SAFETY: a plain call into mimalloc: return the pages freed so far to the OS.
     unsafe { libmimalloc_sys::mi_collect(true) };
-    let model = match fuse {
-        true => gguf.load_fused(dtype, dev),
-        false => gguf.load(dtype, dev),
-    }
-    .with_context(|| path.display().to_string())?;
+    let model = gguf_model(&gguf, dtype, dev, fuse).with_context(|| path.display().to_string())?;
     let (tokenizer, bos, eos) = vocab?;
     let template = gguf
         .chat_template()
         .with_context(|| path.display().to_string())?;
     Ok((model, tokenizer, ChatTemplate::new(template, bos, eos)))
+}
+
+/// A GGUF file's model (see [`load_gguf`] for `dtype`).
+fn gguf_model(
+    gguf: &gpt_blocks::Gguf,
+    dtype: Option<DType>,
+    dev: &Device,
+    fuse: bool,
+) -> candle_core::Result<Gpt> {
+    let dtype = match dtype {
+        Some(dtype) => dtype,
+        None if dev.is_cpu() => DType::F32,
+        None => gguf.float_dtype(),
+    };
+    match fuse {
+        true => gguf.load_fused(dtype, dev),
+        false => gguf.load(dtype, dev),
+    }
 }
 
 /// Fetches a model's files from the Hugging Face hub into its cache; returns the directory.

@@ -1088,16 +1088,20 @@ fn nan_weights_are_caught_at_load_or_at_the_layer() {
     );
 }
 
-/// `--quantize`: the built-in model's score of a Shakespeare passage moves by little in
-/// q8_0 and q6_K and by more in the 4- and 5-bit formats (its width of 192 is not whole
-/// super-blocks of 256, so the k-quants take llama.cpp's fallbacks there); training refuses
-/// quantized weights.
+/// `--quantize`: the built-in model's directory (its f16 weights; the binary embeds their
+/// q5_0 conversion) scores a Shakespeare passage within a little in q8_0 and q6_K and by more
+/// in the 4- and 5-bit formats (its widths, 320 and 864, are not whole super-blocks of 256,
+/// so the k-quants take llama.cpp's fallbacks); training refuses quantized weights.
 #[test]
 fn quantized_scores_stay_close_to_f32() {
     let text = "Friends, Romans, countrymen, lend me your ears;\nI come to bury Caesar, not to praise him.\n\
                 The evil that men do lives after them;\nThe good is oft interred with their bones.";
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/default");
     let nll = |extra: &[&str]| {
-        let mut args = vec!["score", "--text", text, "--format", "json"];
+        let model = dir.to_str().unwrap();
+        let mut args = vec![
+            "score", "--model", model, "--text", text, "--format", "json",
+        ];
         args.extend_from_slice(extra);
         let v: serde_json::Value = serde_json::from_str(ok(&args).trim()).unwrap();
         v["nll"].as_f64().unwrap()
@@ -1116,6 +1120,15 @@ fn quantized_scores_stay_close_to_f32() {
         let moved = (nll(&["--quantize", kind]) - f32_nll).abs();
         assert!(moved < bound, "{kind} moved the NLL by {moved} nats");
     }
+    // The built-in model is that directory in q5_0.
+    let args = ["score", "--text", text, "--format", "json"];
+    let built_in: serde_json::Value = serde_json::from_str(ok(&args).trim()).unwrap();
+    let q5 = nll(&["--quantize", "q5_0"]);
+    let built_in = built_in["nll"].as_f64().unwrap();
+    assert!(
+        (built_in - q5).abs() < 1e-4,
+        "built in {built_in}, q5_0 {q5}"
+    );
     fails(
         &[
             "train",

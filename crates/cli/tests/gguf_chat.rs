@@ -230,6 +230,26 @@ fn converted_built_in_model_generates_the_same_text() {
     assert!(!out.status.success());
 }
 
+/// The weights built into `gpt` are the q5_0 conversion of the f16 directory beside them,
+/// byte for byte: the two cannot drift apart. (After retraining, rewrite the file with
+/// `gpt --model crates/cli/models/default convert --type q5_0 --out
+/// crates/cli/models/default/model.q5_0.gguf`.)
+#[test]
+fn built_in_weights_are_the_q5_0_conversion_of_the_directory() {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/default");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("default.q5_0.gguf");
+    let model = src.to_str().unwrap();
+    let convert = ["--model", model, "convert", "--type", "q5_0", "--out"];
+    let status = gpt(&[&convert[..], &[out.to_str().unwrap()]].concat(), "");
+    assert!(status.status.success(), "{status:?}");
+    let built_in = std::fs::read(src.join("model.q5_0.gguf")).unwrap();
+    assert!(
+        std::fs::read(&out).unwrap() == built_in,
+        "models/default/model.q5_0.gguf is not the q5_0 conversion of models/default"
+    );
+}
+
 /// A directory's `tokenizer_config.json` template is used, and a conversation it refuses
 /// (`raise_exception`) is reported without ending the chat.
 #[test]
@@ -273,15 +293,20 @@ fn chat_reports_a_conversation_the_template_refuses() {
 
 /// A GGUF file whose matrices are f16 keeps them (and the token table) in f16 on the CPU
 /// and computes in f32: its norms, biases and position table (stored f32) load in f32.
-/// `--dtype bf16` converts the matrices.
+/// `--dtype bf16` converts the matrices. (A GPT-2, for its biases and position table.)
 #[test]
 fn half_precision_files_keep_half_matrices_on_the_cpu() {
+    let gpt2 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../block/tests/fixtures/tiny");
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("builtin.f16.gguf");
+    let out = dir.path().join("tiny.f16.gguf");
     let out = out.to_str().unwrap();
-    assert!(gpt(&["convert", "--out", out, "--type", "f16"], "")
-        .status
-        .success());
+    let model = gpt2.to_str().unwrap();
+    assert!(gpt(
+        &["--model", model, "convert", "--out", out, "--type", "f16"],
+        ""
+    )
+    .status
+    .success());
     // (dtypes of the matrices, dtypes of the vectors)
     let dtypes = |extra: &[&str]| {
         let mut args = vec!["--model", out, "inspect", "--format", "json"];
