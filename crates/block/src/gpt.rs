@@ -836,7 +836,8 @@ impl Gpt {
                     }
                     proj(&mut put, format!("{a}.{o}"), attn.out_proj(), false)?;
                 }
-                (mha::WeightLayout::Separate { q, k, v, o }, None) => {
+                // Fused for inference or not: q, k and v are views into the fused one.
+                (mha::WeightLayout::Separate { q, k, v, o }, _) => {
                     let [pq, pk, pv] = attn.qkv_proj();
                     for (n, p) in [(q, pq), (k, pk), (v, pv), (o, attn.out_proj())] {
                         proj(&mut put, format!("{a}.{n}"), p, false)?;

@@ -347,6 +347,15 @@ fn fused_loading_computes_what_the_separate_projections_do() {
                 assert_close(x, y, 0.0, 0.0, &format!("{file}: bias {i}"));
             }
         }
+        // Named as stored (what `check_weights` and `inspect` read), fused or not.
+        let (named, plain_named) = (fused.named_tensors(), plain.named_tensors().unwrap());
+        let named = named.unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_eq!(named.len(), plain_named.len(), "{file}");
+        for (n, t) in &plain_named {
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            assert_close(&f32(&named[n]), &f32(t), 0.0, 0.0, &format!("{file}: {n}"));
+        }
+        fused.check_weights().unwrap();
         let name = file.split('.').next().unwrap();
         let ids = batch(&expected(name)["input_ids"])
             .narrow(1, 0, 12)

@@ -361,6 +361,15 @@ fn batched_prompts_equal_prompts_run_alone() {
 
 #[test]
 fn built_in_model_generates_scores_and_streams_text() {
+    // Its weights (fused for inference) are checked as stored.
+    ok(&[
+        "generate",
+        "--prompt-ids",
+        "1,2",
+        "--max-new-tokens",
+        "2",
+        "--check-weights",
+    ]);
     let out = gpt(&[
         "generate",
         "--prompt",
