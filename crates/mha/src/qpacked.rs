@@ -552,6 +552,28 @@ static PACKED_BYTES: AtomicUsize = AtomicUsize::new(0);
 /// is prefetched (see [`Packed::product`]). The unit tests' small matrices take that path.
 const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 
+/// Whether asking for the next tile column ahead pays on this CPU. It did on AMD's Zen 5
+/// (decoding 10-20% faster, docs/PERFORMANCE.md) and measured level on Zen 3; on an Intel
+/// Ice Lake Xeon the ~100 prefetches a column asks for at once stall the thread (each
+/// holds a line fill buffer until its line arrives: 28% of a GPT-2 q4_0 decoding profile
+/// on the loop issuing them), and decoding ran at 0.44x (q4_K_M) and 0.66x (q4_0) of the
+/// same build without them. So AMD CPUs prefetch and others leave the stream to the
+/// hardware. The unit tests always take the prefetching path.
+fn prefetch_pays() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        cfg!(test)
+            || *AMD.get_or_init(|| {
+                // The vendor string, "AuthenticAMD", in EBX, EDX, ECX of leaf 0.
+                let id = std::arch::x86_64::__cpuid(0);
+                [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163]
+            })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 impl Format {
     /// Whether `level` has kernels for this format. AVX2 has them for every format but
     /// q8_0, where the products through the blocks as stored spent as long reducing each
@@ -789,10 +811,12 @@ impl Packed {
         // GPT-2 q4_0, q4_K_M, q3_K_M, SmolLM-135M q4_K_M, q5_K_M, q2_K faster in most
         // rounds (see docs/PERFORMANCE.md). Not for q8_0, whose plain bytes the hardware
         // streams well (mixed results), nor where the weights sit in the cache: there the
-        // prefetches are pure cost (the built-in model in q4_K: 10-20% slower).
+        // prefetches are pure cost (the built-in model in q4_K: 10-20% slower). That was
+        // an AMD CPU; on Intel's the burst of prefetches stalls instead (`prefetch_pays`).
         let stream = m < UNPACK_ROWS
             && self.format != Format::Q8_0
-            && PACKED_BYTES.load(Ordering::Relaxed) >= STREAMED_BYTES;
+            && PACKED_BYTES.load(Ordering::Relaxed) >= STREAMED_BYTES
+            && prefetch_pays();
         let pairs = m == 1
             && matches!(
                 self.format,
