@@ -552,14 +552,34 @@ static PACKED_BYTES: AtomicUsize = AtomicUsize::new(0);
 /// is prefetched (see [`Packed::product`]). The unit tests' small matrices take that path.
 const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 
-/// Whether asking for the next tile column ahead pays on this CPU. It did on AMD's Zen 5
+/// How a decoding thread asks for the weights it streams from memory before its kernels
+/// read them: the whole next tile column at once (`column`), or the k-quant kernels each
+/// super-block's successor an eighth at a time (`spread`). The column pays on AMD's Zen 5
 /// (decoding 10-20% faster, docs/PERFORMANCE.md) and measured level on Zen 3; on an Intel
-/// Ice Lake Xeon the ~100 prefetches a column asks for at once stall the thread (each
-/// holds a line fill buffer until its line arrives: 28% of a GPT-2 q4_0 decoding profile
-/// on the loop issuing them), and decoding ran at 0.44x (q4_K_M) and 0.66x (q4_0) of the
-/// same build without them. So AMD CPUs prefetch and others leave the stream to the
-/// hardware. The unit tests always take the prefetching path.
-fn prefetch_pays() -> bool {
+/// Ice Lake Xeon its ~100 prefetches at once stall the thread (each holds a line fill
+/// buffer until its line arrives: 28% of a GPT-2 q4_0 decoding profile on the loop issuing
+/// them), decoding at 0.44x (q4_K_M) and 0.66x (q4_0) of the same build without them,
+/// where the spread requests took the k-quants 1.24-1.31x faster than none (the legacy
+/// formats' two streams gained nothing from them). So AMD CPUs take the column and others
+/// the spread requests; the unit tests take both.
+#[derive(Clone, Copy)]
+struct Ahead {
+    column: bool,
+    spread: bool,
+}
+
+impl Ahead {
+    fn here() -> Ahead {
+        let amd = amd();
+        Ahead {
+            column: amd || cfg!(test),
+            spread: !amd || cfg!(test),
+        }
+    }
+}
+
+/// Whether this is an AMD CPU.
+fn amd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -812,11 +832,12 @@ impl Packed {
         // rounds (see docs/PERFORMANCE.md). Not for q8_0, whose plain bytes the hardware
         // streams well (mixed results), nor where the weights sit in the cache: there the
         // prefetches are pure cost (the built-in model in q4_K: 10-20% slower). That was
-        // an AMD CPU; on Intel's the burst of prefetches stalls instead (`prefetch_pays`).
+        // an AMD CPU; on Intel's the burst of prefetches stalls instead (`Ahead`).
         let stream = m < UNPACK_ROWS
             && self.format != Format::Q8_0
-            && PACKED_BYTES.load(Ordering::Relaxed) >= STREAMED_BYTES
-            && prefetch_pays();
+            && PACKED_BYTES.load(Ordering::Relaxed) >= STREAMED_BYTES;
+        let ahead = Ahead::here();
+        let spread = stream && m == 1 && ahead.spread;
         let pairs = m == 1
             && matches!(
                 self.format,
@@ -842,10 +863,10 @@ impl Packed {
                 };
                 for j in 0..half {
                     let (a, b) = (lo + j, lo + half + j);
-                    self.columns([t0 + a, t0 + b], &[], x, m, &cols, out, level);
+                    self.columns([t0 + a, t0 + b], &[], x, m, &cols, out, level, false);
                 }
                 for t in lo + 2 * half..hi {
-                    if stream && t + 1 < hi {
+                    if stream && ahead.column && t + 1 < hi {
                         prefetch(self.tiles(t0 + t + 1));
                     }
                     #[cfg(target_arch = "x86_64")]
@@ -861,7 +882,7 @@ impl Packed {
                             }
                         };
                     }
-                    self.columns([t0 + t], ops, x, m, &cols, out, level);
+                    self.columns([t0 + t], ops, x, m, &cols, out, level, spread);
                 }
             })
         });
@@ -886,6 +907,7 @@ impl Packed {
         cols: &std::ops::Range<usize>,
         out: &SharedOut,
         level: Level,
+        spread: bool,
     ) {
         let tiles = t.map(|t| self.tiles(t));
         let width = cols.len();
@@ -896,7 +918,17 @@ impl Packed {
             // prefilled 10-20% slower: registers run out.)
             let rows = (m - r).min(4);
             let mut y = [[[0f32; TILE]; 4]; T];
-            tile_rows(self.format, tiles, ops, x, r, rows, y.each_mut(), level);
+            tile_rows(
+                self.format,
+                tiles,
+                ops,
+                x,
+                r,
+                rows,
+                y.each_mut(),
+                level,
+                spread,
+            );
             for (&t, y) in t.iter().zip(&y) {
                 // Tile column t's outputs are rows first..first + 16 of W; the asked-for
                 // ones land in columns c0..c1 of the output.
@@ -956,7 +988,8 @@ unsafe impl Sync for SharedOut {}
 /// (1 or 2) columns of tiles, with the kernels of `level`; `ops` holds the (one) column's
 /// operands unpacked by `x86::unpack` (`unpack_avx2` at the AVX2 level), or is empty. The
 /// legacy formats' kernel reads two columns together; the k-quants' take them one after
-/// the other.
+/// the other. With `spread`, the AVX-512 k-quant kernels ask for each super-block's
+/// successor while they work on it (see `Ahead`).
 #[allow(clippy::too_many_arguments)]
 fn tile_rows<const T: usize>(
     format: Format,
@@ -967,6 +1000,7 @@ fn tile_rows<const T: usize>(
     rows: usize,
     y: [&mut [[f32; TILE]; 4]; T],
     level: Level,
+    spread: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
     if level == Level::Avx2 {
@@ -1070,11 +1104,11 @@ fn tile_rows<const T: usize>(
                 (format, XRows::Super(x)) => {
                     for (tiles, y) in tiles.into_iter().zip(y) {
                         match format {
-                            Format::Q4K => by_rows!(q4k::<R, false>(tiles, ops, x, r, y)),
-                            Format::Q5K => by_rows!(q4k::<R, true>(tiles, ops, x, r, y)),
-                            Format::Q6K => by_rows!(q6k::<R, false>(tiles, ops, x, r, y)),
-                            Format::Q3K => by_rows!(q6k::<R, true>(tiles, ops, x, r, y)),
-                            Format::Q2K => by_rows!(q2k::<R>(tiles, x, r, y)),
+                            Format::Q4K => by_rows!(q4k::<R, false>(tiles, ops, x, r, y, spread)),
+                            Format::Q5K => by_rows!(q4k::<R, true>(tiles, ops, x, r, y, spread)),
+                            Format::Q6K => by_rows!(q6k::<R, false>(tiles, ops, x, r, y, spread)),
+                            Format::Q3K => by_rows!(q6k::<R, true>(tiles, ops, x, r, y, spread)),
+                            Format::Q2K => by_rows!(q2k::<R>(tiles, x, r, y, spread)),
                             _ => unreachable!("{format:?} weights with rows of x as q8_K"),
                         }
                     }
@@ -1445,6 +1479,19 @@ mod x86 {
         }
     }
 
+    /// Part `j` of 8 of the `size` bytes after `tile` (the next super-block's tile, or the
+    /// next column's first), asked for ahead: a few lines per sub-block rather than a burst
+    /// (see `Ahead`). A pointer past the matrix is only a hint: prefetches never fault.
+    #[inline(always)]
+    fn ahead(tile: *const u8, size: usize, j: usize) {
+        let lines = size.div_ceil(64 * 8);
+        for l in 0..lines {
+            let p = tile.wrapping_add(size + 64 * (j * lines + l));
+            // SAFETY: a prefetch is a hint, never a fault, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) };
+        }
+    }
+
     /// `R` rows of `x` against one column of q4_K (or, `FIVE`, q5_K) tiles, as ggml's
     /// q4_K · q8_K: per
     /// sub-block and row of `x`, the eight `vpdpbusd` of a q4_0 block and one integer
@@ -1457,6 +1504,7 @@ mod x86 {
         x: &SuperRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
+        spread: bool,
     ) {
         let size = if FIVE { q4k::Q5_BYTES } else { q4k::BYTES };
         let nb = tiles.len() / size;
@@ -1472,6 +1520,9 @@ mod x86 {
                 let mut sums = [_mm512_setzero_si512(); R];
                 let mut mins = [_mm512_setzero_si512(); R];
                 for j in 0..8 {
+                    if spread {
+                        ahead(tile, size, j);
+                    }
                     let sc = lanes::<false>(tile.add(q4k::SC + 16 * j));
                     let m = lanes::<false>(tile.add(q4k::MIN + 16 * j));
                     let w = match pre {
@@ -1517,6 +1568,7 @@ mod x86 {
         x: &SuperRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
+        spread: bool,
     ) {
         // (The scales lie at the same place in both tiles: q6k::SC == q3k::SC.)
         let (size, offset) = if Q3 {
@@ -1536,6 +1588,9 @@ mod x86 {
                 let tile = tiles.as_ptr().add(b * size);
                 let mut sums = [_mm512_setzero_si512(); R];
                 for j in 0..8 {
+                    if spread {
+                        ahead(tile, size, j);
+                    }
                     let w = match (pre, Q3) {
                         (true, _) => load8(ops.as_ptr().add((8 * b + j) * 512)),
                         (false, true) => q3k_operands(tile, j),
@@ -1581,6 +1636,7 @@ mod x86 {
         x: &SuperRows,
         r: usize,
         y: &mut [[f32; TILE]; 4],
+        spread: bool,
     ) {
         let nb = tiles.len() / q2k::BYTES;
         let xs = super_rows::<R>(x, r, nb);
@@ -1594,6 +1650,9 @@ mod x86 {
                 let mut sums = [_mm512_setzero_si512(); R];
                 let mut mins = [_mm512_setzero_si512(); R];
                 for j in 0..8 {
+                    if spread {
+                        ahead(tile, q2k::BYTES, j);
+                    }
                     let w = bit_pairs(tile.add(q2k::QL + 128 * j));
                     // Scale in the low nibble, minimum in the high one, a lane per row.
                     let s_lo = lanes::<false>(tile.add(q2k::SC + 32 * j));
