@@ -556,9 +556,9 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 /// read them: the whole next tile column at once (`column`), or the k-quant kernels each
 /// super-block's successor an eighth at a time (`spread`). The column pays on AMD's Zen 5
 /// (decoding 10-20% faster, docs/PERFORMANCE.md) and measured level on Zen 3; on an Intel
-/// Ice Lake Xeon its ~100 prefetches at once stall the thread (each holds a line fill
+/// Ice Lake Xeon its 110-630 prefetches at once stall the thread (each holds a line fill
 /// buffer until its line arrives: 28% of a GPT-2 q4_0 decoding profile on the loop issuing
-/// them), decoding at 0.44x (q4_K_M) and 0.66x (q4_0) of the same build without them,
+/// them), decoding at 0.50x (q4_K_M) and 0.67x (q4_0) of the same build without them,
 /// where the spread requests took the k-quants 1.24-1.31x faster than none (the legacy
 /// formats' two streams gained nothing from them). So AMD CPUs take the column and others
 /// the spread requests; the unit tests take both.
