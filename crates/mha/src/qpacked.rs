@@ -583,12 +583,11 @@ fn amd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        cfg!(test)
-            || *AMD.get_or_init(|| {
-                // The vendor string, "AuthenticAMD", in EBX, EDX, ECX of leaf 0.
-                let id = std::arch::x86_64::__cpuid(0);
-                [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163]
-            })
+        *AMD.get_or_init(|| {
+            // The vendor string, "AuthenticAMD", in EBX, EDX, ECX of leaf 0.
+            let id = std::arch::x86_64::__cpuid(0);
+            [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163]
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
