@@ -7,8 +7,9 @@ A and B are each a `gpt` binary path, optionally followed by environment setting
 separated by spaces, e.g. `"/tmp/gpt-old"` and `"target/release/gpt"`, or
 `"target/release/gpt"` and `"target/release/gpt MIMALLOC_LARGE_OS_PAGES=1"`. Each of the
 N rounds runs A then B once (`gpt bench --prompt-len 16 --new-tokens 128 --runs 1
---threads 2`, on --model); the medians and the median of the N ratios B/A are printed.
-Needs only the Python standard library.
+--threads 2`, on $AB_MODEL); the medians and the median of the N ratios B/A are printed.
+With AB_WORK=prefill the work is a prefill of 512 tokens instead (`--prompt-len 512
+--new-tokens 0`), and its speed is compared. Needs only the Python standard library.
 """
 import json
 import os
@@ -23,15 +24,18 @@ if "--" in args:
     args = args[:args.index("--")]
 n, configs = int(args[0]), args[1:3]
 model = os.environ.get("AB_MODEL", "/tmp/gpt2-124m-random")
+prefill = os.environ.get("AB_WORK", "decode") == "prefill"
+shape = ["512", "0"] if prefill else ["16", "128"]
+metric = "prefill_tokens_per_s" if prefill else "decode_tokens_per_s"
 res = [[], []]
 for _ in range(n):
     for k, config in enumerate(configs):
         binary, *settings = config.split()
         env = dict(os.environ, **dict(s.split("=", 1) for s in settings))
-        cmd = [binary, "bench", "--model", model, "--prompt-len", "16", "--new-tokens", "128",
+        cmd = [binary, "bench", "--model", model, "--prompt-len", shape[0], "--new-tokens", shape[1],
                "--runs", "1", "--threads", "2", "--format", "json", *extra]
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-        res[k].append(json.loads(out)["decode_tokens_per_s"])
+        res[k].append(json.loads(out)[metric])
 for config, r in zip(configs, res):
     print(f"{config!r:50} median {statistics.median(r):.1f} tok/s  {[round(x, 1) for x in r]}")
 ratios = [b / a for a, b in zip(*res)]

@@ -161,7 +161,9 @@ fn bench_prefill(c: &mut Criterion) {
         GgmlDType::Q4_0,
         GgmlDType::Q5_0,
         GgmlDType::Q4K,
+        GgmlDType::Q5K,
         GgmlDType::Q6K,
+        GgmlDType::Q3K,
     ];
     for dtype in dtypes {
         for (name, d_in, d_out) in [("c_fc_768x3072", 768, 3072), ("c_proj_3072x768", 3072, 768)] {
