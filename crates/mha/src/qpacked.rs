@@ -465,16 +465,34 @@ struct SuperRows {
     d: Vec<f32>,
     /// `[m, k / 16]`.
     sum: Vec<i32>,
+    /// `[m, k / 32]`: the sums of 32 (exact in f32), for the two-column prefill kernels'
+    /// minima (`x86::q4k_pair`).
+    sum32: Vec<f32>,
     k: usize,
 }
 
 impl SuperRows {
     fn new(x: &[f32], k: usize) -> Self {
         let (q, d, sum) = quantize_in_parts(x, QK_K, QK_K / 16, quantize_super);
-        Self { q, d, sum, k }
+        let sum32 = sum.chunks_exact(2).map(|s| (s[0] + s[1]) as f32).collect();
+        Self {
+            q,
+            d,
+            sum,
+            sum32,
+            k,
+        }
     }
 
-    /// Row `r`: its values, scales and sums of 16.
+    /// Row `r`'s sums of 32 values.
+    #[inline(always)]
+    fn sums32(&self, r: usize) -> &[f32] {
+        &self.sum32[r * self.k / QK..][..self.k / QK]
+    }
+
+    /// Row `r`: its values, scales and sums of 16. (Inlined: the kernels look rows up
+    /// per call, four rows of one tile column, and the call was 5% of a q5_K prefill.)
+    #[inline(always)]
     fn row(&self, r: usize) -> (&[i8], &[f32], &[i32]) {
         (
             &self.q[r * self.k..][..self.k],
@@ -815,8 +833,19 @@ impl Packed {
             self.format,
             Format::Q5_0 | Format::Q5_1 | Format::Q5K | Format::Q6K | Format::Q3K
         );
-        let unpack = level >= Level::Avx2 && planes && m >= UNPACK_ROWS;
-        let need = if unpack { self.k * TILE } else { 0 };
+        // With AVX-512 VNNI a prefill takes the tiles of q4_K, q5_K, q6_K and q3_K two
+        // columns at a time (`x86::q4k_pair`), from their operands unpacked ahead: each
+        // value of `x` is broadcast once for 32 outputs.
+        let pair = level == Level::Avx512Vnni
+            && m >= UNPACK_ROWS
+            && matches!(
+                self.format,
+                Format::Q4K | Format::Q5K | Format::Q6K | Format::Q3K
+            );
+        let unpack = level >= Level::Avx2 && (planes || pair) && m >= UNPACK_ROWS;
+        // Bytes of one column's operands.
+        let per = if unpack { self.k * TILE } else { 0 };
+        let need = if pair { 2 * per } else { per };
         // Each thread takes a contiguous range of tiles (read as two streams when decoding
         // the legacy formats, below). (Four
         // parts per thread, as the dense decoding products take, measured slower here:
@@ -853,9 +882,10 @@ impl Packed {
                 // Decoding through the legacy formats reads two columns of tiles together,
                 // tile j of the range's first half beside tile j of its second: two streams
                 // through memory (see `x86::legacy_rows`), which replace the prefetch below
-                // (SmolLM-135M q4_0 with both 0.98×, with the streams alone 1.12×). A
-                // prefill's unpacked operands and the k-quants' kernels (two columns: 0.88–
-                // 1.07×) take one column at a time, in order.
+                // (SmolLM-135M q4_0 with both 0.98×, with the streams alone 1.12×). The
+                // k-quants' decoding kernels (two columns: 0.88–1.07×) and a prefill's
+                // unpacked operands take the range in order: one column at a time, or
+                // two neighbours (`pair`).
                 let half = match pairs {
                     true => (hi - lo) / 2,
                     false => 0,
@@ -864,24 +894,35 @@ impl Packed {
                     let (a, b) = (lo + j, lo + half + j);
                     self.columns([t0 + a, t0 + b], &[], x, m, &cols, out, level, false);
                 }
-                for t in lo + 2 * half..hi {
+                let mut t = lo + 2 * half;
+                while t < hi {
                     if stream && ahead.column && t + 1 < hi {
                         prefetch(self.tiles(t0 + t + 1));
                     }
+                    // Two columns at once (`pair`), while two are left.
+                    let count = if pair && t + 1 < hi { 2 } else { 1 };
                     #[cfg(target_arch = "x86_64")]
                     if unpack {
-                        // SAFETY: `unpack` is only set at a level of kernels (at most the
-                        // CPU's); `ops` holds k·16 bytes, 512 per block of 32 values.
-                        unsafe {
-                            match level {
-                                Level::Avx512Vnni => {
-                                    x86::unpack(self.format, self.tiles(t0 + t), ops)
+                        for (c, ops) in ops.chunks_exact_mut(per).take(count).enumerate() {
+                            let tiles = self.tiles(t0 + t + c);
+                            // SAFETY: `unpack` is only set at a level of kernels (at most
+                            // the CPU's); `ops` holds k·16 bytes, 512 per block of 32 values.
+                            unsafe {
+                                match level {
+                                    Level::Avx512Vnni => x86::unpack(self.format, tiles, ops),
+                                    _ => x86::unpack_avx2(self.format, tiles, ops),
                                 }
-                                _ => x86::unpack_avx2(self.format, self.tiles(t0 + t), ops),
-                            }
-                        };
+                            };
+                        }
                     }
-                    self.columns([t0 + t], ops, x, m, &cols, out, level, spread);
+                    if count == 2 {
+                        let ts = [t0 + t, t0 + t + 1];
+                        self.columns(ts, ops, x, m, &cols, out, level, false);
+                    } else {
+                        let ops = &ops[..per];
+                        self.columns([t0 + t], ops, x, m, &cols, out, level, spread);
+                    }
+                    t += count;
                 }
             })
         });
@@ -910,13 +951,15 @@ impl Packed {
     ) {
         let tiles = t.map(|t| self.tiles(t));
         let width = cols.len();
+        // (Made once: each pass writes its rows. Zeroed per pass, it was a `memset` call
+        // per four rows of `x`, 11% of a q5_K prefill.)
+        let mut y = [[[0f32; TILE]; 4]; T];
         let mut r = 0;
         while r < m {
             // Up to four rows of `x` per pass over the tiles' blocks (from L1): four
             // independent sums in flight, each tile's loads shared. (Eight rows per pass
             // prefilled 10-20% slower: registers run out.)
             let rows = (m - r).min(4);
-            let mut y = [[[0f32; TILE]; 4]; T];
             tile_rows(
                 self.format,
                 tiles,
@@ -983,12 +1026,13 @@ struct SharedOut(*mut f32);
 // outlives them (`map_ranges` returns when they are done).
 unsafe impl Sync for SharedOut {}
 
-/// `y[c][j] += x row r + j · tile rows of column c`, for `rows` (1–4) rows of `x` and `T`
-/// (1 or 2) columns of tiles, with the kernels of `level`; `ops` holds the (one) column's
-/// operands unpacked by `x86::unpack` (`unpack_avx2` at the AVX2 level), or is empty. The
-/// legacy formats' kernel reads two columns together; the k-quants' take them one after
-/// the other. With `spread`, the AVX-512 k-quant kernels ask for each super-block's
-/// successor while they work on it (see `Ahead`).
+/// `y[c][j] = x row r + j · tile rows of column c`, for `rows` (1–4) rows of `x` and `T`
+/// (1 or 2) columns of tiles, with the kernels of `level`; `ops` holds the columns'
+/// operands unpacked by `x86::unpack` (`unpack_avx2` at the AVX2 level) one after the
+/// other, or is empty. The legacy formats' kernel reads two columns together; the
+/// k-quants' take them one after the other, but for two columns unpacked (a prefill's
+/// with AVX-512 VNNI, `x86::q4k_pair`). With `spread`, the AVX-512 k-quant kernels ask
+/// for each super-block's successor while they work on it (see `Ahead`).
 #[allow(clippy::too_many_arguments)]
 fn tile_rows<const T: usize>(
     format: Format,
@@ -1100,6 +1144,28 @@ fn tile_rows<const T: usize>(
                 (Format::Q5_1, XRows::Blocks(x)) => {
                     by_rows!(legacy::<R, 5, true, T>(tiles, ops, x, r, y))
                 }
+                (format, XRows::Super(x)) if T == 2 && !ops.is_empty() => {
+                    // Two columns' operands, unpacked ahead one after the other (a
+                    // prefill's, see `Packed::product`).
+                    use x86::{q4k_pair, q6k_pair};
+                    let (a, b) = ops.split_at(ops.len() / 2);
+                    let mut y = y.into_iter();
+                    let (Some(y0), Some(y1)) = (y.next(), y.next()) else {
+                        unreachable!("two columns")
+                    };
+                    let (tiles, ops) = ([tiles[0], tiles[1]], [a, b]);
+                    match format {
+                        Format::Q4K => {
+                            by_rows!(q4k_pair::<R>(q4k::BYTES, tiles, ops, x, r, [y0, y1]))
+                        }
+                        Format::Q5K => {
+                            by_rows!(q4k_pair::<R>(q4k::Q5_BYTES, tiles, ops, x, r, [y0, y1]))
+                        }
+                        Format::Q6K => by_rows!(q6k_pair::<R, false>(tiles, ops, x, r, [y0, y1])),
+                        Format::Q3K => by_rows!(q6k_pair::<R, true>(tiles, ops, x, r, [y0, y1])),
+                        _ => unreachable!("{format:?} tiles two columns at a time"),
+                    }
+                }
                 (format, XRows::Super(x)) => {
                     for (tiles, y) in tiles.into_iter().zip(y) {
                         match format {
@@ -1139,6 +1205,7 @@ fn scalar_rows(
         f16::from_le_bytes([t[at + 2 * row], t[at + 2 * row + 1]]).to_f32()
     };
     for (j, y) in y.iter_mut().enumerate().take(rows) {
+        *y = [0.0; TILE];
         for (b, tile) in tiles.chunks_exact(size).enumerate() {
             let values = format.values();
             for (row, y) in y.iter_mut().enumerate() {
@@ -1447,11 +1514,14 @@ mod x86 {
     fn super_rows<const R: usize>(x: &SuperRows, r: usize, blocks: usize) -> [XRow; R] {
         std::array::from_fn(|j| {
             let (q, d, s) = x.row(r + j);
+            let f = x.sums32(r + j);
             assert!(q.len() >= blocks * QK_K && d.len() >= blocks && s.len() >= blocks * 16);
+            assert!(f.len() >= blocks * 8);
             XRow {
                 q: q.as_ptr(),
                 d: d.as_ptr(),
                 s: s.as_ptr(),
+                f: f.as_ptr(),
             }
         })
     }
@@ -1463,6 +1533,8 @@ mod x86 {
         q: *const i8,
         d: *const f32,
         s: *const i32,
+        /// Sums of 32.
+        f: *const f32,
     }
 
     /// Sixteen bytes at `p` as 32-bit lanes, unsigned or (`SIGNED`) signed.
@@ -1552,6 +1624,175 @@ mod x86 {
         for (y, acc) in y.iter_mut().zip(acc) {
             // SAFETY: 16 floats to a [f32; 16].
             unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
+        }
+    }
+
+    /// `R` rows of `x` against two columns of q4_K or q5_K tiles (of `size` bytes), from
+    /// their operands unpacked ahead (a prefill's, `ops`), into `y` (zeroed). Each value
+    /// of `x` is broadcast once for both columns: a `vpdpbusd` taking its broadcast from
+    /// memory ran at half the rate of one taking it from a register (1 against 1.7-2 per
+    /// cycle on an Ice Lake Xeon, whose two vector ports both run them). Per sub-block and
+    /// row the sums take a conversion and a multiply-add by the scales as floats, the
+    /// minima a multiply-add of the sum of 32 values of `x`: the integer multiplies of
+    /// [`q4k_rows`] took two µops each of the ports every `vpdpbusd` needs. (Sums in f32
+    /// within a super-block, where ggml's are integers: the same to rounding.)
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn q4k_pair<const R: usize>(
+        size: usize,
+        tiles: [&[u8]; 2],
+        ops: [&[u8]; 2],
+        x: &SuperRows,
+        r: usize,
+        y: [&mut [[f32; TILE]; 4]; 2],
+    ) {
+        let nb = tiles[0].len() / size;
+        assert!(tiles[1].len() >= nb * size);
+        assert!(ops.iter().all(|o| o.len() >= nb * 8 * 512));
+        let xs = super_rows::<R>(x, r, nb);
+        let mut acc = [[_mm512_setzero_ps(); R]; 2];
+        for b in 0..nb {
+            // SAFETY: tile b of each column is `size` readable bytes and its operands
+            // 8 · 512 bytes of `ops` (asserted); super-block b of each row of `x` is in
+            // bounds (`super_rows`).
+            unsafe {
+                let tile = [
+                    tiles[0].as_ptr().add(b * size),
+                    tiles[1].as_ptr().add(b * size),
+                ];
+                let (mut d, mut dmin) = ([_mm512_setzero_ps(); 2], [_mm512_setzero_ps(); 2]);
+                for c in 0..2 {
+                    d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(tile[c].cast()));
+                    dmin[c] = _mm512_cvtph_ps(_mm256_loadu_si256(tile[c].add(q4k::DMIN).cast()));
+                }
+                let mut sums = [[_mm512_setzero_ps(); R]; 2];
+                for j in 0..8 {
+                    let mut sc = [_mm512_setzero_ps(); 2];
+                    let mut m = [_mm512_setzero_ps(); 2];
+                    for c in 0..2 {
+                        let s = _mm512_cvtepi32_ps(lanes::<false>(tile[c].add(q4k::SC + 16 * j)));
+                        sc[c] = _mm512_mul_ps(d[c], s);
+                        let v = _mm512_cvtepi32_ps(lanes::<false>(tile[c].add(q4k::MIN + 16 * j)));
+                        m[c] = _mm512_mul_ps(dmin[c], v);
+                    }
+                    let at = (8 * b + j) * 512;
+                    let w = [ops[0].as_ptr().add(at), ops[1].as_ptr().add(at)];
+                    let mut s = [[_mm512_setzero_si512(); R]; 2];
+                    for g in 0..8 {
+                        let w0 = _mm512_loadu_si512(w[0].add(64 * g).cast());
+                        let w1 = _mm512_loadu_si512(w[1].add(64 * g).cast());
+                        for i in 0..R {
+                            let p = xs[i].q.add(b * QK_K + QK * j + 4 * g).cast::<i32>();
+                            let v = _mm512_set1_epi32(p.read_unaligned());
+                            s[0][i] = _mm512_dpbusd_epi32(s[0][i], w0, v);
+                            s[1][i] = _mm512_dpbusd_epi32(s[1][i], w1, v);
+                        }
+                    }
+                    for i in 0..R {
+                        let xsum = _mm512_set1_ps(*xs[i].f.add(8 * b + j));
+                        for c in 0..2 {
+                            let v = _mm512_cvtepi32_ps(s[c][i]);
+                            sums[c][i] = _mm512_fmadd_ps(v, sc[c], sums[c][i]);
+                            sums[c][i] = _mm512_fnmadd_ps(m[c], xsum, sums[c][i]);
+                        }
+                    }
+                }
+                for i in 0..R {
+                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
+                    for c in 0..2 {
+                        acc[c][i] = _mm512_fmadd_ps(sums[c][i], dx, acc[c][i]);
+                    }
+                }
+            }
+        }
+        for (y, acc) in y.into_iter().zip(acc) {
+            for (y, acc) in y.iter_mut().zip(acc) {
+                // SAFETY: 16 floats to a [f32; 16].
+                unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
+            }
+        }
+    }
+
+    /// [`q4k_pair`] for q6_K (`Q3`: q3_K): two columns from operands unpacked ahead, each
+    /// value of `x` broadcast once for both; per half sub-block (16 values, one scale) and
+    /// row the sums start at the offset (32 or 4) times the half's sum of `x`, then take a
+    /// conversion and a multiply-add by the scale as a float.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn q6k_pair<const R: usize, const Q3: bool>(
+        tiles: [&[u8]; 2],
+        ops: [&[u8]; 2],
+        x: &SuperRows,
+        r: usize,
+        y: [&mut [[f32; TILE]; 4]; 2],
+    ) {
+        let (size, offset) = if Q3 {
+            (q3k::BYTES, 4)
+        } else {
+            (q6k::BYTES, 32)
+        };
+        let nb = tiles[0].len() / size;
+        assert!(tiles[1].len() >= nb * size);
+        assert!(ops.iter().all(|o| o.len() >= nb * 8 * 512));
+        let xs = super_rows::<R>(x, r, nb);
+        let mut acc = [[_mm512_setzero_ps(); R]; 2];
+        for b in 0..nb {
+            // SAFETY: as in `q4k_pair`.
+            unsafe {
+                let tile = [
+                    tiles[0].as_ptr().add(b * size),
+                    tiles[1].as_ptr().add(b * size),
+                ];
+                let mut d = [_mm512_setzero_ps(); 2];
+                for c in 0..2 {
+                    d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(tile[c].cast()));
+                }
+                let mut sums = [[_mm512_setzero_ps(); R]; 2];
+                for j in 0..8 {
+                    let at = (8 * b + j) * 512;
+                    let w = [ops[0].as_ptr().add(at), ops[1].as_ptr().add(at)];
+                    for h in 0..2 {
+                        // (The scales lie at the same place in both tiles.)
+                        let mut sc = [_mm512_setzero_ps(); 2];
+                        for c in 0..2 {
+                            let s = lanes::<true>(tile[c].add(q6k::SC + 32 * j + 16 * h));
+                            sc[c] = _mm512_mul_ps(d[c], _mm512_cvtepi32_ps(s));
+                        }
+                        let mut s = [[_mm512_setzero_si512(); R]; 2];
+                        for i in 0..R {
+                            let sum = *xs[i].s.add(16 * b + 2 * j + h);
+                            let init = _mm512_set1_epi32(-offset * sum);
+                            (s[0][i], s[1][i]) = (init, init);
+                        }
+                        for g in 4 * h..4 * h + 4 {
+                            let w0 = _mm512_loadu_si512(w[0].add(64 * g).cast());
+                            let w1 = _mm512_loadu_si512(w[1].add(64 * g).cast());
+                            for i in 0..R {
+                                let p = xs[i].q.add(b * QK_K + QK * j + 4 * g).cast::<i32>();
+                                let v = _mm512_set1_epi32(p.read_unaligned());
+                                s[0][i] = _mm512_dpbusd_epi32(s[0][i], w0, v);
+                                s[1][i] = _mm512_dpbusd_epi32(s[1][i], w1, v);
+                            }
+                        }
+                        for c in 0..2 {
+                            for i in 0..R {
+                                let v = _mm512_cvtepi32_ps(s[c][i]);
+                                sums[c][i] = _mm512_fmadd_ps(v, sc[c], sums[c][i]);
+                            }
+                        }
+                    }
+                }
+                for i in 0..R {
+                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
+                    for c in 0..2 {
+                        acc[c][i] = _mm512_fmadd_ps(sums[c][i], dx, acc[c][i]);
+                    }
+                }
+            }
+        }
+        for (y, acc) in y.into_iter().zip(acc) {
+            for (y, acc) in y.iter_mut().zip(acc) {
+                // SAFETY: 16 floats to a [f32; 16].
+                unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
+            }
         }
     }
 
@@ -2467,8 +2708,11 @@ mod tests {
                 // Split across threads, a partial tile at either end.
                 (5, 200, 2, 23..190),
                 // A prefill: each column's operands unpacked once (UNPACK_ROWS), for three
-                // passes of four rows and one of one, on several threads.
+                // passes of four rows and one of one, on several threads; the k-quants'
+                // two columns at a time (with AVX-512 VNNI), and an odd one left.
                 (13, 200, 3, 23..190),
+                (11, 64, 2, 0..64),
+                (10, 48, 1, 0..48),
             ]
             .map(|s| (d, s))
         }) {
