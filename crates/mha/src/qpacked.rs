@@ -833,15 +833,11 @@ impl Packed {
             self.format,
             Format::Q5_0 | Format::Q5_1 | Format::Q5K | Format::Q6K | Format::Q3K
         );
-        // With AVX-512 VNNI a prefill takes the tiles of q4_K, q5_K, q6_K and q3_K two
-        // columns at a time (`x86::q4k_pair`), from their operands unpacked ahead: each
-        // value of `x` is broadcast once for 32 outputs.
-        let pair = level == Level::Avx512Vnni
-            && m >= UNPACK_ROWS
-            && matches!(
-                self.format,
-                Format::Q4K | Format::Q5K | Format::Q6K | Format::Q3K
-            );
+        // With AVX-512 VNNI a prefill takes the tiles (of every format but q2_K, whose
+        // operands are two-bit fields) two columns at a time (`x86::q4k_pair`), from
+        // their operands unpacked ahead: each value of `x` is broadcast once for 32
+        // outputs.
+        let pair = level == Level::Avx512Vnni && m >= UNPACK_ROWS && self.format != Format::Q2K;
         let unpack = level >= Level::Avx2 && (planes || pair) && m >= UNPACK_ROWS;
         // Bytes of one column's operands.
         let per = if unpack { self.k * TILE } else { 0 };
@@ -1129,6 +1125,25 @@ fn tile_rows<const T: usize>(
                 };
             }
             match (format, x) {
+                (format, XRows::Blocks(x)) if T == 2 && !ops.is_empty() => {
+                    // Two columns' operands, unpacked ahead one after the other (a
+                    // prefill's, see `Packed::product`).
+                    use x86::legacy_pair as pair;
+                    let (a, b) = ops.split_at(ops.len() / 2);
+                    let mut y = y.into_iter();
+                    let (Some(y0), Some(y1)) = (y.next(), y.next()) else {
+                        unreachable!("two columns")
+                    };
+                    let (t, o) = ([tiles[0], tiles[1]], [a, b]);
+                    match format {
+                        Format::Q8_0 => by_rows!(pair::<R, 8, false>(t, o, x, r, [y0, y1])),
+                        Format::Q4_0 => by_rows!(pair::<R, 4, false>(t, o, x, r, [y0, y1])),
+                        Format::Q5_0 => by_rows!(pair::<R, 5, false>(t, o, x, r, [y0, y1])),
+                        Format::Q4_1 => by_rows!(pair::<R, 4, true>(t, o, x, r, [y0, y1])),
+                        Format::Q5_1 => by_rows!(pair::<R, 5, true>(t, o, x, r, [y0, y1])),
+                        _ => unreachable!("{format:?} tiles with rows of x as q8_0"),
+                    }
+                }
                 (Format::Q8_0, XRows::Blocks(x)) => {
                     by_rows!(legacy::<R, 8, false, T>(tiles, ops, x, r, y))
                 }
@@ -1931,6 +1946,89 @@ mod x86 {
         for (y, acc) in y.iter_mut().zip(acc) {
             // SAFETY: 16 floats to a [f32; 16].
             unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
+        }
+    }
+
+    /// [`legacy_rows`] for a prefill: `R` rows of `x` against two columns of tiles from
+    /// their operands unpacked ahead (`ops`), each value of `x` broadcast once into a
+    /// register for both (as [`q4k_pair`]).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn legacy_pair<const R: usize, const BITS: u8, const MIN: bool>(
+        tiles: [&[u8]; 2],
+        ops: [&[u8]; 2],
+        x: &QRows,
+        r: usize,
+        y: [&mut [[f32; TILE]; 4]; 2],
+    ) {
+        let head = if MIN { 2 * SCALES } else { SCALES };
+        let (size, offset) = match (BITS, MIN) {
+            (4, false) => (head + 256, 8),
+            (5, false) => (head + 256 + 64, 16),
+            (4, true) => (head + 256, 0),
+            (5, true) => (head + 256 + 64, 0),
+            _ => (head + 512, 128),
+        };
+        let nb = tiles[0].len() / size;
+        assert!(tiles[1].len() >= nb * size);
+        assert!(ops.iter().all(|o| o.len() >= nb * 512));
+        let mut xq = [std::ptr::null::<i8>(); R];
+        let mut xd = [std::ptr::null::<f32>(); R];
+        let mut xs = [std::ptr::null::<i32>(); R];
+        for j in 0..R {
+            let (q, d, s) = x.row(r + j);
+            assert!(q.len() >= nb * QK && d.len() >= nb && s.len() >= nb);
+            (xq[j], xd[j], xs[j]) = (q.as_ptr(), d.as_ptr(), s.as_ptr());
+        }
+        let mut acc = [[_mm512_setzero_ps(); R]; 2];
+        for b in 0..nb {
+            // SAFETY: tile b of each column is `size` readable bytes and its operands 512
+            // bytes of `ops`; block b of each row of `x` is in bounds (asserted above).
+            unsafe {
+                let tile = [
+                    tiles[0].as_ptr().add(b * size),
+                    tiles[1].as_ptr().add(b * size),
+                ];
+                let (mut d, mut m) = ([_mm512_setzero_ps(); 2], [_mm512_setzero_ps(); 2]);
+                for c in 0..2 {
+                    d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(tile[c].cast()));
+                    m[c] = _mm512_cvtph_ps(_mm256_loadu_si256(tile[c].add(SCALES).cast()));
+                }
+                let w = [ops[0].as_ptr().add(b * 512), ops[1].as_ptr().add(b * 512)];
+                let mut s = [[_mm512_setzero_si512(); R]; 2];
+                for i in 0..R {
+                    // The operands' offset times the sum of `x`, shared by both columns.
+                    let init = _mm512_set1_epi32(-offset * *xs[i].add(b));
+                    (s[0][i], s[1][i]) = (init, init);
+                }
+                for g in 0..8 {
+                    let w0 = _mm512_loadu_si512(w[0].add(64 * g).cast());
+                    let w1 = _mm512_loadu_si512(w[1].add(64 * g).cast());
+                    for i in 0..R {
+                        let v = _mm512_set1_epi32(
+                            xq[i].add(b * QK + 4 * g).cast::<i32>().read_unaligned(),
+                        );
+                        s[0][i] = _mm512_dpbusd_epi32(s[0][i], w0, v);
+                        s[1][i] = _mm512_dpbusd_epi32(s[1][i], w1, v);
+                    }
+                }
+                for i in 0..R {
+                    let dx = _mm512_set1_ps(*xd[i].add(b));
+                    let xsum = _mm512_set1_ps(*xd[i].add(b) * *xs[i].add(b) as f32);
+                    for c in 0..2 {
+                        let v = _mm512_cvtepi32_ps(s[c][i]);
+                        acc[c][i] = _mm512_fmadd_ps(v, _mm512_mul_ps(d[c], dx), acc[c][i]);
+                        if MIN {
+                            acc[c][i] = _mm512_fmadd_ps(m[c], xsum, acc[c][i]);
+                        }
+                    }
+                }
+            }
+        }
+        for (y, acc) in y.into_iter().zip(acc) {
+            for (y, acc) in y.iter_mut().zip(acc) {
+                // SAFETY: 16 floats to a [f32; 16].
+                unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
+            }
         }
     }
 
