@@ -1656,6 +1656,44 @@ mod x86 {
         }
     }
 
+    /// `s[c][i] += Σ_g w[c] group g · x[i] group g` over `groups` (of 4 values) of one
+    /// block of 32: two columns' operands at `w` (64 bytes per group), rows of `x` at `x`
+    /// (the block's first value). Each 4 bytes of `x` are broadcast into a register once
+    /// for both columns (see [`q4k_pair`]).
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    #[inline]
+    unsafe fn pair_groups<const R: usize>(
+        w: [*const u8; 2],
+        x: [*const i8; R],
+        groups: std::ops::Range<usize>,
+        s: &mut [[__m512i; R]; 2],
+    ) {
+        for g in groups {
+            // SAFETY (caller): the groups' operands at `w` and values at `x` are readable.
+            unsafe {
+                let w0 = _mm512_loadu_si512(w[0].add(64 * g).cast());
+                let w1 = _mm512_loadu_si512(w[1].add(64 * g).cast());
+                for i in 0..R {
+                    let v = _mm512_set1_epi32(x[i].add(4 * g).cast::<i32>().read_unaligned());
+                    s[0][i] = _mm512_dpbusd_epi32(s[0][i], w0, v);
+                    s[1][i] = _mm512_dpbusd_epi32(s[1][i], w1, v);
+                }
+            }
+        }
+    }
+
+    /// The two columns' sums of `R` rows into `y`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn store_pair<const R: usize>(y: [&mut [[f32; TILE]; 4]; 2], acc: [[__m512; R]; 2]) {
+        for (y, acc) in y.into_iter().zip(acc) {
+            for (y, acc) in y.iter_mut().zip(acc) {
+                // SAFETY: 16 floats to a [f32; 16].
+                unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
+            }
+        }
+    }
+
     /// `R` rows of `x` against two columns of q4_K or q5_K tiles (of `size` bytes), from
     /// their operands unpacked ahead (a prefill's, `ops`), into `y` (zeroed). Each value
     /// of `x` is broadcast once for both columns: a `vpdpbusd` taking its broadcast from
@@ -1706,16 +1744,8 @@ mod x86 {
                     let at = (8 * b + j) * 512;
                     let w = [ops[0].as_ptr().add(at), ops[1].as_ptr().add(at)];
                     let mut s = [[_mm512_setzero_si512(); R]; 2];
-                    for g in 0..8 {
-                        let w0 = _mm512_loadu_si512(w[0].add(64 * g).cast());
-                        let w1 = _mm512_loadu_si512(w[1].add(64 * g).cast());
-                        for i in 0..R {
-                            let p = xs[i].q.add(b * QK_K + QK * j + 4 * g).cast::<i32>();
-                            let v = _mm512_set1_epi32(p.read_unaligned());
-                            s[0][i] = _mm512_dpbusd_epi32(s[0][i], w0, v);
-                            s[1][i] = _mm512_dpbusd_epi32(s[1][i], w1, v);
-                        }
-                    }
+                    let x = xs.map(|x| x.q.add(b * QK_K + QK * j));
+                    pair_groups(w, x, 0..8, &mut s);
                     for i in 0..R {
                         let xsum = _mm512_set1_ps(*xs[i].f.add(8 * b + j));
                         for c in 0..2 {
@@ -1733,12 +1763,8 @@ mod x86 {
                 }
             }
         }
-        for (y, acc) in y.into_iter().zip(acc) {
-            for (y, acc) in y.iter_mut().zip(acc) {
-                // SAFETY: 16 floats to a [f32; 16].
-                unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
-            }
-        }
+        // SAFETY: this function enables AVX-512F, all that `store_pair` needs.
+        unsafe { store_pair(y, acc) };
     }
 
     /// [`q4k_pair`] for q6_K (`Q3`: q3_K): two columns from operands unpacked ahead, each
@@ -1791,16 +1817,8 @@ mod x86 {
                             let init = _mm512_set1_epi32(-offset * sum);
                             (s[0][i], s[1][i]) = (init, init);
                         }
-                        for g in 4 * h..4 * h + 4 {
-                            let w0 = _mm512_loadu_si512(w[0].add(64 * g).cast());
-                            let w1 = _mm512_loadu_si512(w[1].add(64 * g).cast());
-                            for i in 0..R {
-                                let p = xs[i].q.add(b * QK_K + QK * j + 4 * g).cast::<i32>();
-                                let v = _mm512_set1_epi32(p.read_unaligned());
-                                s[0][i] = _mm512_dpbusd_epi32(s[0][i], w0, v);
-                                s[1][i] = _mm512_dpbusd_epi32(s[1][i], w1, v);
-                            }
-                        }
+                        let x = xs.map(|x| x.q.add(b * QK_K + QK * j));
+                        pair_groups(w, x, 4 * h..4 * h + 4, &mut s);
                         for c in 0..2 {
                             for i in 0..R {
                                 let v = _mm512_cvtepi32_ps(s[c][i]);
@@ -1817,12 +1835,8 @@ mod x86 {
                 }
             }
         }
-        for (y, acc) in y.into_iter().zip(acc) {
-            for (y, acc) in y.iter_mut().zip(acc) {
-                // SAFETY: 16 floats to a [f32; 16].
-                unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
-            }
-        }
+        // SAFETY: this function enables AVX-512F, all that `store_pair` needs.
+        unsafe { store_pair(y, acc) };
     }
 
     /// `R` rows of `x` against one column of q6_K (`Q3`: q3_K) tiles, as ggml's q6_K ·
@@ -2014,17 +2028,7 @@ mod x86 {
                     let init = _mm512_set1_epi32(-offset * *xs[i].add(b));
                     (s[0][i], s[1][i]) = (init, init);
                 }
-                for g in 0..8 {
-                    let w0 = _mm512_loadu_si512(w[0].add(64 * g).cast());
-                    let w1 = _mm512_loadu_si512(w[1].add(64 * g).cast());
-                    for i in 0..R {
-                        let v = _mm512_set1_epi32(
-                            xq[i].add(b * QK + 4 * g).cast::<i32>().read_unaligned(),
-                        );
-                        s[0][i] = _mm512_dpbusd_epi32(s[0][i], w0, v);
-                        s[1][i] = _mm512_dpbusd_epi32(s[1][i], w1, v);
-                    }
-                }
+                pair_groups(w, xq.map(|x| x.add(b * QK)), 0..8, &mut s);
                 for i in 0..R {
                     let dx = _mm512_set1_ps(*xd[i].add(b));
                     let xsum = _mm512_set1_ps(*xd[i].add(b) * *xs[i].add(b) as f32);
@@ -2038,12 +2042,8 @@ mod x86 {
                 }
             }
         }
-        for (y, acc) in y.into_iter().zip(acc) {
-            for (y, acc) in y.iter_mut().zip(acc) {
-                // SAFETY: 16 floats to a [f32; 16].
-                unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
-            }
-        }
+        // SAFETY: this function enables AVX-512F, all that `store_pair` needs.
+        unsafe { store_pair(y, acc) };
     }
 
     /// `R` rows of `x` (from row `r`) against `T` columns of tiles of `BITS`-bit values
