@@ -833,11 +833,10 @@ impl Packed {
             self.format,
             Format::Q5_0 | Format::Q5_1 | Format::Q5K | Format::Q6K | Format::Q3K
         );
-        // With AVX-512 VNNI a prefill takes the tiles (of every format but q2_K, whose
-        // operands are two-bit fields) two columns at a time (`x86::q4k_pair`), from
-        // their operands unpacked ahead: each value of `x` is broadcast once for 32
-        // outputs.
-        let pair = level == Level::Avx512Vnni && m >= UNPACK_ROWS && self.format != Format::Q2K;
+        // With AVX-512 VNNI a prefill takes the tiles two columns at a time
+        // (`x86::q4k_pair`), from their operands unpacked ahead: each value of `x` is
+        // broadcast once for 32 outputs.
+        let pair = level == Level::Avx512Vnni && m >= UNPACK_ROWS;
         let unpack = level >= Level::Avx2 && (planes || pair) && m >= UNPACK_ROWS;
         // Bytes of one column's operands.
         let per = if unpack { self.k * TILE } else { 0 };
@@ -1165,7 +1164,7 @@ fn tile_rows<const T: usize>(
                 (format, XRows::Super(x)) if T == 2 && !ops.is_empty() => {
                     // Two columns' operands, unpacked ahead one after the other (a
                     // prefill's, see `Packed::product`).
-                    use x86::{q4k_pair, q6k_pair};
+                    use x86::{q2k_pair, q4k_pair, q6k_pair};
                     let (a, b) = ops.split_at(ops.len() / 2);
                     let mut y = y.into_iter();
                     let (Some(y0), Some(y1)) = (y.next(), y.next()) else {
@@ -1181,6 +1180,7 @@ fn tile_rows<const T: usize>(
                         }
                         Format::Q6K => by_rows!(q6k_pair::<R, false>(tiles, ops, x, r, [y0, y1])),
                         Format::Q3K => by_rows!(q6k_pair::<R, true>(tiles, ops, x, r, [y0, y1])),
+                        Format::Q2K => by_rows!(q2k_pair::<R>(tiles, ops, x, r, [y0, y1])),
                         _ => unreachable!("{format:?} tiles two columns at a time"),
                     }
                 }
@@ -1823,6 +1823,73 @@ mod x86 {
                             for i in 0..R {
                                 let v = _mm512_cvtepi32_ps(s[c][i]);
                                 sums[c][i] = _mm512_fmadd_ps(v, sc[c], sums[c][i]);
+                            }
+                        }
+                    }
+                }
+                for i in 0..R {
+                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
+                    for c in 0..2 {
+                        acc[c][i] = _mm512_fmadd_ps(sums[c][i], dx, acc[c][i]);
+                    }
+                }
+            }
+        }
+        // SAFETY: this function enables AVX-512F, all that `store_pair` needs.
+        unsafe { store_pair(y, acc) };
+    }
+
+    /// [`q4k_pair`] for q2_K: per half sub-block (16 values) and row, the sums take the
+    /// half's 4-bit scale and its minimum times the half's sum of `x`, as floats.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub unsafe fn q2k_pair<const R: usize>(
+        tiles: [&[u8]; 2],
+        ops: [&[u8]; 2],
+        x: &SuperRows,
+        r: usize,
+        y: [&mut [[f32; TILE]; 4]; 2],
+    ) {
+        let nb = tiles[0].len() / q2k::BYTES;
+        assert!(tiles[1].len() >= nb * q2k::BYTES);
+        assert!(ops[0].len() >= nb * 8 * 512 && ops[1].len() >= nb * 8 * 512);
+        let xs = super_rows::<R>(x, r, nb);
+        let low = _mm512_set1_epi32(15);
+        let mut acc = [[_mm512_setzero_ps(); R]; 2];
+        for b in 0..nb {
+            // SAFETY: as in `q4k_pair`.
+            unsafe {
+                let tile = [
+                    tiles[0].as_ptr().add(b * q2k::BYTES),
+                    tiles[1].as_ptr().add(b * q2k::BYTES),
+                ];
+                let (mut d, mut dmin) = ([_mm512_setzero_ps(); 2], [_mm512_setzero_ps(); 2]);
+                for c in 0..2 {
+                    d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(tile[c].cast()));
+                    dmin[c] = _mm512_cvtph_ps(_mm256_loadu_si256(tile[c].add(q2k::DMIN).cast()));
+                }
+                let mut sums = [[_mm512_setzero_ps(); R]; 2];
+                for j in 0..8 {
+                    let at = (8 * b + j) * 512;
+                    let w = [ops[0].as_ptr().add(at), ops[1].as_ptr().add(at)];
+                    for h in 0..2 {
+                        // Scale in the low nibble, minimum in the high one, a lane per row.
+                        let (mut sc, mut m) = ([_mm512_setzero_ps(); 2], [_mm512_setzero_ps(); 2]);
+                        for c in 0..2 {
+                            let v = lanes::<false>(tile[c].add(q2k::SC + 32 * j + 16 * h));
+                            let scale = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+                            sc[c] = _mm512_mul_ps(d[c], scale);
+                            let min = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                            m[c] = _mm512_mul_ps(dmin[c], min);
+                        }
+                        let mut s = [[_mm512_setzero_si512(); R]; 2];
+                        let x = xs.map(|x| x.q.add(b * QK_K + QK * j));
+                        pair_groups(w, x, 4 * h..4 * h + 4, &mut s);
+                        for i in 0..R {
+                            let xsum = _mm512_set1_ps(*xs[i].s.add(16 * b + 2 * j + h) as f32);
+                            for c in 0..2 {
+                                let v = _mm512_cvtepi32_ps(s[c][i]);
+                                sums[c][i] = _mm512_fmadd_ps(v, sc[c], sums[c][i]);
+                                sums[c][i] = _mm512_fnmadd_ps(m[c], xsum, sums[c][i]);
                             }
                         }
                     }
