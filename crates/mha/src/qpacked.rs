@@ -836,7 +836,16 @@ impl Packed {
         // With AVX-512 VNNI a prefill takes the tiles two columns at a time
         // (`x86::q4k_pair`), from their operands unpacked ahead: each value of `x` is
         // broadcast once for 32 outputs.
-        let pair = level == Level::Avx512Vnni && m >= UNPACK_ROWS;
+        let legacy = matches!(
+            self.format,
+            Format::Q8_0 | Format::Q4_0 | Format::Q5_0 | Format::Q4_1 | Format::Q5_1
+        );
+        let rows = if legacy {
+            PAIR_ROWS_LEGACY
+        } else {
+            UNPACK_ROWS
+        };
+        let pair = level == Level::Avx512Vnni && m >= rows;
         let unpack = level >= Level::Avx2 && (planes || pair) && m >= UNPACK_ROWS;
         // Bytes of one column's operands.
         let per = if unpack { self.k * TILE } else { 0 };
@@ -1011,6 +1020,13 @@ fn prefetch(bytes: &[u8]) {
 /// From this many rows of `x` on, [`Packed::product`] unpacks each column of tiles once
 /// into [`OPERANDS`] rather than in every pass of four rows.
 const UNPACK_ROWS: usize = 8;
+
+/// From this many rows of `x` on, a product of q8_0, q4_0, q5_0, q4_1 or q5_1 tiles takes
+/// two columns at a time with AVX-512 VNNI (`x86::legacy_pair`; the k-quants from
+/// [`UNPACK_ROWS`]). Against one column at a time (`examples/packed_prefill.rs`, GPT-2's
+/// shapes, 1 thread, pairs of runs): 8 rows 0.78–0.93×, 16 rows 0.95–1.41×, 32 rows
+/// 0.95–1.25× for q4_0 and q8_0, where q5_K measured 0.98–1.17× at 8 rows already.
+const PAIR_ROWS_LEGACY: usize = 16;
 
 thread_local! {
     /// A column of tiles' operands, unpacked: 512 bytes per block of 32 values (16 bytes
@@ -2892,6 +2908,10 @@ mod tests {
                 (13, 200, 3, 23..190),
                 (11, 64, 2, 0..64),
                 (10, 48, 1, 0..48),
+                // The legacy formats' two columns at a time (PAIR_ROWS_LEGACY).
+                (17, 33, 1, 0..33),
+                (18, 48, 1, 0..48),
+                (19, 64, 2, 5..64),
             ]
             .map(|s| (d, s))
         }) {
