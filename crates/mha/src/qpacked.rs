@@ -520,7 +520,13 @@ fn quantize_super_impl(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) 
         // The largest magnitude, then the first value of that magnitude: ggml keeps the
         // first of equals, and its sign sets the scale's.
         let amax = abs_max(xs);
-        let Some(&max) = xs.iter().find(|v| v.abs() == amax).filter(|_| amax != 0.0) else {
+        // (Whole chunks of 16 compared, which the compiler keeps in vectors, then the
+        // one that holds it: value by value this search was 40% of the quantizer.)
+        let first = xs
+            .chunks_exact(16)
+            .find(|c| c.iter().fold(false, |hit, v| hit | (v.abs() == amax)))
+            .and_then(|c| c.iter().find(|v| v.abs() == amax));
+        let Some(&max) = first.filter(|_| amax != 0.0) else {
             qs.fill(0);
             *d = 0.0;
             sum.fill(0);
