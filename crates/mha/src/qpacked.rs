@@ -1716,6 +1716,45 @@ mod x86 {
         }
     }
 
+    /// `sums[c][i] += s[c][i] · sc[c] − m[c] · xsum[i]` in f32: a (half) sub-block's
+    /// integer sums of two columns scaled, less its minima times the sums of `x`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn scale_pair<const R: usize>(
+        s: &[[__m512i; R]; 2],
+        (sc, m): ([__m512; 2], [__m512; 2]),
+        xsum: [f32; R],
+        sums: &mut [[__m512; R]; 2],
+    ) {
+        for i in 0..R {
+            let xsum = _mm512_set1_ps(xsum[i]);
+            for c in 0..2 {
+                let v = _mm512_cvtepi32_ps(s[c][i]);
+                sums[c][i] = _mm512_fmadd_ps(v, sc[c], sums[c][i]);
+                sums[c][i] = _mm512_fnmadd_ps(m[c], xsum, sums[c][i]);
+            }
+        }
+    }
+
+    /// `acc[c][i] += sums[c][i] · d_x`: super-block `b`'s sums of two columns times each
+    /// row's scale.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn add_scaled<const R: usize>(
+        acc: &mut [[__m512; R]; 2],
+        sums: &[[__m512; R]; 2],
+        xs: &[XRow; R],
+        b: usize,
+    ) {
+        for i in 0..R {
+            // SAFETY (caller): super-block b of each row of `x` is in bounds.
+            let dx = _mm512_set1_ps(unsafe { *xs[i].d.add(b) });
+            for c in 0..2 {
+                acc[c][i] = _mm512_fmadd_ps(sums[c][i], dx, acc[c][i]);
+            }
+        }
+    }
+
     /// `R` rows of `x` against two columns of q4_K or q5_K tiles (of `size` bytes), from
     /// their operands unpacked ahead (a prefill's, `ops`), into `y` (zeroed). Each value
     /// of `x` is broadcast once for both columns: a `vpdpbusd` taking its broadcast from
@@ -1768,21 +1807,13 @@ mod x86 {
                     let mut s = [[_mm512_setzero_si512(); R]; 2];
                     let x = xs.map(|x| x.q.add(b * QK_K + QK * j));
                     pair_groups(w, x, 0..8, &mut s);
+                    let mut xsum = [0f32; R];
                     for i in 0..R {
-                        let xsum = _mm512_set1_ps(*xs[i].f.add(8 * b + j));
-                        for c in 0..2 {
-                            let v = _mm512_cvtepi32_ps(s[c][i]);
-                            sums[c][i] = _mm512_fmadd_ps(v, sc[c], sums[c][i]);
-                            sums[c][i] = _mm512_fnmadd_ps(m[c], xsum, sums[c][i]);
-                        }
+                        xsum[i] = *xs[i].f.add(8 * b + j);
                     }
+                    scale_pair(&s, (sc, m), xsum, &mut sums);
                 }
-                for i in 0..R {
-                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
-                    for c in 0..2 {
-                        acc[c][i] = _mm512_fmadd_ps(sums[c][i], dx, acc[c][i]);
-                    }
-                }
+                add_scaled(&mut acc, &sums, &xs, b);
             }
         }
         // SAFETY: this function enables AVX-512F, all that `store_pair` needs.
@@ -1849,12 +1880,7 @@ mod x86 {
                         }
                     }
                 }
-                for i in 0..R {
-                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
-                    for c in 0..2 {
-                        acc[c][i] = _mm512_fmadd_ps(sums[c][i], dx, acc[c][i]);
-                    }
-                }
+                add_scaled(&mut acc, &sums, &xs, b);
             }
         }
         // SAFETY: this function enables AVX-512F, all that `store_pair` needs.
@@ -1906,22 +1932,14 @@ mod x86 {
                         let mut s = [[_mm512_setzero_si512(); R]; 2];
                         let x = xs.map(|x| x.q.add(b * QK_K + QK * j));
                         pair_groups(w, x, 4 * h..4 * h + 4, &mut s);
+                        let mut xsum = [0f32; R];
                         for i in 0..R {
-                            let xsum = _mm512_set1_ps(*xs[i].s.add(16 * b + 2 * j + h) as f32);
-                            for c in 0..2 {
-                                let v = _mm512_cvtepi32_ps(s[c][i]);
-                                sums[c][i] = _mm512_fmadd_ps(v, sc[c], sums[c][i]);
-                                sums[c][i] = _mm512_fnmadd_ps(m[c], xsum, sums[c][i]);
-                            }
+                            xsum[i] = *xs[i].s.add(16 * b + 2 * j + h) as f32;
                         }
+                        scale_pair(&s, (sc, m), xsum, &mut sums);
                     }
                 }
-                for i in 0..R {
-                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
-                    for c in 0..2 {
-                        acc[c][i] = _mm512_fmadd_ps(sums[c][i], dx, acc[c][i]);
-                    }
-                }
+                add_scaled(&mut acc, &sums, &xs, b);
             }
         }
         // SAFETY: this function enables AVX-512F, all that `store_pair` needs.
