@@ -20,9 +20,10 @@ import subprocess
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig
+from transformers import AutoModelForCausalLM
 
-from floors import read_floor  # bench/floors.py, beside this script
+from checkpoints import random_checkpoint  # bench/checkpoints.py, beside this script
+from floors import read_floor  # bench/floors.py
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 p = argparse.ArgumentParser()
@@ -31,20 +32,7 @@ p.add_argument("--model")
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--rounds", type=int, default=3)
 args = p.parse_args()
-args.model = args.model or {"gpt2": "/tmp/gpt2-124m-random",
-                            "llama": "/tmp/smollm-135m-random"}[args.arch]
-
-if not os.path.exists(os.path.join(args.model, "config.json")):
-    torch.manual_seed(0)
-    if args.arch == "gpt2":
-        GPT2LMHeadModel(GPT2Config()).save_pretrained(args.model, safe_serialization=True)
-    else:
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                          max_position_embeddings=2048, rms_norm_eps=1e-5,
-                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(args.model,
-                                                              safe_serialization=True)
+args.model = random_checkpoint(args.arch, args.model)
 torch.set_num_threads(args.threads)
 model = AutoModelForCausalLM.from_pretrained(args.model).eval()
 vocab = model.config.vocab_size

@@ -18,7 +18,7 @@ scripts/gguf_fixtures.py), with `llama-bench` and `llama-quantize` built by CMak
     cmake --build /tmp/lcp/build --target llama-bench llama-quantize -j 2
 
 The GGUF files come from llama.cpp's own converter (f32) and quantizer, made once from the
-random-weight checkpoints bench/compare.py uses (GPT-2 124M, or SmolLM-135M's Llama
+random-weight checkpoints of bench/checkpoints.py (GPT-2 124M, or SmolLM-135M's Llama
 geometry), so both programs read the very same bytes. llama-bench keeps its defaults (f16
 KV cache, flash attention); `gpt bench` gets the same cache precision (`--kv-dtype f16`,
 `--gpt-kv-dtype` to change it). Peak RSS of each run comes from `gpt bench` itself and from
@@ -49,13 +49,13 @@ p.add_argument("--depths", type=int, nargs="*", default=[],
                help="also decode 64 tokens after this many cached positions (llama-bench -d)")
 args = p.parse_args()
 
-hf = {"gpt2": "/tmp/gpt2-124m-random", "llama": "/tmp/smollm-135m-random"}[args.arch]
-if not os.path.exists(os.path.join(hf, "config.json")):
-    sys.exit(f"{hf} is missing: run bench/compare.py --arch {args.arch} once, which makes it")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gguf_fixtures  # noqa: E402  (llama.cpp's converter, in this process)
 import torch  # noqa: E402
-from floors import read_floor  # noqa: E402  (bench/floors.py, beside this script)
+from checkpoints import random_checkpoint  # noqa: E402  (bench/checkpoints.py, beside this script)
+from floors import read_floor  # noqa: E402  (bench/floors.py)
+
+hf = random_checkpoint(args.arch)
 
 sys.path.insert(0, os.path.join(gguf_fixtures.LLAMA_CPP, "gguf-py"))
 from gguf import GGUFReader  # noqa: E402  (llama.cpp's own reader)
