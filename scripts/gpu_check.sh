@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # GPU checks, for a machine with an NVIDIA GPU (the `device` tool lends one to some
 # sessions). Builds `gpt` with --features cuda (toolkit: the system's, or the registry
-# wheels `.ci/cuda-toolkit` installs), then on every fixture model compares the GPU with
-# the CPU -- per-token log-probabilities of a fixed sequence within 1e-3 absolute (f32;
-# 2e-2 for q8_0 files, whose GPU kernels quantize activations differently) and 16 greedy
-# tokens equal -- and runs `gpt bench` on the GPU (f32, f16, bf16; a GPT-2 124M directory
-# given as $1 as well).
+# wheels `.ci/cuda-toolkit` installs) unless $GPT names one built already, then:
+# - on every fixture model compares the GPU with the CPU: per-token log-probabilities of a
+#   fixed sequence within 1e-3 absolute (f32; 1e-1 for quantized files, the built-in model
+#   included, whose GPU kernels quantize activations differently) and 16 greedy tokens
+#   equal, or parting only at a near-tie (the CPU's log-probabilities of the two choices
+#   within the tolerance);
+# - trains a small model for 40 steps on each (same seed, data and tokenizer, no dropout):
+#   every logged train and validation loss within 2e-3 of the CPU's;
+# - runs `gpt bench` on the GPU (f32, f16, bf16; a GPT-2 124M directory given as $1 too).
 #
 #     scripts/gpu_check.sh [path/to/gpt2-124m]
 set -euo pipefail
@@ -15,42 +19,85 @@ if [ -z "${CUDA_COMPUTE_CAP:-}" ]; then
   export CUDA_COMPUTE_CAP
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-cargo build --release -p gpt-blocks-cli --features cuda
-gpt=target/release/gpt
+gpt=${GPT:-target/release/gpt}
+[ -n "${GPT:-}" ] || cargo build --release -p gpt-blocks-cli --features cuda
 fix=crates/block/tests/fixtures
 models=("" "$fix/tiny" "$fix/inverse_layer_scale")
 for f in "$fix"/families/*/; do [ -f "$f/config.json" ] && models+=("${f%/}"); done
-models+=("$fix/gguf/llama.f32.gguf" "$fix/gguf/qwen2.q8_0.gguf" "$fix/gguf/gpt2.q8_0.gguf")
+models+=("$fix/gguf/llama.f32.gguf" "$fix/gguf/qwen2.q8_0.gguf" "$fix/gguf/gpt2.q8_0.gguf"
+         "$fix/gguf/llama_wide.q4_k_m.gguf")
 fail=0
 for m in "${models[@]}"; do
   args=(); [ -n "$m" ] && args=(--model "$m")
   name=${m:-built-in}
-  tol=1e-3; case "$m" in *q8_0*) tol=2e-2 ;; esac
+  # Quantized files (the built-in model is a q5_0 one): Candle's GPU kernels quantize the
+  # activations to q8_1 per 32 values (as ggml's CUDA code does), ours to q8_0 or per 256
+  # (q8_K, as ggml's CPU code does). On these fixtures the CPU's q8_0 files differ from
+  # their f32 ones by 3.2-5.0e-2 (the quantization itself); the GPU from the CPU measured
+  # 2.1-6.1e-2 (H100).
+  tol=1e-3; case "$m" in "" | *.q[0-9]_*) tol=1e-1 ;; esac
+  # A command that fails fails this model, not the run: every model gets its line.
+  ran=1
   for dev in cpu cuda; do
-    "$gpt" "${args[@]}" --device $dev score --ids 1,2,3,4,5,6,7,8,9,10,11,12 --format json > "/tmp/gpu_check.$dev.score"
+    "$gpt" "${args[@]}" --device $dev score --ids 1,2,3,4,5,6,7,8,9,10,11,12 --format json \
+      > "/tmp/gpu_check.$dev.score" || ran=0
     "$gpt" "${args[@]}" --device $dev generate --prompt-ids 1,2,3 --max-new-tokens 16 \
-      --temperature 0 --format json 2>/dev/null > "/tmp/gpu_check.$dev.gen"
+      --temperature 0 --format json 2>/tmp/gpu_check.err > "/tmp/gpu_check.$dev.gen" \
+      || { ran=0; tail -n 3 /tmp/gpu_check.err; }
   done
-  if python3 - "$tol" <<'PY'
-import json, sys
-tol = float(sys.argv[1])
+  if [ $ran = 1 ] && python3 - "$tol" "$gpt" "${args[@]}" <<'PY'
+import json, subprocess, sys
+tol, gpt, model = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
 cpu, gpu = (json.load(open(f"/tmp/gpu_check.{d}.score")) for d in ("cpu", "cuda"))
 diff = max(abs(a - b) for a, b in zip(cpu["token_logprobs"], gpu["token_logprobs"]))
 ids = [json.load(open(f"/tmp/gpu_check.{d}.gen"))["new_ids"] for d in ("cpu", "cuda")]
-print(f"  log-prob max |cpu - cuda| = {diff:.2e} (tolerance {tol:g}); greedy tokens "
-      + ("equal" if ids[0] == ids[1] else f"differ: {ids}"))
-sys.exit(0 if diff <= tol and ids[0] == ids[1] else 1)
+same = ids[0] == ids[1]
+note = "equal"
+if not same:
+    # Where the two greedy runs part, the CPU's log-probabilities of both choices: a
+    # near-tie (within the tolerance) is no fault of either device.
+    i = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    lp = []
+    for t in (ids[0][i], ids[1][i]):
+        seq = ",".join(map(str, [1, 2, 3, *ids[0][:i], t]))
+        out = subprocess.run([gpt, *model, "--device", "cpu", "score", "--ids", seq, "--format",
+                              "json"], check=True, capture_output=True, text=True).stdout
+        lp.append(json.loads(out)["token_logprobs"][-1])
+    same = abs(lp[0] - lp[1]) <= tol
+    note = (f"part at token {i}: cpu {ids[0][i]}, cuda {ids[1][i]}, whose CPU log-probabilities "
+            f"differ by {abs(lp[0] - lp[1]):.2e} ({'a near-tie' if same else 'no tie'})")
+print(f"  log-prob max |cpu - cuda| = {diff:.2e} (tolerance {tol:g}); greedy tokens {note}")
+sys.exit(0 if diff <= tol and same else 1)
 PY
   then echo "ok   $name"; else echo "FAIL $name"; fail=1; fi
 done
+train=(train --data README.md --steps 40 --lr 1e-3 --warmup 5 --dropout 0 --n-layer 2
+       --n-embd 64 --n-head 4 --block-size 64 --batch-size 8 --eval-every 10 --vocab-size 512
+       --quiet)
+ran=1
+for dev in cpu cuda; do
+  "$gpt" --device $dev "${train[@]}" --out "/tmp/gpu_check.train.$dev" > /dev/null || ran=0
+done
+if [ $ran = 1 ] && python3 - <<'PY'
+import csv
+cpu, gpu = ([r for r in csv.DictReader(open(f"/tmp/gpu_check.train.{d}/loss.csv"))]
+            for d in ("cpu", "cuda"))
+assert [r["step"] for r in cpu] == [r["step"] for r in gpu], "different steps logged"
+diff = max(abs(float(a[k]) - float(b[k])) for a, b in zip(cpu, gpu)
+           for k in ("train_loss", "val_loss"))
+print(f"  train: {len(cpu)} logged steps, loss max |cpu - cuda| = {diff:.2e} (tolerance 2e-3); "
+      f"last {cpu[-1]['train_loss']} (cpu) {gpu[-1]['train_loss']} (cuda)")
+raise SystemExit(0 if diff <= 2e-3 else 1)
+PY
+then echo "ok   train"; else echo "FAIL train"; fail=1; fi
 for dtype in f32 f16 bf16; do
   echo "gpt bench, built-in model, cuda $dtype:"
-  "$gpt" --device cuda --dtype $dtype bench --prompt-len 128 --new-tokens 64
+  "$gpt" --device cuda --dtype $dtype bench --prompt-len 128 --new-tokens 64 || fail=1
 done
 if [ -n "${1:-}" ]; then
   for dtype in f32 f16 bf16; do
     echo "gpt bench, $1, cuda $dtype:"
-    "$gpt" --model "$1" --device cuda --dtype $dtype bench --prompt-len 512 --new-tokens 128
+    "$gpt" --model "$1" --device cuda --dtype $dtype bench --prompt-len 512 --new-tokens 128 || fail=1
   done
 fi
 exit $fail
