@@ -7,8 +7,8 @@ The checkpoints are bench/checkpoints.py's random-weight GPT-2 124M and SmolLM-1
 geometry (made here by transformers if missing). For each weight dtype (f32, f16, bf16) and
 batch (1 and 8), one `gpt bench` run (its own median of --runs 3 after a warm-up) gives the
 prefill rate of a 512-token prompt (128 per row at batch 8) and the decoding rate of the
-new tokens after it (128 at batch 1, 64 at batch 8); transformers does the same work:
-a timed forward pass of the prompt with its KV cache (`logits_to_keep=1`), then `generate()`
+new tokens after it (128 at batch 1, 64 at batch 8; `--workloads` for others); transformers
+does the same work: a timed forward pass of the prompt with its KV cache (`logits_to_keep=1`), then `generate()`
 greedy with the same number of new tokens, its own prefill subtracted, each timed between
 `torch.cuda.synchronize()` calls (median of 3 after a warm-up). Medians over rounds and the
 ratio gpt / transformers (tokens/s, higher is better for gpt) are printed.
@@ -32,10 +32,12 @@ p.add_argument("--arch", nargs="+", default=["gpt2", "llama"], choices=["gpt2", 
 p.add_argument("--dtypes", nargs="+", default=["f32", "f16", "bf16"])
 p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--device", default="cuda", help="cpu tries the script out without a GPU")
+p.add_argument("--workloads", nargs="+", default=["1x512x128", "8x128x64"],
+               help="BATCHxPROMPTxNEW each (NEW may be 0: prefill alone)")
 args = p.parse_args()
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # (batch, prompt_len, new_tokens)
-WORKLOADS = [(1, 512, 128), (8, 128, 64)]
+WORKLOADS = [tuple(int(n) for n in w.split("x")) for w in args.workloads]
 
 
 def prompt(vocab, b, n):
@@ -64,12 +66,14 @@ def theirs(model, b, n, new, runs=3):
     prefill, decode = [], []
     for run in range(runs + 1):  # the first is a warm-up
         tp = timed(lambda: model(ids, use_cache=True, logits_to_keep=1))
-        tg = timed(lambda: model.generate(ids, attention_mask=mask, do_sample=False,
-                                          max_new_tokens=new, min_new_tokens=new,
-                                          pad_token_id=0))
+        tg = tp
+        if new:
+            tg = timed(lambda: model.generate(ids, attention_mask=mask, do_sample=False,
+                                              max_new_tokens=new, min_new_tokens=new,
+                                              pad_token_id=0))
         if run:
             prefill.append(b * n / tp)
-            decode.append(b * new / (tg - tp))
+            decode.append(b * new / (tg - tp) if new else 0.0)
     return statistics.median(prefill), statistics.median(decode)
 
 
@@ -96,7 +100,8 @@ for arch in args.arch:
                 rows[w][0].append(ours(path, dtype, *w))
                 rows[w][1].append(theirs(model, *w))
         for (b, n, new), (o, t) in rows.items():
-            for k, what in ((0, f"b{b} prefill {n}"), (1, f"b{b} decode {new} after {n}")):
+            rows_of = [(0, f"b{b} prefill {n}"), (1, f"b{b} decode {new} after {n}")]
+            for k, what in rows_of[:1 + (new > 0)]:
                 om = statistics.median(x[k] for x in o)
                 tm = statistics.median(x[k] for x in t)
                 print(f"{arch:6} {dtype:5} {what:22} {om:10.1f} {tm:13.1f} {om / tm:6.2f}",
