@@ -3,7 +3,8 @@
 //! per instruction, as the packed kernels first did), and with one broadcast into a
 //! register shared by two instructions (the prefill kernels since, `x86::q4k_pair`); and
 //! a multiply-add beside them to gauge the clock. Twelve independent sums each, so that
-//! latency does not bound them. docs/PERFORMANCE.md has what an Ice Lake Xeon gave.
+//! latency does not bound them. Then the prefill kernel's own pattern, with and without its
+//! scaling after each 32 values. docs/PERFORMANCE.md has what an Ice Lake Xeon gave.
 //!
 //! `cargo run --release -p mha --example vnni_rate`
 
@@ -58,6 +59,51 @@ mod rates {
         acc.iter().fold(0, |s, &v| s ^ _mm512_reduce_add_epi32(v))
     }
 
+    /// The prefill kernel's pattern (`x86::q4k_pair` at 4 rows), with its data in L1: per
+    /// group two columns' 64 operand bytes loaded, 4 bytes of each of 4 rows of `x`
+    /// broadcast, 8 `vpdpbusd` into 8 sums; 8 groups (a sub-block of 32 values), then with
+    /// `EPILOGUE` the sums scaled as `scale_pair` does, else only kept.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn kernel<const EPILOGUE: bool>(n: usize, w: &[u8; 8192], x: &[i32; 1024]) -> i32 {
+        let mut out = _mm512_setzero_si512();
+        let mut sums = [_mm512_setzero_ps(); 8];
+        for i in 0..n / 8 {
+            // Sub-block `blk` of 8 per column (512 operand bytes each), 32 bytes of x at `at`.
+            let (blk, at) = (i & 7, (i * 8) & 127);
+            let mut s = [_mm512_setzero_si512(); 8];
+            for g in 0..8 {
+                let w0 = _mm512_loadu_si512(w.as_ptr().add(512 * blk + 64 * g).cast());
+                let w1 = _mm512_loadu_si512(w.as_ptr().add(4096 + 512 * blk + 64 * g).cast());
+                for r in 0..4 {
+                    let v = _mm512_set1_epi32(x[256 * r + at + g]);
+                    s[2 * r] = _mm512_dpbusd_epi32(s[2 * r], w0, v);
+                    s[2 * r + 1] = _mm512_dpbusd_epi32(s[2 * r + 1], w1, v);
+                }
+            }
+            if EPILOGUE {
+                // As `scale_pair`: each sum to f32, times the sub-block's scale, less its
+                // minimum times the row's sum of x.
+                let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    w.as_ptr().add(16 * blk).cast(),
+                )));
+                let m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    w.as_ptr().add(256 + 16 * blk).cast(),
+                )));
+                for (k, v) in s.iter().enumerate() {
+                    let xs = _mm512_set1_ps(x[k] as f32);
+                    sums[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*v), sc, sums[k]);
+                    sums[k] = _mm512_fnmadd_ps(m, xs, sums[k]);
+                }
+            } else {
+                for v in s {
+                    out = _mm512_xor_si512(out, v);
+                }
+            }
+        }
+        _mm512_reduce_add_epi32(out)
+            + sums.iter().map(|&v| _mm512_reduce_add_ps(v)).sum::<f32>() as i32
+    }
+
     /// `n` rounds of 12 f32 multiply-adds.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn fma(n: usize) -> f32 {
@@ -98,6 +144,15 @@ fn main() {
         let f = ns(&|| unsafe { rates::folded(std::hint::black_box(n), x) } as f32);
         let s = ns(&|| unsafe { rates::shared(std::hint::black_box(n), x) } as f32);
         let m = ns(&|| unsafe { rates::fma(std::hint::black_box(n)) });
+        let w = [3u8; 8192];
+        // 12·n / 8 rounds of 8 groups of 8: 12·n instructions.
+        let k = ns(
+            &|| unsafe { rates::kernel::<false>(std::hint::black_box(12 * n / 8), &w, x) } as f32,
+        );
+        let e = ns(
+            &|| unsafe { rates::kernel::<true>(std::hint::black_box(12 * n / 8), &w, x) } as f32,
+        );
+        println!("kernel pattern {k:.3}, with the epilogue {e:.3}");
         println!(
             "ns per instruction: vpdpbusd in registers {r:.3}, broadcast from memory {f:.3}, \
              a broadcast shared by two {s:.3}; vfmadd {m:.3}"
