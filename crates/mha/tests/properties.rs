@@ -835,6 +835,11 @@ fn fused_decode_rows_equal_reference() {
         (1, 300, 2, 3, true, false, None, 64, 64),
         (4, 131, 1, 2, true, true, Some(40), 80, 80),
         (2, 1000, 1, 8, true, false, None, 64, 128),
+        // One query row per key head (GPT-2's heads): half-precision caches read in place,
+        // whole blocks of 16 keys and the partial ones, a window, a split cache.
+        (1, 40, 2, 1, false, false, None, 64, 80),
+        (1, 300, 1, 1, true, true, Some(130), 80, 80),
+        (1, 1500, 2, 1, true, true, None, 64, 64),
         // Split over threads: ranges merged, windowed and padded.
         (1, 1500, 2, 4, true, true, None, 64, 64),
         (3, 2000, 1, 4, true, false, Some(300), 80, 64),
