@@ -12,8 +12,6 @@
 //! maximum, sum and weighted values, merged at the end through their log-sum-exp
 //! (flash-decoding).
 
-use rayon::prelude::*;
-
 use crate::kernel::{FlashAttn, KvPtr, KvRows, Rows};
 use crate::simd;
 
@@ -113,7 +111,7 @@ pub(crate) fn run(
         call.group_range(g / h_kv, g % h_kv, start..end)
     };
     let partials: Vec<Partial> = match parallel && groups * ranges > 1 {
-        true => (0..groups * ranges).into_par_iter().map(task).collect(),
+        true => crate::team::map(groups * ranges, task),
         false => (0..groups * ranges).map(task).collect(),
     };
     // Merge each row's ranges: weights exp(m_r - m) bring them to the common maximum.

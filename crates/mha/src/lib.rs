@@ -86,6 +86,7 @@ pub mod qmatvec;
 pub mod qpacked;
 mod rope;
 mod simd;
+mod team;
 
 pub use attention::{
     masked_softmax, repeat_kv, sdpa, sdpa_reference, AttnWeights, ForwardArgs, MultiHeadAttention,

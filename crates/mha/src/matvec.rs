@@ -709,7 +709,7 @@ pub(crate) fn map_ranges<T: Send>(
 ) -> Vec<T> {
     match ranges {
         [(lo, hi)] => vec![f(*lo, *hi)],
-        _ => ranges.par_iter().map(|&(lo, hi)| f(lo, hi)).collect(),
+        _ => crate::team::map(ranges.len(), |i| f(ranges[i].0, ranges[i].1)),
     }
 }
 
