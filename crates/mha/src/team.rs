@@ -59,6 +59,16 @@ pub(crate) fn map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
         .collect()
 }
 
+/// One turn of a wait: a pause, and every 64th turn the core offered to another thread
+/// (a helper with a task that the system took off its core when there are more threads
+/// than cores; a free core makes it a short system call).
+fn pause(spins: u32) {
+    match spins.is_multiple_of(64) {
+        true => std::thread::yield_now(),
+        false => std::hint::spin_loop(),
+    }
+}
+
 struct Slots<T>(*mut MaybeUninit<T>);
 
 impl<T> Slots<T> {
@@ -110,7 +120,9 @@ impl Team {
     fn get() -> Option<&'static Team> {
         static TEAM: OnceLock<Option<&'static Team>> = OnceLock::new();
         *TEAM.get_or_init(|| {
-            let helpers = rayon::current_num_threads().saturating_sub(1);
+            // No more threads spinning than cores (`--threads` may ask for more).
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let helpers = rayon::current_num_threads().min(cores).saturating_sub(1);
             if helpers == 0 {
                 return None;
             }
@@ -160,15 +172,11 @@ impl Team {
             self.wake.notify_all();
         }
         self.work(word);
-        // The helpers' last tasks take about as long as ours; past that, a helper is off
-        // its core (a busy machine) and this thread gives its own away while it waits.
+        // The helpers' last tasks take about as long as ours.
         let mut spins = 0u32;
         while self.done.load(Acquire) < n {
-            spins = spins.saturating_add(1);
-            match spins < 1 << 12 {
-                true => std::hint::spin_loop(),
-                false => std::thread::yield_now(),
-            }
+            spins = spins.wrapping_add(1);
+            pause(spins);
         }
         if let Some(p) = self.panic.lock().unwrap_or_else(|e| e.into_inner()).take() {
             panic::resume_unwind(p);
@@ -225,7 +233,7 @@ impl Team {
                     self.sleepers.fetch_sub(1, SeqCst);
                     continue;
                 }
-                std::hint::spin_loop();
+                pause(spins);
             };
             last = word >> 32;
             self.work(word);
