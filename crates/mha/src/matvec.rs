@@ -676,9 +676,9 @@ pub(crate) fn ranges(n: usize, min: usize, weights: usize) -> Vec<(usize, usize)
 const PARTS_PER_THREAD: usize = 4;
 
 /// [`ranges`] cut `PARTS_PER_THREAD` times finer, for the decoding product of `[out, in]`
-/// float weights, whose ranges write separate outputs: a thread that is done with its share takes a part the other has not started
-/// (rayon steals the untouched half of a split), where with one range each the first to
-/// finish waits for the other. A thread starts late (woken by the first) and its reads
+/// float weights, whose ranges write separate outputs: a thread that is done with its share
+/// takes the next part not yet claimed, where with one range each the first to finish waits
+/// for the other. A thread starts late (woken by the first) and its reads
 /// compete with a neighbour's on a shared machine; one range each left a token's ~150
 /// products waiting on the slower thread. Measured (decode 128 tokens after 16, 2 threads,
 /// one build, the split by an environment variable, alternating, medians of 6–10): GPT-2
@@ -702,7 +702,8 @@ fn split(n: usize, min: usize, weights: usize, per_thread: usize) -> Vec<(usize,
         .collect()
 }
 
-/// `f` over the ranges: on the pool when there are several, here when there is one.
+/// `f` over the ranges, the results in order: on the decoding team (`team.rs`: helpers that
+/// spin between products instead of sleeping) when there are several, here when there is one.
 pub(crate) fn map_ranges<T: Send>(
     ranges: &[(usize, usize)],
     f: impl Fn(usize, usize) -> T + Sync,
