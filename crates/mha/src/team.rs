@@ -28,7 +28,8 @@ use rayon::prelude::*;
 /// one costs the other work of the process little.
 const SPIN: Duration = Duration::from_micros(200);
 
-/// Tasks per job at most: a job's task count and next index share one word with its epoch.
+/// Tasks per job below this: a job's task count and next index are 16 bits each of the word
+/// they share with its epoch.
 const MAX_TASKS: usize = 1 << 16;
 
 /// `f(i)` for `i` in `0..n`, the results in order: on the team when it is free, else on
@@ -39,7 +40,7 @@ pub(crate) fn map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
         return (0..n).map(f).collect();
     }
     let team = match Team::get() {
-        Some(team) if n <= MAX_TASKS => team,
+        Some(team) if n < MAX_TASKS => team,
         _ => return (0..n).into_par_iter().map(&f).collect(),
     };
     let Some(_busy) = team.claim() else {
@@ -115,8 +116,9 @@ impl Drop for Busy<'_> {
 }
 
 impl Team {
-    /// The process's team: one helper per rayon thread beyond the first, started on first
-    /// use; `None` with one thread (or when a helper cannot be started).
+    /// The process's team: one helper per rayon thread beyond the first (at most one per
+    /// core beyond the first), started on first use; `None` with one thread (or when a
+    /// helper cannot be started).
     fn get() -> Option<&'static Team> {
         static TEAM: OnceLock<Option<&'static Team>> = OnceLock::new();
         *TEAM.get_or_init(|| {
@@ -156,7 +158,7 @@ impl Team {
             .map(|_| Busy(&self.busy))
     }
 
-    /// Runs `task(i)` for `i` in `0..n` (`2 <= n <= MAX_TASKS`) on this thread and the
+    /// Runs `task(i)` for `i` in `0..n` (`2 <= n < MAX_TASKS`) on this thread and the
     /// helpers; returns when all are done, resuming a task's panic here.
     fn run(&self, n: usize, task: Task<'_>) {
         // SAFETY: only the lifetime is erased; every task of this job finishes (the wait
@@ -248,7 +250,7 @@ mod tests {
 
     #[test]
     fn results_in_order_for_any_count() {
-        for n in (0..70).chain([1000, MAX_TASKS + 1]) {
+        for n in (0..70).chain([1000, MAX_TASKS - 1, MAX_TASKS, MAX_TASKS + 1]) {
             let ys = map(n, |i| i * i);
             assert_eq!(ys, (0..n).map(|i| i * i).collect::<Vec<_>>(), "n {n}");
         }
