@@ -323,8 +323,22 @@ pub(crate) fn abs_max(xs: &[f32]) -> f32 {
             m[i] = if v > m[i] { v } else { m[i] };
         }
     }
+    // The sixteen maxima folded in halves, with `>` as above: a fold with `f32::max` was
+    // sixteen dependent scalar steps, each with its NaN test, and took most of the time of
+    // quantizing a decoding step's rows (1.6% of SmolLM-135M q8_0 decoding).
+    let mut w = 16;
+    while w > 1 {
+        w /= 2;
+        for i in 0..w {
+            m[i] = if m[i + w] > m[i] { m[i + w] } else { m[i] };
+        }
+    }
     let rest = chunks.remainder().iter().fold(0f32, |a, &v| a.max(v.abs()));
-    m.iter().fold(rest, |a, &v| a.max(v))
+    if m[0] > rest {
+        m[0]
+    } else {
+        rest
+    }
 }
 
 /// `v as i8` (truncated, saturating, NaN to 0) in a form the compiler vectorises: its

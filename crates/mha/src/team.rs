@@ -8,6 +8,10 @@
 //! spin between regions for up to [`SPIN`] and only then sleep, as llama.cpp's threads do
 //! between the operations of a graph.
 //!
+//! While they wait, helpers read ahead: a decoding product tells the team ([`hint`]) what
+//! the next one will likely have a helper read, and a waiting helper brings its start into
+//! its cache, so that the caller's serial work between products overlaps with memory reads.
+//!
 //! One caller at a time: a caller that finds the team busy (another thread's product, or
 //! a task that itself calls in) runs on rayon's pool instead. Tasks are claimed one at a
 //! time from a shared counter, so the caller works too and any number of tasks fits any
@@ -60,6 +64,62 @@ pub(crate) fn map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
         .collect()
 }
 
+/// How far into each stream of a [`hint`] a waiting helper reads ahead: four such streams
+/// fit the second-level cache (1.25 MiB a core on the Ice Lake measured) with room to
+/// spare. 1 MiB measured the same (SmolLM-135M q8_0 decoding, 10 pairs: 0.99×).
+const AHEAD: usize = 256 << 10;
+
+/// Tells a waiting helper what the next job will likely have it read (two streams of
+/// `(address, bytes)`), so that it brings the first [`AHEAD`] bytes of each into its cache
+/// while the caller works alone: the serial work between a decoding step's products was
+/// 14% of its time, each helper idle through it. Only a hint: the addresses are never
+/// read, only prefetched, which cannot fault.
+pub(crate) fn hint(streams: [(usize, usize); 2]) {
+    if let Some(team) = Team::get() {
+        let [(a, n), (b, m)] = streams;
+        for (slot, v) in team.hint.iter().zip([a, n, b, m]) {
+            slot.store(v, Relaxed);
+        }
+        team.hints.fetch_add(1, Release);
+    }
+}
+
+/// A helper's progress through the latest [`hint`].
+#[derive(Default)]
+struct Ahead {
+    seen: usize,
+    streams: [(usize, usize); 2],
+    at: usize,
+}
+
+impl Ahead {
+    /// Prefetches the next four lines of each stream of the latest hint; false once
+    /// there is nothing left to ask for.
+    fn step(&mut self, team: &Team) -> bool {
+        let hints = team.hints.load(Acquire);
+        if hints != self.seen {
+            let v = team.hint.each_ref().map(|h| h.load(Relaxed));
+            (self.seen, self.at) = (hints, 0);
+            self.streams = [(v[0], v[1].min(AHEAD)), (v[2], v[3].min(AHEAD))];
+        }
+        if self.at >= self.streams[0].1.max(self.streams[1].1) {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        for (start, len) in self.streams {
+            for line in (self.at..(self.at + 256).min(len)).step_by(64) {
+                // SAFETY: a prefetch is a hint that never faults, whatever the address.
+                unsafe {
+                    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+                    _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(line) as *const i8)
+                };
+            }
+        }
+        self.at += 256;
+        cfg!(target_arch = "x86_64")
+    }
+}
+
 /// One turn of a wait: a pause, and every 64th turn the core offered to another thread
 /// (a helper with a task that the system took off its core when there are more threads
 /// than cores; a free core makes it a short system call).
@@ -101,6 +161,10 @@ struct Team {
     sleepers: AtomicUsize,
     lock: Mutex<()>,
     wake: Condvar,
+    /// What the next job will likely read: two streams, address and bytes each
+    /// ([`hint`]), and how many hints have been given.
+    hint: [AtomicUsize; 4],
+    hints: AtomicUsize,
 }
 
 // SAFETY: `task` is written only by the caller holding `busy` while no task of the previous
@@ -137,6 +201,8 @@ impl Team {
                 sleepers: AtomicUsize::new(0),
                 lock: Mutex::new(()),
                 wake: Condvar::new(),
+                hint: Default::default(),
+                hints: AtomicUsize::new(0),
             }));
             for i in 0..helpers {
                 let spawned = std::thread::Builder::new()
@@ -216,6 +282,7 @@ impl Team {
     /// A helper's life: wait for a new epoch (spinning, then asleep), work on it, repeat.
     fn help(&self) {
         let mut last = self.word.load(Acquire) >> 32;
+        let mut ahead = Ahead::default();
         loop {
             let start = Instant::now();
             let mut spins = 0u32;
@@ -223,6 +290,11 @@ impl Team {
                 let w = self.word.load(Acquire);
                 if w >> 32 != last {
                     break w;
+                }
+                // Reading ahead (at most AHEAD / 256 turns a hint) neither sleeps nor yields.
+                if ahead.step(self) {
+                    std::hint::spin_loop();
+                    continue;
                 }
                 spins = spins.wrapping_add(1);
                 if spins.is_multiple_of(64) && start.elapsed() > SPIN {
@@ -288,6 +360,25 @@ mod tests {
             let msg = caught.expect_err("the panic must reach the caller");
             assert_eq!(msg.downcast_ref::<&str>(), Some(&"task 11 fails"));
             assert_eq!(map(5, |i| i + 1), vec![1, 2, 3, 4, 5]);
+        }
+    }
+
+    /// A helper reads ahead a hint's first AHEAD bytes (here fewer: 1000 bytes, four
+    /// turns of four lines) and then stops, until the next hint. (Other tests' products
+    /// give hints too, so the count is bounded rather than exact.)
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn reading_ahead_stops_until_the_next_hint() {
+        let Some(team) = Team::get() else {
+            return; // one thread: no team to hint
+        };
+        let data = vec![0u8; 1000];
+        let mut ahead = Ahead::default();
+        for _ in 0..3 {
+            hint([(data.as_ptr() as usize, data.len()), (0, 0)]);
+            assert!(ahead.step(team));
+            let turns = (0..1_000_000).take_while(|_| ahead.step(team)).count();
+            assert!(turns < 1_000_000, "reading ahead never stopped");
         }
     }
 
