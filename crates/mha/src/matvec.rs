@@ -788,6 +788,21 @@ fn rows_dot_w<E: Elem>(
         ys.len() >= m * d_out,
         "rows_dot_w: ys holds fewer than m rows"
     );
+    // Decoding on several threads: a waiting helper reads ahead the start of the next
+    // product's second range (see `team::hint`), as the quantized products' helpers do.
+    let next = match (m, ranges.get(1)) {
+        (1, Some(&(lo, hi))) => {
+            let size = std::mem::size_of::<E>();
+            let at = |c: usize| data.as_ptr() as usize + (start + c * s1) * size;
+            let half = (hi - lo) / 2;
+            let streams = [
+                (at(lo), half * s1 * size),
+                (at(lo + half), (hi - lo - half) * s1 * size),
+            ];
+            crate::team::follow((data.as_ptr() as usize, start), streams)
+        }
+        _ => None,
+    };
     map_ranges(&ranges, |lo, hi| {
         let n = hi - lo;
         DOT_BUF.with(|buf| {
@@ -809,6 +824,9 @@ fn rows_dot_w<E: Elem>(
             }
         })
     });
+    if let Some(next) = next {
+        crate::team::hint(next);
+    }
 }
 
 #[cfg(test)]

@@ -43,6 +43,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use crate::matvec::{map_ranges, ranges};
 use crate::qmatvec::{abs_max, level, quantize_in_parts, saturate_i8, Level, QRows};
+use crate::team::Streams;
 
 /// Rows per tile.
 const TILE: usize = 16;
@@ -888,7 +889,7 @@ impl Packed {
             // helper waits to read, and the product after it is likely the one that came
             // after it last time (a decoding step runs the same products in the same order).
             let key = (self.data.as_ptr() as usize, t0);
-            let next = successor::follow(key, self.streams(t0, parts[1], pairs));
+            let next = crate::team::follow(key, self.streams(t0, parts[1], pairs));
             let units = Units::new(&parts, t0, pairs);
             let out = &out;
             crate::team::map(parts.len(), |i| {
@@ -1087,42 +1088,6 @@ thread_local! {
     /// A column of tiles' operands, unpacked: 512 bytes per block of 32 values (16 bytes
     /// per value of a row of the weight: 48 KiB for GPT-2's 3072-wide MLP output).
     static OPERANDS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Two streams of `(address, bytes)` that a decoding product will read.
-type Streams = [(usize, usize); 2];
-
-/// Which product follows which in decoding, learnt as they run.
-mod successor {
-    use super::Streams;
-    use std::collections::HashMap;
-    use std::sync::Mutex;
-
-    /// A product (its data's address and first tile column) and the streams of its
-    /// successor's second range, with the product that ran last.
-    #[derive(Default)]
-    struct Order {
-        last: Option<(usize, usize)>,
-        next: HashMap<(usize, usize), Streams>,
-    }
-
-    static ORDER: Mutex<Option<Order>> = Mutex::new(None);
-
-    /// Records that product `key` (whose second range reads `streams`) follows the one
-    /// that ran before it, and returns what followed `key` last time. Matrices come and
-    /// go (models dropped, a server's several), so the table is cleared when it grows
-    /// past a few models' products; a stale entry only makes a helper prefetch in vain.
-    pub(super) fn follow(key: (usize, usize), streams: Streams) -> Option<Streams> {
-        let mut order = ORDER.lock().unwrap_or_else(|e| e.into_inner());
-        let order = order.get_or_insert_with(Order::default);
-        if order.next.len() >= 4096 {
-            order.next.clear();
-        }
-        if let Some(last) = order.last.replace(key) {
-            order.next.insert(last, streams);
-        }
-        order.next.get(&key).copied()
-    }
 }
 
 /// The decoding product's ranges of tile columns, taken by the team a unit at a time: a

@@ -74,7 +74,7 @@ const AHEAD: usize = 256 << 10;
 /// while the caller works alone: the serial work between a decoding step's products was
 /// 14% of its time, each helper idle through it. Only a hint: the addresses are never
 /// read, only prefetched, which cannot fault.
-pub(crate) fn hint(streams: [(usize, usize); 2]) {
+pub(crate) fn hint(streams: Streams) {
     if let Some(team) = Team::get() {
         let [(a, n), (b, m)] = streams;
         for (slot, v) in team.hint.iter().zip([a, n, b, m]) {
@@ -84,11 +84,41 @@ pub(crate) fn hint(streams: [(usize, usize); 2]) {
     }
 }
 
+/// Two streams of `(address, bytes)` that a decoding product will read.
+pub(crate) type Streams = [(usize, usize); 2];
+
+/// A product (its weights' address and first row) and the streams of its successor's
+/// second range, with the product that ran last.
+#[derive(Default)]
+struct Order {
+    last: Option<(usize, usize)>,
+    next: std::collections::HashMap<(usize, usize), Streams>,
+}
+
+/// Records that the decoding product `key`, whose second range reads `streams`, follows
+/// the product that ran before it, and returns the streams of what followed `key` last
+/// time: a decoding step runs the same products in the same order, so that is what a
+/// helper will read next, to [`hint`] at. Matrices come and go (models dropped, a server's
+/// several), so the table is cleared when it grows past a few models' products; a stale
+/// entry only makes a helper prefetch in vain.
+pub(crate) fn follow(key: (usize, usize), streams: Streams) -> Option<Streams> {
+    static ORDER: Mutex<Option<Order>> = Mutex::new(None);
+    let mut order = ORDER.lock().unwrap_or_else(|e| e.into_inner());
+    let order = order.get_or_insert_with(Order::default);
+    if order.next.len() >= 4096 {
+        order.next.clear();
+    }
+    if let Some(last) = order.last.replace(key) {
+        order.next.insert(last, streams);
+    }
+    order.next.get(&key).copied()
+}
+
 /// A helper's progress through the latest [`hint`].
 #[derive(Default)]
 struct Ahead {
     seen: usize,
-    streams: [(usize, usize); 2],
+    streams: Streams,
     at: usize,
 }
 
