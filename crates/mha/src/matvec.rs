@@ -799,7 +799,8 @@ fn rows_dot_w<E: Elem>(
                 (at(lo), half * s1 * size),
                 (at(lo + half), (hi - lo - half) * s1 * size),
             ];
-            crate::team::follow((data.as_ptr() as usize, start), streams)
+            let bytes = d_out * s1 * size;
+            crate::team::follow((data.as_ptr() as usize, start), bytes, streams)
         }
         _ => None,
     };

@@ -889,7 +889,8 @@ impl Packed {
             // helper waits to read, and the product after it is likely the one that came
             // after it last time (a decoding step runs the same products in the same order).
             let key = (self.data.as_ptr() as usize, t0);
-            let next = crate::team::follow(key, self.streams(t0, parts[1], pairs));
+            let bytes = (t1 - t0) * self.tiles(0).len();
+            let next = crate::team::follow(key, bytes, self.streams(t0, parts[1], pairs));
             let units = Units::new(&parts, t0, pairs);
             let out = &out;
             crate::team::map(parts.len(), |i| {
