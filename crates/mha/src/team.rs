@@ -65,16 +65,18 @@ pub(crate) fn map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
         .collect()
 }
 
-/// How far into each stream of a [`hint`] a waiting helper reads ahead: four such streams
-/// fit the second-level cache (1.25 MiB a core on the Ice Lake measured) with room to
-/// spare. 1 MiB measured the same (SmolLM-135M q8_0 decoding, 10 pairs: 0.99×).
+/// How far into each stream of a [`hint`] a waiting helper reads ahead: two hints' streams
+/// (1 MiB) fit the second-level cache (1.25 MiB a core on the Ice Lake measured). 1 MiB
+/// measured the same (SmolLM-135M q8_0 decoding, 10 pairs: 0.99×); 64 KiB against none,
+/// 0.97× (6 pairs), where 256 KiB measured 1.04× (12).
 const AHEAD: usize = 256 << 10;
 
 /// Tells a waiting helper what the next job will likely have it read (two streams of
 /// `(address, bytes)`), so that it brings the first [`AHEAD`] bytes of each into its cache
 /// while the caller works alone: the serial work between a decoding step's products was
 /// 14% of its time, each helper idle through it. Only a hint: the addresses are never
-/// read, only prefetched, which cannot fault.
+/// read, only prefetched, which cannot fault (a helper that reads the slots while the next
+/// hint is written prefetches a mix of the two, in vain).
 pub(crate) fn hint(streams: Streams) {
     if let Some(team) = Team::get() {
         let [(a, n), (b, m)] = streams;
@@ -131,13 +133,13 @@ pub(crate) fn follow(key: (usize, usize), bytes: usize, streams: Streams) -> Opt
 
 /// A helper's progress through the latest [`hint`].
 #[derive(Default)]
-struct Ahead {
+struct ReadAhead {
     seen: usize,
     streams: Streams,
     at: usize,
 }
 
-impl Ahead {
+impl ReadAhead {
     /// Prefetches the next four lines of each stream of the latest hint; false once
     /// there is nothing left to ask for.
     fn step(&mut self, team: &Team) -> bool {
@@ -327,7 +329,7 @@ impl Team {
     /// A helper's life: wait for a new epoch (spinning, then asleep), work on it, repeat.
     fn help(&self) {
         let mut last = self.word.load(Acquire) >> 32;
-        let mut ahead = Ahead::default();
+        let mut ahead = ReadAhead::default();
         loop {
             let start = Instant::now();
             let mut spins = 0u32;
@@ -418,7 +420,7 @@ mod tests {
             return; // one thread: no team to hint
         };
         let data = vec![0u8; 1000];
-        let mut ahead = Ahead::default();
+        let mut ahead = ReadAhead::default();
         for _ in 0..3 {
             hint([(data.as_ptr() as usize, data.len()), (0, 0)]);
             assert!(ahead.step(team));
