@@ -90,14 +90,14 @@ pub(crate) fn hint(streams: Streams) {
 /// Two streams of `(address, bytes)` that a decoding product will read.
 pub(crate) type Streams = [(usize, usize); 2];
 
-/// A product (its weights' address and first row) and the streams of its successor's
-/// second range, with the product that ran last, and the bytes of every product seen.
+/// The decoding products seen, by their weights' address and first row, each with the
+/// streams of its successor's second range once known; the bytes they read, and the
+/// product that ran last.
 #[derive(Default)]
 struct Order {
-    last: Option<(usize, usize)>,
-    next: HashMap<(usize, usize), Streams>,
-    bytes: HashMap<(usize, usize), usize>,
+    seen: HashMap<(usize, usize), Option<Streams>>,
     total: usize,
+    last: Option<(usize, usize)>,
 }
 
 /// Below this many bytes of decoding products' weights, a model sits in the last-level
@@ -116,19 +116,17 @@ pub(crate) fn follow(key: (usize, usize), bytes: usize, streams: Streams) -> Opt
     static ORDER: Mutex<Option<Order>> = Mutex::new(None);
     let mut order = ORDER.lock().unwrap_or_else(|e| e.into_inner());
     let order = order.get_or_insert_with(Order::default);
-    if order.next.len() >= 4096 || order.bytes.len() >= 4096 {
+    if order.seen.len() >= 4096 {
         *order = Order::default();
     }
-    if order.bytes.insert(key, bytes).is_none() {
+    if let Some(next) = order.last.replace(key).and_then(|l| order.seen.get_mut(&l)) {
+        *next = Some(streams);
+    }
+    let next = *order.seen.entry(key).or_insert_with(|| {
         order.total += bytes;
-    }
-    if let Some(last) = order.last.replace(key) {
-        order.next.insert(last, streams);
-    }
-    match order.total >= STREAMED {
-        true => order.next.get(&key).copied(),
-        false => None,
-    }
+        None
+    });
+    next.filter(|_| order.total >= STREAMED)
 }
 
 /// A helper's progress through the latest [`hint`].
