@@ -58,10 +58,13 @@ fn logits_loss_and_greedy_tokens_match_transformers() {
 
 /// Prefill of part of the sequence, then one token at a time through the cache, equals
 /// the full causal pass: the cache holds rotated keys, and windows slide past the prefill.
+/// With q/k/v fused too ([`Gpt::fused`], as `gpt` runs them), whose decoding steps write
+/// rotated keys into the cache in place.
 #[test]
 fn cached_decoding_equals_the_full_pass() {
-    for name in MODELS {
+    for (name, fuse) in MODELS.iter().flat_map(|&m| [(m, false), (m, true)]) {
         let model = load(&fixture(name), DType::F32);
+        let model = if fuse { model.fused().unwrap() } else { model };
         let ids = &expected(name)["input_ids"];
         let (_, t) = ids.dims2().unwrap();
         let full = model.infer(ids, None, None, Logits::All).unwrap();
@@ -88,7 +91,7 @@ fn cached_decoding_equals_the_full_pass() {
             &full,
             1e-5,
             1e-5,
-            &format!("{name}: cached decoding"),
+            &format!("{name} (fused: {fuse}): cached decoding"),
         );
     }
 }

@@ -5,7 +5,7 @@ use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
 use crate::layout::{self, Proj, Projections, QkvProj, WeightLayout};
-use crate::{kernel, Dropout, KvCache, Mask, MhaConfig, Rope, RopeTables};
+use crate::{kernel, step, Dropout, KvCache, Mask, MhaConfig, Rope, RopeTables};
 
 /// How to run [`sdpa`] beyond its tensors and mask.
 #[derive(Debug, Clone, Copy)]
@@ -532,6 +532,13 @@ impl MultiHeadAttention {
                 return Ok((self.proj.o.forward(&ys)?, None));
             }
         }
+        let cache = match cache {
+            Some(cache) if self.steps(query, key, value, &mask, need_weights, train) => {
+                let ys = self.step(query, rope, offset, cache, &mask)?;
+                return Ok((self.proj.o.forward(&ys)?, None));
+            }
+            other => other,
+        };
         let exact = need_weights || self.dropout.is_active(train);
         let Projected { q, k, v, dtype } = self.project(query, key, value, rope, offset, exact)?;
         let (k, v) = match cache {
@@ -552,6 +559,78 @@ impl MultiHeadAttention {
             .reshape((b, tq, cfg.d_model))?;
         let weights = weights.map(|per_head| AttnWeights { per_head });
         Ok((self.proj.o.forward(&ys)?, weights))
+    }
+
+    /// Whether a cached call takes [`Self::step`]: f32 self-attention decoding on the CPU
+    /// (at most [`kernel::DIRECT_ROWS`] new positions) through a fused q/k/v projection,
+    /// nothing appended to the keys, no weights or dropout asked for.
+    fn steps(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        mask: &Mask,
+        need_weights: bool,
+        train: bool,
+    ) -> bool {
+        let cfg = &self.cfg;
+        let (h, h_kv, hd) = (cfg.n_heads, cfg.kv_heads(), cfg.head_dim());
+        self.proj.qkv.is_some()
+            && query.id() == key.id()
+            && key.id() == value.id()
+            && (1..=kernel::DIRECT_ROWS).contains(&query.dim(1).unwrap_or(0))
+            && query.device().is_cpu()
+            && query.dtype() == DType::F32
+            && !query.track_op()
+            && !need_weights
+            && !self.dropout.is_active(train)
+            && self.bias_kv.is_none()
+            && !cfg.add_zero_attn
+            && mask.is_structural()
+            && cfg.d_model == h * hd
+            && cfg.kv_width() == h_kv * hd
+    }
+
+    /// A decoding step of self-attention ([`crate::step`]): the fused projection's output
+    /// rotated, its keys and values written into `cache` in place, the heads' outputs
+    /// `[b, t, d_model]` before the output projection.
+    fn step(
+        &self,
+        xs: &Tensor,
+        rope: Option<&RopeTables>,
+        offset: usize,
+        cache: &mut KvCache,
+        mask: &Mask,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let Some(proj) = &self.proj.qkv else {
+            bail!("attention: a decoding step needs a fused q/k/v projection")
+        };
+        let (b, t, _) = xs.dims3()?;
+        let angles = match &self.rope {
+            Some(r) => Some(step::Angles::of(r, rope, (b, t), offset)?),
+            None => None,
+        };
+        let heads = step::Heads {
+            h: cfg.n_heads,
+            h_kv: cfg.kv_heads(),
+            d: cfg.head_dim(),
+        };
+        let qkv = proj.forward(xs)?.contiguous()?;
+        if qkv.dtype() != DType::F32 {
+            bail!(
+                "attention: the fused projection gives {:?} for f32 inputs",
+                qkv.dtype()
+            )
+        }
+        step::attend(
+            &qkv,
+            heads,
+            angles.as_ref(),
+            cache,
+            mask,
+            cfg.softmax_scale(),
+        )
     }
 
     /// Training self-attention on the CPU in f32: the heads' outputs `[b, t, d_model]` by
@@ -789,5 +868,37 @@ fn check_input(
             "attention: {name} must be [batch{}, seq, {width}], got {dims:?}",
             batch.map(|b| format!(" = {b}")).unwrap_or_default()
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The step is what a fused layer's cached decoding takes (the integration tests hold
+    /// its outputs to the general path's), and only where it applies.
+    #[test]
+    fn cached_steps_of_fused_layers_take_the_step() -> Result<()> {
+        let cfg = MhaConfig {
+            n_kv_heads: Some(2),
+            rope: Some(crate::RopeConfig::default()),
+            ..MhaConfig::new(32, 4)
+        };
+        let varmap = candle_nn::VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let general = MultiHeadAttention::load(&cfg, &WeightLayout::hf(), vb)?;
+        let fused = general.fused()?;
+        let x = Tensor::zeros((2, 1, 32), DType::F32, &Device::Cpu)?;
+        let five = Tensor::zeros((2, 5, 32), DType::F32, &Device::Cpu)?;
+        let mask = Mask::causal(3);
+        assert!(fused.steps(&x, &x, &x, &mask, false, false));
+        assert!(!general.steps(&x, &x, &x, &mask, false, false));
+        // Weights asked for, a prefill, cross-attention: the general path.
+        assert!(!fused.steps(&x, &x, &x, &mask, true, false));
+        assert!(!fused.steps(&five, &five, &five, &mask, false, false));
+        let other = x.clone().contiguous()?.affine(1.0, 0.0)?;
+        assert!(!fused.steps(&x, &other, &other, &mask, false, false));
+        Ok(())
     }
 }

@@ -1,6 +1,6 @@
 //! A pre-allocated key/value cache for incremental decoding.
 
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, DType, Device, Result, Tensor};
 
 /// Keys and values of the tokens seen so far, `[batch, n_kv_heads, len, head_dim]` each.
 ///
@@ -86,23 +86,8 @@ impl KvCache {
                 v.dims()
             )
         }
-        let fits = |t: &Option<Tensor>| match t {
-            Some(t) => {
-                let (tb, th, _, td) = t.dims4().unwrap_or_default();
-                (tb, th, td) == (b, h, d)
-                    && t.dtype() == k.dtype()
-                    && t.device().same_device(k.device())
-            }
-            None => false,
-        };
-        if self.len > 0 && !(fits(&self.k) && fits(&self.v)) {
-            bail!(
-                "cache holds keys of another shape, dtype or device than {:?} {:?}; reset it first",
-                k.dims(),
-                k.dtype()
-            )
-        }
         if new == 0 {
+            self.check((b, h, d), k.dtype(), k.device())?;
             // Nothing to write; and Candle's copy of an empty view at an offset (the keys of
             // a fused projection of zero positions) indexes past its storage.
             return match self.current()? {
@@ -110,24 +95,82 @@ impl KvCache {
                 None => Ok((k.clone(), v.clone())),
             };
         }
+        let (ck, cv) = self.reserve((b, h, new, d), k.dtype(), k.device())?;
+        ck.slice_set(&k.contiguous()?, 2, self.len)?;
+        cv.slice_set(&v.contiguous()?, 2, self.len)?;
+        self.advance(new)
+    }
+
+    /// Fails unless the cache is empty or holds rows `[b, h, _, d]` of `dtype` on `dev`.
+    fn check(&self, (b, h, d): (usize, usize, usize), dtype: DType, dev: &Device) -> Result<()> {
+        if self.len > 0
+            && !(self.fits(&self.k, (b, h, d), dtype, dev)
+                && self.fits(&self.v, (b, h, d), dtype, dev))
+        {
+            bail!(
+                "cache holds keys of another shape, dtype or device than [{b}, {h}, _, {d}] {dtype:?}; reset it first"
+            )
+        }
+        Ok(())
+    }
+
+    fn fits(
+        &self,
+        t: &Option<Tensor>,
+        (b, h, d): (usize, usize, usize),
+        dtype: DType,
+        dev: &Device,
+    ) -> bool {
+        match t {
+            Some(t) => {
+                let (tb, th, _, td) = t.dims4().unwrap_or_default();
+                (tb, th, td) == (b, h, d) && t.dtype() == dtype && t.device().same_device(dev)
+            }
+            None => false,
+        }
+    }
+
+    /// The whole storage, `[b, h, allocated, d]` keys and values of `dtype` on `dev`, with
+    /// room for `new` positions after the cached ones (allocated, or grown by doubling, as
+    /// needed): where a step writes its keys and values in place before
+    /// [`Self::advance`] counts them.
+    pub(crate) fn reserve(
+        &mut self,
+        (b, h, new, d): (usize, usize, usize, usize),
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        self.check((b, h, d), dtype, dev)?;
         let needed = self.len + new;
         let allocated = self.k.as_ref().map_or(0, |t| t.dim(2).unwrap_or(0));
-        if !fits(&self.k) || needed > allocated {
+        let fits =
+            self.fits(&self.k, (b, h, d), dtype, dev) && self.fits(&self.v, (b, h, d), dtype, dev);
+        if !fits || needed > allocated {
             let mut cap = self.capacity.max(allocated);
             while cap < needed {
                 cap *= 2;
             }
-            self.k = Some(grow(self.k.as_ref(), self.len, (b, h, cap, d), k)?);
-            self.v = Some(grow(self.v.as_ref(), self.len, (b, h, cap, d), v)?);
+            let shape = (b, h, cap, d);
+            self.k = Some(grow(self.k.as_ref(), self.len, shape, dtype, dev)?);
+            self.v = Some(grow(self.v.as_ref(), self.len, shape, dtype, dev)?);
         }
         match (&self.k, &self.v) {
-            (Some(ck), Some(cv)) => {
-                ck.slice_set(&k.contiguous()?, 2, self.len)?;
-                cv.slice_set(&v.contiguous()?, 2, self.len)?;
-                self.len = needed;
-                Ok((ck.narrow(2, 0, needed)?, cv.narrow(2, 0, needed)?))
-            }
+            (Some(k), Some(v)) => Ok((k.clone(), v.clone())),
             _ => bail!("cache storage missing after allocation"),
+        }
+    }
+
+    /// Counts `new` positions written after the cached ones (within what
+    /// [`Self::reserve`] made room for) and returns every cached position.
+    pub(crate) fn advance(&mut self, new: usize) -> Result<(Tensor, Tensor)> {
+        let allocated = self.k.as_ref().map_or(0, |t| t.dim(2).unwrap_or(0));
+        if self.len + new > allocated {
+            bail!("cache: {new} positions written past its {allocated} reserved")
+        }
+        self.len += new;
+        match self.current()? {
+            Some(kv) => Ok(kv),
+            None => bail!("cache: nothing cached after a step of {new} positions"),
         }
     }
 }
@@ -152,9 +195,10 @@ fn grow(
     old: Option<&Tensor>,
     len: usize,
     shape: (usize, usize, usize, usize),
-    like: &Tensor,
+    dtype: DType,
+    dev: &Device,
 ) -> Result<Tensor> {
-    let fresh = Tensor::zeros(shape, like.dtype(), like.device())?;
+    let fresh = Tensor::zeros(shape, dtype, dev)?;
     if let (Some(old), true) = (old, len > 0) {
         fresh.slice_set(&old.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
     }
@@ -164,7 +208,6 @@ fn grow(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
 
     #[test]
     fn f16_cache_stores_what_candle_would() -> Result<()> {

@@ -29,7 +29,7 @@ pub(crate) const BR: usize = 64;
 pub(crate) const BC: usize = 128;
 /// The most query rows per head that take [`crate::decode`] (decoding: one row per
 /// sequence) rather than blocks of BR rows, when no dropout is asked for.
-const DIRECT_ROWS: usize = 4;
+pub(crate) const DIRECT_ROWS: usize = 4;
 
 /// Fused attention of `q [b, h, tq, d]` over `k [b, h_kv, tk, d]`, `v [b, h_kv, tk, dv]`
 /// with causal masking and key padding; additive masks go through the reference path.
@@ -333,12 +333,25 @@ impl FlashAttn {
         scale: f64,
         drop: Option<DropMask>,
     ) -> Result<Self> {
+        let (b, _, _, _) = q.dims4()?;
+        Ok(Self {
+            drop,
+            ..Self::over(b, k.dim(2)?, q.device(), mask, scale)?
+        })
+    }
+
+    /// The op for `b` sequences over `tk` keys, without dropout.
+    pub(crate) fn over(
+        b: usize,
+        tk: usize,
+        dev: &candle_core::Device,
+        mask: &Mask,
+        scale: f64,
+    ) -> Result<Self> {
         if !mask.is_structural() {
             bail!("flash_attn_cpu: additive and boolean masks go through sdpa_reference")
         }
-        let (b, _, _, _) = q.dims4()?;
-        let tk = k.dim(2)?;
-        let keep = match mask.keep_keys(b, tk, q.device())? {
+        let keep = match mask.keep_keys(b, tk, dev)? {
             Some(keep) => Some(keep.flatten_all()?.to_vec1::<u8>()?),
             None => None,
         };
@@ -350,7 +363,7 @@ impl FlashAttn {
             causal: mask.causal,
             window: mask.causal.and(mask.window),
             keep,
-            drop,
+            drop: None,
             lse: Mutex::new(Vec::new()),
         })
     }
@@ -388,7 +401,7 @@ impl<'a> Rows<'a> {
 }
 
 impl<'a, T> Rows<'a, T> {
-    fn of(data: &'a [T], l: &Layout, name: &str) -> Result<Self> {
+    pub(crate) fn of(data: &'a [T], l: &Layout, name: &str) -> Result<Self> {
         match *l.stride() {
             [sb, sh, st, 1] => Ok(Self {
                 data,
@@ -420,7 +433,7 @@ pub(crate) enum KvRows<'a> {
 }
 
 impl<'a> KvRows<'a> {
-    fn new(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<Self> {
+    pub(crate) fn new(s: &'a CpuStorage, l: &Layout, name: &str) -> Result<Self> {
         Ok(match s {
             CpuStorage::F32(d) => Self::F32(Rows::of(d, l, name)?),
             CpuStorage::F16(d) => Self::F16(Rows::of(d, l, name)?),
@@ -865,12 +878,17 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let mut ys = vec![0f32; rows * n];
     // Chunks of about 64 Ki elements: a [512, 1536] product is a dozen tasks.
     let per = (65_536 / n).max(1);
-    ys.par_chunks_mut(per * n).enumerate().for_each(|(c, out)| {
+    let chunk = |(c, out): (usize, &mut [f32])| {
         for (i, y) in out.chunks_mut(n).enumerate() {
             let r = c * per + i;
             simd::silu_mul(&gd[g0 + r * gs..][..n], &ud[u0 + r * us..][..n], y);
         }
-    });
+    };
+    // One chunk (decoding) runs here: handing it to the pool cost more than computing it.
+    match rows <= per {
+        true => chunk((0, &mut ys)),
+        false => ys.par_chunks_mut(per * n).enumerate().for_each(chunk),
+    }
     drop((gst, ust));
     Tensor::from_vec(ys, gate.dims(), gate.device())
 }
@@ -1001,9 +1019,14 @@ impl CustomOp1 for GeluTanh {
             CpuStorage::F32(xs) => {
                 let xs = &xs[start..end];
                 let mut ys = vec![0f32; xs.len()];
-                ys.par_chunks_mut(GELU_CHUNK)
-                    .zip(xs.par_chunks(GELU_CHUNK))
-                    .for_each(|(y, x)| simd::gelu_tanh(x, y));
+                // One chunk (decoding) runs here, without the pool's hand-off.
+                match xs.len() <= GELU_CHUNK {
+                    true => simd::gelu_tanh(xs, &mut ys),
+                    false => ys
+                        .par_chunks_mut(GELU_CHUNK)
+                        .zip(xs.par_chunks(GELU_CHUNK))
+                        .for_each(|(y, x)| simd::gelu_tanh(x, y)),
+                }
                 CpuStorage::F32(ys)
             }
             CpuStorage::F16(xs) => CpuStorage::F16(gelu_tanh_half(&xs[start..end])),

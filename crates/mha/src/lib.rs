@@ -86,6 +86,7 @@ pub mod qmatvec;
 pub mod qpacked;
 mod rope;
 mod simd;
+mod step;
 mod team;
 
 pub use attention::{

@@ -84,7 +84,13 @@ pub(crate) fn with_values<R>(
 /// `ys` computed row by row from `xs` (rows of `dim`), `ROWS` rows per task.
 fn per_row(xs: &[f32], dim: usize, f: impl Fn(&mut [f32], &[f32]) + Sync) -> Vec<f32> {
     let mut ys = vec![0f32; xs.len()];
-    if dim > 0 {
+    if dim > 0 && xs.len() <= ROWS * dim {
+        // One task's rows (decoding) run here: handing them to the pool cost more than
+        // computing them.
+        for (y, x) in ys.chunks_mut(dim).zip(xs.chunks(dim)) {
+            f(y, x)
+        }
+    } else if dim > 0 {
         ys.par_chunks_mut(ROWS * dim)
             .zip(xs.par_chunks(ROWS * dim))
             .for_each(|(ys, xs)| {

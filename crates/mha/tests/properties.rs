@@ -132,6 +132,60 @@ fn cached_decoding_equals_full_pass() -> Result<()> {
     Ok(())
 }
 
+/// Decoding steps (1 to 4 new positions) through a fused q/k/v projection take the step
+/// that rotates the new keys and writes them into the cache in place: they give what the
+/// general path gives the same layer with separate projections, and leave the same keys
+/// and values in the cache, for f32, f16 and bf16 caches, grouped-query heads, partial
+/// rotary embeddings, a window and key padding, growing the cache on the way.
+#[test]
+fn decoding_steps_equal_the_general_path() -> Result<()> {
+    let rope = RopeConfig {
+        theta: 1000.0,
+        rotary_dim: Some(6),
+        ..RopeConfig::default()
+    };
+    let cfg = MhaConfig {
+        n_kv_heads: Some(2),
+        rope: Some(rope),
+        window: Some(6),
+        ..MhaConfig::new(32, 4)
+    };
+    let (_vm, general) = layer(&cfg, &WeightLayout::hf(), DType::F32);
+    let fused = general.fused()?;
+    assert!(general.fused_qkv().is_none() && fused.fused_qkv().is_some());
+    let steps = [1usize, 2, 1, 4, 3, 1];
+    let t = 5 + steps.iter().sum::<usize>();
+    let xs = randn(&[2, t, 32]);
+    // Row 1 left-padded by two positions.
+    let keep: Vec<u8> = (0..2 * t).map(|i| u8::from(i < t || i >= t + 2)).collect();
+    let keep = Tensor::from_vec(keep, (2, t), &DEV)?;
+    for dtype in [None, Some(DType::F16), Some(DType::BF16)] {
+        let mut caches = [KvCache::with_dtype(4, dtype), KvCache::with_dtype(4, dtype)];
+        let mut at = 0;
+        for n in std::iter::once(5).chain(steps) {
+            let x = xs.narrow(1, at, n)?;
+            let keep = keep.narrow(1, 0, at + n)?;
+            let mask = Mask::causal(at).with_keep(&keep);
+            let [a, b] = &mut caches;
+            let want = general.forward_cached(&x, &x, &x, &mask, a)?;
+            let got = fused.forward_cached(&x, &x, &x, &mask, b)?;
+            let what = format!("{dtype:?} cache, {n} positions at {at}");
+            assert_close(&got, &want, 1e-5, 1e-5, &what);
+            at += n;
+        }
+        let [a, b] = &caches;
+        assert_eq!((a.len(), b.len()), (t, t));
+        let (Some((ka, va)), Some((kb, vb))) = (a.current()?, b.current()?) else {
+            panic!("empty caches")
+        };
+        assert_eq!(kb.dtype(), dtype.unwrap_or(DType::F32));
+        let f32s = |x: &Tensor| x.to_dtype(DType::F32);
+        assert_close(&f32s(&kb)?, &f32s(&ka)?, 1e-5, 1e-2, "cached keys");
+        assert_close(&f32s(&vb)?, &f32s(&va)?, 1e-5, 1e-2, "cached values");
+    }
+    Ok(())
+}
+
 /// `forward_rows`: rows that are separate sequences, each with its own cache of a different
 /// length, give each row what `forward_cached` gives it alone (GQA, rotary, a window).
 #[test]
