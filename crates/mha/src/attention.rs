@@ -616,6 +616,7 @@ impl MultiHeadAttention {
             h_kv: cfg.kv_heads(),
             d: cfg.head_dim(),
         };
+        step::prepare(cache, (b, t), heads)?;
         let qkv = proj.forward(xs)?.contiguous()?;
         if qkv.dtype() != DType::F32 {
             bail!(

@@ -79,6 +79,44 @@ pub(crate) struct Heads {
     pub d: usize,
 }
 
+/// Makes room in `cache` for `t` new positions of `b` sequences and asks for the cache
+/// lines they will be written to: called before the q/k/v projection, so that its reads
+/// overlap with bringing in rows nothing has touched yet, where writing them after it
+/// waited on memory (80% of the samples of the cache writes, SmolLM-135M q8_0 decoding).
+pub(crate) fn prepare(cache: &mut KvCache, (b, t): (usize, usize), heads: Heads) -> Result<()> {
+    let Heads { h_kv, d, .. } = heads;
+    let dtype = cache.dtype().unwrap_or(DType::F32);
+    let at = cache.len();
+    let (ck, cv) = cache.reserve((b, h_kv, t, d), dtype, &candle_core::Device::Cpu)?;
+    for c in [ck, cv] {
+        let (s, l) = c.storage_and_layout();
+        let (Storage::Cpu(s), Ok((_, _, allocated, _))) = (&*s, l.shape().dims4()) else {
+            continue;
+        };
+        let (ptr, size) = match s {
+            CpuStorage::F32(v) => (v.as_ptr() as *const u8, 4),
+            CpuStorage::F16(v) => (v.as_ptr() as *const u8, 2),
+            CpuStorage::BF16(v) => (v.as_ptr() as *const u8, 2),
+            _ => continue,
+        };
+        for g in 0..b * h_kv {
+            // The rows' bytes, and every cache line they touch.
+            let first = ptr as usize + (l.start_offset() + (g * allocated + at) * d) * size;
+            for line in (first & !63..first + t * d * size).step_by(64) {
+                // SAFETY: a prefetch never faults, whatever the address.
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                    _mm_prefetch::<_MM_HINT_T0>(line as *const i8);
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = line;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Self-attention of the positions in `qkv` (`[b, t, (h + 2·h_kv)·d]`, contiguous f32 on
 /// the CPU) over `cache` and themselves: appends their keys (rotated by `angles`) and
 /// values to `cache` and returns the heads' outputs `[b, t, h·d]`. `mask` as the general
