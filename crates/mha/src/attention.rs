@@ -738,12 +738,6 @@ impl MultiHeadAttention {
             }
             (_, given) => given,
         };
-        if let (Some(proj), true) = (
-            &self.proj.qkv,
-            self.steps(xs, xs, xs, &Mask::NONE, false, false),
-        ) {
-            return self.step_rows(proj, xs, rope, caches);
-        }
         let Projected { q, k, v, dtype } = self.project(xs, xs, xs, rope, 0, false)?;
         let params = SdpaParams::inference(cfg.softmax_scale());
         let row = |(i, cache): (usize, &mut &mut KvCache)| -> Result<Tensor> {
@@ -772,68 +766,6 @@ impl MultiHeadAttention {
             .transpose(1, 2)?
             .reshape((rows, t, cfg.d_model))?;
         self.proj.o.forward(&ys)
-    }
-
-    /// [`Self::forward_rows`] as decoding steps ([`Self::step`]): one product for every
-    /// row, then each row's keys and values written into its own cache in place.
-    fn step_rows(
-        &self,
-        proj: &Proj,
-        xs: &Tensor,
-        rope: Option<&RopeTables>,
-        caches: &mut [&mut KvCache],
-    ) -> Result<Tensor> {
-        let cfg = &self.cfg;
-        let (_, t, _) = xs.dims3()?;
-        let heads = step::Heads {
-            h: cfg.n_heads,
-            h_kv: cfg.kv_heads(),
-            d: cfg.head_dim(),
-        };
-        for cache in caches.iter_mut() {
-            step::prepare(cache, (1, t), heads)?;
-        }
-        // (rows, t, (h + 2·h_kv)·hd)
-        let qkv = proj.forward(xs)?.contiguous()?;
-        if qkv.dtype() != DType::F32 {
-            bail!(
-                "attention: the fused projection gives {:?} for f32 inputs",
-                qkv.dtype()
-            )
-        }
-        let row = |(i, cache): (usize, &mut &mut KvCache)| -> Result<Tensor> {
-            let mut mask = Mask::causal(cache.len());
-            mask.window = cfg.window;
-            let angles = match (&self.rope, rope) {
-                (None, _) => None,
-                (Some(r), Some(tables)) => {
-                    let tables = RopeTables {
-                        cos: tables.cos.narrow(0, i, 1)?,
-                        sin: tables.sin.narrow(0, i, 1)?,
-                    };
-                    Some(step::Angles::of(r, Some(&tables), (1, t), cache.len())?)
-                }
-                (Some(r), None) => Some(step::Angles::of(r, None, (1, t), cache.len())?),
-            };
-            let qkv = qkv.narrow(0, i, 1)?;
-            step::attend(
-                &qkv,
-                heads,
-                angles.as_ref(),
-                cache,
-                &mask,
-                cfg.softmax_scale(),
-            )
-        };
-        // Rows are independent, and on a small model each is mostly per-call overhead:
-        // spread them over the CPU's threads.
-        let ys: Vec<Tensor> = caches
-            .par_iter_mut()
-            .enumerate()
-            .map(row)
-            .collect::<Result<_>>()?;
-        // (rows, t, h·hd)
-        self.proj.o.forward(&Tensor::cat(&ys, 0)?)
     }
 
     /// Projects the inputs to heads `[b, heads, t, head_dim]` and rotates queries and keys

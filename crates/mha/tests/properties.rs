@@ -216,25 +216,20 @@ fn rows_with_their_own_caches_equal_rows_alone() -> Result<()> {
             .map(|(x, &p)| x.narrow(1, p, 1))
             .collect::<Result<_>>()?;
         let xs = Tensor::cat(&last, 0)?;
-        // The same layer with q/k/v fused takes a decoding step per row (its keys and values
-        // written into each row's cache in place).
-        for (layer, how) in [(attn.clone(), "separate"), (attn.fused()?, "fused")] {
-            let mut caches = caches.clone();
-            let mut rows: Vec<&mut KvCache> = caches.iter_mut().collect();
-            let got = layer.forward_rows(&xs, None, &mut rows)?;
-            for (i, want) in alone.iter().enumerate() {
-                assert_close(
-                    &got.narrow(0, i, 1)?,
-                    want,
-                    1e-5,
-                    1e-5,
-                    &format!("row {i}, rope {}, {how}", cfg.rope.is_some()),
-                );
-                assert_eq!(caches[i].len(), past[i] + 1);
-            }
-            let mut two: Vec<&mut KvCache> = caches.iter_mut().take(2).collect();
-            assert!(layer.forward_rows(&xs, None, &mut two).is_err());
+        let mut rows: Vec<&mut KvCache> = caches.iter_mut().collect();
+        let got = attn.forward_rows(&xs, None, &mut rows)?;
+        for (i, want) in alone.iter().enumerate() {
+            assert_close(
+                &got.narrow(0, i, 1)?,
+                want,
+                1e-5,
+                1e-5,
+                &format!("row {i}, rope {}", cfg.rope.is_some()),
+            );
+            assert_eq!(caches[i].len(), past[i] + 1);
         }
+        let mut two: Vec<&mut KvCache> = caches.iter_mut().take(2).collect();
+        assert!(attn.forward_rows(&xs, None, &mut two).is_err());
     }
     Ok(())
 }
