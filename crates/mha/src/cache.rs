@@ -104,30 +104,13 @@ impl KvCache {
     /// Fails unless the cache is empty or holds rows `[b, h, _, d]` of `dtype` on `dev`.
     fn check(&self, (b, h, d): (usize, usize, usize), dtype: DType, dev: &Device) -> Result<()> {
         if self.len > 0
-            && !(self.fits(&self.k, (b, h, d), dtype, dev)
-                && self.fits(&self.v, (b, h, d), dtype, dev))
+            && !(holds(&self.k, (b, h, d), dtype, dev) && holds(&self.v, (b, h, d), dtype, dev))
         {
             bail!(
                 "cache holds keys of another shape, dtype or device than [{b}, {h}, _, {d}] {dtype:?}; reset it first"
             )
         }
         Ok(())
-    }
-
-    fn fits(
-        &self,
-        t: &Option<Tensor>,
-        (b, h, d): (usize, usize, usize),
-        dtype: DType,
-        dev: &Device,
-    ) -> bool {
-        match t {
-            Some(t) => {
-                let (tb, th, _, td) = t.dims4().unwrap_or_default();
-                (tb, th, td) == (b, h, d) && t.dtype() == dtype && t.device().same_device(dev)
-            }
-            None => false,
-        }
     }
 
     /// The whole storage, `[b, h, allocated, d]` keys and values of `dtype` on `dev`, with
@@ -143,8 +126,7 @@ impl KvCache {
         self.check((b, h, d), dtype, dev)?;
         let needed = self.len + new;
         let allocated = self.k.as_ref().map_or(0, |t| t.dim(2).unwrap_or(0));
-        let fits =
-            self.fits(&self.k, (b, h, d), dtype, dev) && self.fits(&self.v, (b, h, d), dtype, dev);
+        let fits = holds(&self.k, (b, h, d), dtype, dev) && holds(&self.v, (b, h, d), dtype, dev);
         if !fits || needed > allocated {
             let mut cap = self.capacity.max(allocated);
             while cap < needed {
@@ -172,6 +154,17 @@ impl KvCache {
             Some(kv) => Ok(kv),
             None => bail!("cache: nothing cached after a step of {new} positions"),
         }
+    }
+}
+
+/// Whether `t` is storage of `[b, h, _, d]` rows of `dtype` on `dev`.
+fn holds(t: &Option<Tensor>, (b, h, d): (usize, usize, usize), dtype: DType, dev: &Device) -> bool {
+    match t {
+        Some(t) => {
+            let (tb, th, _, td) = t.dims4().unwrap_or_default();
+            (tb, th, td) == (b, h, d) && t.dtype() == dtype && t.device().same_device(dev)
+        }
+        None => false,
     }
 }
 
