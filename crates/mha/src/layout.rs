@@ -473,6 +473,30 @@ impl Proj {
             _ => bail!("projection expects inputs [.., {d_in}], got {dims:?}"),
         }
         let rows = xs.elem_count() / d_in;
+        if let Weight::Packed { w, cols } = &self.w {
+            // Every row count: decoding reads each tile once, a prefill reuses it from
+            // L1 for four rows of `x` at a time.
+            let (start, len) = cols.unwrap_or((0, w.dims().0));
+            // `xs` read as it is (rows of `d_in`), and the product made in its
+            // final shape: a decoding step's hundred products each made two tensors
+            // fewer (views of one), with their shapes and strides.
+            let mut ys =
+                crate::matvec::with_f32_values(xs, |x| w.matmul(x, rows, start..start + len))?;
+            // The bias goes into the product's own buffer (the same sums as a
+            // broadcast add, without a second `[rows, out]` tensor).
+            if let Some(b) = &self.b {
+                crate::matvec::with_f32_values(b, |b| {
+                    if b.len() != len {
+                        bail!("a bias of {} for {len} outputs", b.len())
+                    }
+                    for row in ys.chunks_exact_mut(len) {
+                        row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+                    }
+                    Ok(())
+                })?;
+            }
+            return Tensor::from_vec(ys, out_dims(dims, d_out), xs.device())?.to_dtype(xs.dtype());
+        }
         let xs2 = xs.reshape((rows, d_in))?;
         // One 2-D product over all rows: no per-batch broadcast of the weight.
         let ys = match &self.w {
@@ -562,29 +586,7 @@ impl Proj {
                 };
                 ys.to_dtype(xs.dtype())?
             }
-            Weight::Packed { w, cols } => {
-                // Every row count: decoding reads each tile once, a prefill reuses it from
-                // L1 for four rows of `x` at a time.
-                let (start, len) = cols.unwrap_or((0, w.dims().0));
-                let mut ys = crate::matvec::with_f32_values(&xs2, |x| {
-                    w.matmul(x, rows, start..start + len)
-                })?;
-                // The bias goes into the product's own buffer (the same sums as a
-                // broadcast add, without a second `[rows, out]` tensor).
-                if let Some(b) = &self.b {
-                    crate::matvec::with_f32_values(b, |b| {
-                        if b.len() != len {
-                            bail!("a bias of {} for {len} outputs", b.len())
-                        }
-                        for row in ys.chunks_exact_mut(len) {
-                            row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
-                        }
-                        Ok(())
-                    })?;
-                }
-                let ys = Tensor::from_vec(ys, (rows, len), xs.device())?.to_dtype(xs.dtype())?;
-                return ys.reshape(out_dims(dims, d_out));
-            }
+            Weight::Packed { .. } => unreachable!("taken above"),
         };
         let ys = match &self.b {
             Some(b) if b.dtype() != ys.dtype() => ys.broadcast_add(&b.to_dtype(ys.dtype())?)?,

@@ -155,20 +155,27 @@ pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<
     {
         return Ok(None);
     }
-    let x = xs.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let mut ys = match b {
         Some(b) => b.to_dtype(DType::F32)?.to_vec1::<f32>()?.repeat(m),
         None => vec![0f32; m * d_out],
     };
-    let (storage, layout) = w_t.storage_and_layout();
-    let (start, stride) = (layout.start_offset(), layout.stride());
-    let done = match &*storage {
-        Storage::Cpu(CpuStorage::F32(w)) => product(&x, m, w, start, stride, d_in, d_out, &mut ys),
-        Storage::Cpu(CpuStorage::BF16(w)) => product(&x, m, w, start, stride, d_in, d_out, &mut ys),
-        Storage::Cpu(CpuStorage::F16(w)) => product(&x, m, w, start, stride, d_in, d_out, &mut ys),
-        _ => false,
-    };
-    drop(storage);
+    // `x` read where it is (a decoding step's rows are f32 and contiguous).
+    let done = with_f32_values(xs, |x| {
+        let (storage, layout) = w_t.storage_and_layout();
+        let (start, stride) = (layout.start_offset(), layout.stride());
+        Ok(match &*storage {
+            Storage::Cpu(CpuStorage::F32(w)) => {
+                product(x, m, w, start, stride, d_in, d_out, &mut ys)
+            }
+            Storage::Cpu(CpuStorage::BF16(w)) => {
+                product(x, m, w, start, stride, d_in, d_out, &mut ys)
+            }
+            Storage::Cpu(CpuStorage::F16(w)) => {
+                product(x, m, w, start, stride, d_in, d_out, &mut ys)
+            }
+            _ => false,
+        })
+    })?;
     if !done {
         return Ok(None);
     }
