@@ -210,23 +210,26 @@ impl Block {
         train: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let drop = |t: Tensor| self.resid_drop.forward(&t, train);
+        let add = mha::ops::add;
         match (self.placement, self.parallel) {
             (NormPlacement::Pre, false) => {
                 let (a, weights) = attend(&self.ln_1.forward(xs)?)?;
-                let xs = (xs + drop(a)?)?;
+                let xs = add(xs, &drop(a)?)?;
                 let h = self.ln_2.forward(&xs)?;
-                Ok(((&xs + drop(self.mlp.forward(&h)?)?)?, weights))
+                Ok((add(&xs, &drop(self.mlp.forward(&h)?)?)?, weights))
             }
             // x + attn(ln_1(x)) + mlp(ln_2(x))
             (NormPlacement::Pre, true) => {
                 let (a, weights) = attend(&self.ln_1.forward(xs)?)?;
                 let m = self.mlp.forward(&self.ln_2.forward(xs)?)?;
-                Ok((((xs + drop(a)?)? + drop(m)?)?, weights))
+                Ok((add(&add(xs, &drop(a)?)?, &drop(m)?)?, weights))
             }
             (NormPlacement::Post, _) => {
                 let (a, weights) = attend(xs)?;
-                let xs = self.ln_1.forward(&(xs + drop(a)?)?)?;
-                let ys = self.ln_2.forward(&(&xs + drop(self.mlp.forward(&xs)?)?)?)?;
+                let xs = self.ln_1.forward(&add(xs, &drop(a)?)?)?;
+                let ys = self
+                    .ln_2
+                    .forward(&add(&xs, &drop(self.mlp.forward(&xs)?)?)?)?;
                 Ok((ys, weights))
             }
         }
