@@ -1,5 +1,7 @@
 //! Fused, differentiable CPU ops for training the layers around attention: LayerNorm,
 //! RMSNorm, a linear layer with bias, and next-token cross-entropy.
+//! (And [`add`], the residual add, which a decoding step's rows take without Candle's
+//! per-op setup.)
 //!
 //! Built from Candle's tensor ops, a LayerNorm keeps about ten activations of its input's
 //! size for the backward pass, a linear layer its product and the biased sum, and a
