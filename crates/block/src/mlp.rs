@@ -127,13 +127,25 @@ impl Mlp {
     /// inference, one product instead of two, and SwiGLU's `silu(gate)·up` in one pass
     /// over it. The same outputs up to the summation order of the products.
     pub fn fused(&self) -> Result<Self> {
-        let Some(gate) = self.gate.as_ref().filter(|_| self.gate_up.is_none()) else {
-            return Ok(self.clone());
+        // Packed matrices end up side by side in shared slabs (`Proj::settled`).
+        let gate_up = match (&self.gate_up, &self.gate) {
+            (Some(gate_up), _) => Some(gate_up.settled()),
+            (None, Some(gate)) => Proj::concat(&[gate, &self.up])?,
+            (None, None) => None,
         };
-        let Some(gate_up) = Proj::concat(&[gate, &self.up])? else {
-            return Ok(self.clone());
-        };
-        self.with_gate_up(gate_up)
+        let down = self.down.settled();
+        match gate_up {
+            Some(gate_up) => Ok(Self {
+                down,
+                ..self.with_gate_up(gate_up)?
+            }),
+            None => Ok(Self {
+                gate: self.gate.as_ref().map(Proj::settled),
+                up: self.up.settled(),
+                down,
+                ..self.clone()
+            }),
+        }
     }
 
     /// The MLP computing gate and up by `gate_up` (`[d, 2·inner]`, gate first), the two

@@ -280,6 +280,19 @@ impl Proj {
         }
     }
 
+    /// The projection with a whole packed matrix moved beside the model's other settled
+    /// matrices ([`Packed::settled`]), for inference once the model's matrices are final;
+    /// anything else as it is.
+    pub fn settled(&self) -> Self {
+        match &self.w {
+            Weight::Packed { w, cols: None } => match w.settled() {
+                Some(w) => Self::from_packed(Arc::new(w), self.b.clone()),
+                None => self.clone(),
+            },
+            _ => self.clone(),
+        }
+    }
+
     /// Output columns `start..start + len` of this projection, sharing its storage.
     pub fn narrow(&self, start: usize, len: usize) -> Result<Self> {
         let b = match &self.b {
@@ -700,12 +713,20 @@ impl Projections {
     /// q, k and v computed by one projection where they can share a matrix (see
     /// [`Proj::concat`]), each then a view into it as for a checkpoint that stores them
     /// fused; unchanged otherwise.
+    /// Packed matrices end up side by side in shared slabs ([`Proj::settled`]).
     pub(crate) fn fused(&self) -> Result<Self> {
-        if self.qkv.is_some() {
-            return Ok(self.clone());
-        }
-        let Some(qkv) = Proj::concat(&[&self.q, &self.k, &self.v])? else {
-            return Ok(self.clone());
+        let qkv = match &self.qkv {
+            Some(qkv) => Some(qkv.settled()),
+            None => Proj::concat(&[&self.q, &self.k, &self.v])?,
+        };
+        let Some(qkv) = qkv else {
+            return Ok(Projections {
+                q: self.q.settled(),
+                k: self.k.settled(),
+                v: self.v.settled(),
+                o: self.o.settled(),
+                qkv: None,
+            });
         };
         let (q_len, k_len) = (self.q.dims()?.1, self.k.dims()?.1);
         let v_len = self.v.dims()?.1;
@@ -713,7 +734,7 @@ impl Projections {
             q: qkv.narrow(0, q_len)?,
             k: qkv.narrow(q_len, k_len)?,
             v: qkv.narrow(q_len + k_len, v_len)?,
-            o: self.o.clone(),
+            o: self.o.settled(),
             qkv: Some(qkv),
         })
     }

@@ -75,9 +75,174 @@ fn collapse_huge_pages(start: usize, bytes: usize) {
     unsafe { libc::madvise(first as *mut libc::c_void, end - first, MADV_COLLAPSE) };
 }
 
+/// Packed matrices side by side in shared mappings ([`slab_bytes`]).
+#[cfg(unix)]
+mod slab {
+    #[cfg(target_os = "linux")]
+    use super::advise_huge_pages;
+
+    /// Bytes carved from a shared slab of huge pages ([`slab_bytes`]): a packed matrix's
+    /// tiles, beside the model's other matrices with no gap between them.
+    pub struct SlabBytes {
+        slab: std::sync::Arc<Slab>,
+        start: usize,
+        len: usize,
+    }
+
+    /// One mapping of [`SLAB`] bytes or more, its whole 2 MiB pages advised as huge; unmapped
+    /// when the last of its [`SlabBytes`] goes.
+    struct Slab {
+        ptr: *mut u8,
+        len: usize,
+    }
+
+    // SAFETY: the slab is plain memory; each `SlabBytes` owns a disjoint range of it.
+    unsafe impl Send for Slab {}
+    unsafe impl Sync for Slab {}
+
+    /// Bytes of one slab: 16 huge pages (a model's quantized layers span several).
+    const SLAB: usize = 32 << 20;
+
+    /// The slab new ranges are carved from, and how much of it is taken; held weakly, so that
+    /// a slab whose matrices are all dropped is unmapped.
+    static CURRENT: std::sync::Mutex<(std::sync::Weak<Slab>, usize)> =
+        std::sync::Mutex::new((std::sync::Weak::new(), 0));
+
+    impl Slab {
+        /// A fresh anonymous mapping of at least `len` bytes (zeros, paged in on first touch),
+        /// or `None` where the system refuses one.
+        fn map(len: usize) -> Option<Slab> {
+            const HUGE: usize = 1 << 21;
+            let len = len.max(SLAB).next_multiple_of(HUGE);
+            // SAFETY: an anonymous private mapping at an address of the kernel's choosing.
+            let ptr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len + HUGE,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if ptr == libc::MAP_FAILED {
+                return None;
+            }
+            // Aligned to a huge page: the unaligned head and the tail beyond `len` go back.
+            let (base, end) = (ptr as usize, ptr as usize + len + HUGE);
+            let start = base.next_multiple_of(HUGE);
+            // SAFETY: both ranges lie inside the mapping just made and hold nothing yet.
+            unsafe {
+                if start > base {
+                    libc::munmap(base as *mut libc::c_void, start - base);
+                }
+                if end > start + len {
+                    libc::munmap((start + len) as *mut libc::c_void, end - start - len);
+                }
+            }
+            #[cfg(target_os = "linux")]
+            advise_huge_pages(start, len);
+            Some(Slab {
+                ptr: start as *mut u8,
+                len,
+            })
+        }
+    }
+
+    impl Drop for Slab {
+        fn drop(&mut self) {
+            // SAFETY: the mapping made in `map`, no longer referenced by any `SlabBytes`.
+            unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+        }
+    }
+
+    impl SlabBytes {
+        /// The bytes, to write.
+        pub fn as_mut_slice(&mut self) -> &mut [u8] {
+            // SAFETY: `start..start + len` lies in the slab and belongs to this value alone.
+            unsafe { std::slice::from_raw_parts_mut(self.slab.ptr.add(self.start), self.len) }
+        }
+    }
+
+    impl std::ops::Deref for SlabBytes {
+        type Target = [u8];
+        fn deref(&self) -> &[u8] {
+            // SAFETY: as in `as_mut_slice`.
+            unsafe { std::slice::from_raw_parts(self.slab.ptr.add(self.start), self.len) }
+        }
+    }
+
+    impl Drop for SlabBytes {
+        /// The range's whole pages go back to the system now; the slab itself when its last
+        /// range goes.
+        fn drop(&mut self) {
+            const PAGE: usize = 4096;
+            let start = (self.slab.ptr as usize + self.start).next_multiple_of(PAGE);
+            let end = (self.slab.ptr as usize + self.start + self.len) / PAGE * PAGE;
+            if end > start {
+                // SAFETY: whole pages of this range, which nothing reads after this.
+                unsafe {
+                    libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED)
+                };
+            }
+        }
+    }
+
+    /// `len` zero bytes side by side with the previous ranges of the current slab (a new slab
+    /// when they do not fit), 64-byte aligned: the packed matrices of a model then fill whole
+    /// huge pages, where each of its own allocations (0.35–1.9 MiB for SmolLM-135M) held
+    /// none, and the pages they share hold no gaps or freed neighbours to make resident.
+    /// `None` where the system gives no mapping.
+    pub fn slab_bytes(len: usize) -> Option<SlabBytes> {
+        let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+        let (weak, used) = &mut *current;
+        let start = used.next_multiple_of(64);
+        let slab = match weak.upgrade() {
+            Some(slab) if start + len <= slab.len => slab,
+            _ => {
+                let slab = std::sync::Arc::new(Slab::map(len)?);
+                *weak = std::sync::Arc::downgrade(&slab);
+                *used = 0;
+                return Some(carve(slab, 0, len, used));
+            }
+        };
+        Some(carve(slab, start, len, used))
+    }
+
+    fn carve(slab: std::sync::Arc<Slab>, start: usize, len: usize, used: &mut usize) -> SlabBytes {
+        *used = start + len;
+        SlabBytes { slab, start, len }
+    }
+}
+#[cfg(unix)]
+pub use slab::{slab_bytes, SlabBytes};
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Slab ranges are zeroed, 64-byte aligned and disjoint: writing one leaves the
+    /// others as they were, dropping one leaves the others' bytes, and a range larger than
+    /// a slab gets one of its own.
+    #[cfg(unix)]
+    #[test]
+    fn slab_ranges_are_disjoint() {
+        let mut ranges: Vec<SlabBytes> = [1000, 4096, 77, 3 << 20, 5, 40 << 20, 123_457]
+            .into_iter()
+            .map(|len| slab_bytes(len).expect("a mapping"))
+            .collect();
+        for (i, r) in ranges.iter_mut().enumerate() {
+            assert_eq!(r.as_ptr() as usize % 64, 0);
+            assert!(r.iter().all(|&b| b == 0), "range {i} not zeroed");
+            r.as_mut_slice().fill(i as u8 + 1);
+        }
+        ranges.remove(2);
+        ranges.remove(0);
+        for r in &ranges {
+            let first = r[0];
+            assert!(first != 0 && r.iter().all(|&b| b == first));
+        }
+    }
 
     #[test]
     fn weight_vec_holds_len_copies_of_value() {

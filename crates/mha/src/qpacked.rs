@@ -554,7 +554,40 @@ pub struct Packed {
     n: usize,
     k: usize,
     /// `[n / 16 (rounded up), k / format.values()]` tiles of `format.tile_bytes()`.
-    data: Vec<u8>,
+    data: Tiles,
+}
+
+/// Where a matrix's tiles live: its own buffer (as loaded), or a range of a slab shared
+/// with the model's other matrices ([`Packed::settled`]).
+enum Tiles {
+    Own(Vec<u8>),
+    #[cfg(unix)]
+    Slab(crate::memory::SlabBytes),
+}
+
+impl std::ops::Deref for Tiles {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Tiles::Own(v) => v,
+            #[cfg(unix)]
+            Tiles::Slab(s) => s,
+        }
+    }
+}
+
+impl Tiles {
+    /// `len` bytes in a slab (a buffer of its own where there is none), filled by `fill`.
+    fn slab(len: usize, fill: impl FnOnce(&mut [u8])) -> Tiles {
+        #[cfg(unix)]
+        if let Some(mut s) = crate::memory::slab_bytes(len) {
+            fill(s.as_mut_slice());
+            return Tiles::Slab(s);
+        }
+        let mut v = crate::memory::packed_weight_vec(len, 0u8);
+        fill(&mut v);
+        Tiles::Own(v)
+    }
 }
 
 impl std::fmt::Debug for Packed {
@@ -637,7 +670,7 @@ impl Format {
 
 impl Packed {
     /// A matrix holding `data` (counted in [`PACKED_BYTES`] until dropped).
-    fn holding(format: Format, n: usize, k: usize, data: Vec<u8>) -> Self {
+    fn holding(format: Format, n: usize, k: usize, data: Tiles) -> Self {
         PACKED_BYTES.fetch_add(data.len(), Ordering::Relaxed);
         Self { format, n, k, data }
     }
@@ -727,7 +760,20 @@ impl Packed {
                 }
             }
         }
-        Ok(Some(Self::holding(format, n, k, tiles)))
+        Ok(Some(Self::holding(format, n, k, Tiles::Own(tiles))))
+    }
+
+    /// The matrix with its tiles in a slab shared with the model's other settled matrices
+    /// (a copy; `None` when they are there already). For inference, once a model's
+    /// matrices are final (`concat` puts its results there too): a model's matrices side
+    /// by side fill whole huge pages, where each of its own buffers held few or none.
+    pub fn settled(&self) -> Option<Packed> {
+        #[cfg(unix)]
+        if matches!(self.data, Tiles::Slab(_)) {
+            return None;
+        }
+        let data = Tiles::slab(self.data.len(), |d| d.copy_from_slice(&self.data));
+        Some(Packed::holding(self.format, self.n, self.k, data))
     }
 
     /// Matrices of the same format and width stacked, `[Σ n_i, k]`, or `None` when they
@@ -746,12 +792,13 @@ impl Packed {
             return None;
         }
         let bytes: usize = parts.iter().map(|p| p.data.len()).sum();
-        let mut data = crate::memory::packed_weight_vec(bytes, 0u8);
-        let mut at = 0;
-        for p in parts {
-            data[at..at + p.data.len()].copy_from_slice(&p.data);
-            at += p.data.len();
-        }
+        let data = Tiles::slab(bytes, |data| {
+            let mut at = 0;
+            for p in parts {
+                data[at..at + p.data.len()].copy_from_slice(&p.data);
+                at += p.data.len();
+            }
+        });
         Some(Packed::holding(
             first.format,
             parts.iter().map(|p| p.n).sum(),
@@ -2938,6 +2985,40 @@ mod tests {
     /// Row width `blocks` stored blocks wide.
     fn width(dtype: GgmlDType, blocks: usize) -> usize {
         Format::of(dtype).unwrap().values() * blocks
+    }
+
+    /// A settled matrix (its tiles copied into a shared slab) and a concatenation (made
+    /// there) hold the same tiles as the matrices they come from, and multiply the same;
+    /// settling one already in a slab is a no-op.
+    #[test]
+    fn settled_and_concatenated_matrices_keep_their_tiles() {
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4K] {
+            let k = width(dtype, 2);
+            let (a, b) = (quantized(48, k, dtype), quantized(37, k, dtype));
+            let (a, b) = (
+                Packed::pack(&a).unwrap().unwrap(),
+                Packed::pack(&b).unwrap().unwrap(),
+            );
+            let settled = a.settled().expect("a loaded matrix moves to a slab");
+            assert_eq!(&*settled.data, &*a.data, "{dtype:?}");
+            assert!(settled.settled().is_none(), "{dtype:?}: settled twice");
+            let both = Packed::concat(&[&a, &b]).unwrap();
+            assert!(both.settled().is_none() || cfg!(not(unix)), "{dtype:?}");
+            let mut want = a.dequantize().unwrap();
+            want.extend(b.dequantize().unwrap());
+            assert_eq!(both.dequantize().unwrap(), want, "{dtype:?}");
+            let x: Vec<f32> = (0..k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let (p, q) = (
+                settled.matmul(&x, 1, 0..48).unwrap(),
+                a.matmul(&x, 1, 0..48).unwrap(),
+            );
+            assert_eq!(p, q, "{dtype:?}");
+            drop(a);
+            // The copy outlives its source, and the slab its other ranges.
+            assert_eq!(settled.matmul(&x, 1, 0..48).unwrap(), q, "{dtype:?}");
+            drop(settled);
+            assert_eq!(both.dequantize().unwrap(), want, "{dtype:?}");
+        }
     }
 
     #[test]
