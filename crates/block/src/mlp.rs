@@ -125,9 +125,10 @@ impl Mlp {
     /// The MLP with its gate and up projections computed as one where they can share a
     /// matrix ([`Proj::concat`]: a new matrix, the checkpoint's left as they are): for
     /// inference, one product instead of two, and SwiGLU's `silu(gate)·up` in one pass
-    /// over it. The same outputs up to the summation order of the products.
+    /// over it. The same outputs up to the summation order of the products. Packed
+    /// matrices move side by side with the model's others into shared slabs
+    /// ([`Proj::settled`]).
     pub fn fused(&self) -> Result<Self> {
-        // Packed matrices end up side by side in shared slabs (`Proj::settled`).
         let gate_up = match (&self.gate_up, &self.gate) {
             (Some(gate_up), _) => Some(gate_up.settled()),
             (None, Some(gate)) => Proj::concat(&[gate, &self.up])?,

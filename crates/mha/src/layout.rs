@@ -712,8 +712,8 @@ pub(crate) struct Projections {
 impl Projections {
     /// q, k and v computed by one projection where they can share a matrix (see
     /// [`Proj::concat`]), each then a view into it as for a checkpoint that stores them
-    /// fused; unchanged otherwise.
-    /// Packed matrices end up side by side in shared slabs ([`Proj::settled`]).
+    /// fused, and every packed matrix side by side with the model's others in shared
+    /// slabs ([`Proj::settled`]).
     pub(crate) fn fused(&self) -> Result<Self> {
         let qkv = match &self.qkv {
             Some(qkv) => Some(qkv.settled()),

@@ -31,7 +31,8 @@ pub fn weight_vec<T: Copy>(len: usize, value: T) -> Vec<T> {
 /// [`weight_vec`] without the collapsed end pages, for quantized tiles: their models are
 /// small (a memory lead over llama.cpp of 0.65–1.0× that 5–24 MiB would spend: the k-quant
 /// rows were at 0.91–1.05×) and already decode at 1.1–1.8× its speed; SmolLM-135M q8_0
-/// gained 8–13% from the collapse at +12–16 MiB.
+/// gained 8–13% from the collapse at +12–16 MiB. A model fused for inference moves them
+/// into shared slabs instead ([`slab_bytes`]), where they fill whole huge pages.
 pub fn packed_weight_vec<T: Copy>(len: usize, value: T) -> Vec<T> {
     let mut v = Vec::with_capacity(len);
     #[cfg(target_os = "linux")]

@@ -577,16 +577,25 @@ impl std::ops::Deref for Tiles {
 }
 
 impl Tiles {
-    /// `len` bytes in a slab (a buffer of its own where there is none), filled by `fill`.
-    fn slab(len: usize, fill: impl FnOnce(&mut [u8])) -> Tiles {
+    /// `len` bytes in a slab, filled by `fill`; `None` where there is no slab (a system
+    /// without `mmap`, or one that refused the mapping).
+    fn in_slab(len: usize, fill: impl FnOnce(&mut [u8])) -> Option<Tiles> {
         #[cfg(unix)]
         if let Some(mut s) = crate::memory::slab_bytes(len) {
             fill(s.as_mut_slice());
-            return Tiles::Slab(s);
+            return Some(Tiles::Slab(s));
         }
-        let mut v = crate::memory::packed_weight_vec(len, 0u8);
-        fill(&mut v);
-        Tiles::Own(v)
+        let _ = (len, fill);
+        None
+    }
+
+    /// `len` bytes in a slab where there is one, else in a buffer of their own.
+    fn new(len: usize, fill: impl Fn(&mut [u8])) -> Tiles {
+        Self::in_slab(len, &fill).unwrap_or_else(|| {
+            let mut v = crate::memory::packed_weight_vec(len, 0u8);
+            fill(&mut v);
+            Tiles::Own(v)
+        })
     }
 }
 
@@ -764,15 +773,15 @@ impl Packed {
     }
 
     /// The matrix with its tiles in a slab shared with the model's other settled matrices
-    /// (a copy; `None` when they are there already). For inference, once a model's
-    /// matrices are final (`concat` puts its results there too): a model's matrices side
-    /// by side fill whole huge pages, where each of its own buffers held few or none.
+    /// (a copy; `None` when they are there already, or there is no slab). For inference,
+    /// once a model's matrices are final (`concat` puts its results there too): a model's
+    /// matrices side by side fill whole huge pages, where each of its own buffers held few
+    /// or none.
     pub fn settled(&self) -> Option<Packed> {
-        #[cfg(unix)]
-        if matches!(self.data, Tiles::Slab(_)) {
+        if !matches!(self.data, Tiles::Own(_)) {
             return None;
         }
-        let data = Tiles::slab(self.data.len(), |d| d.copy_from_slice(&self.data));
+        let data = Tiles::in_slab(self.data.len(), |d| d.copy_from_slice(&self.data))?;
         Some(Packed::holding(self.format, self.n, self.k, data))
     }
 
@@ -792,7 +801,7 @@ impl Packed {
             return None;
         }
         let bytes: usize = parts.iter().map(|p| p.data.len()).sum();
-        let data = Tiles::slab(bytes, |data| {
+        let data = Tiles::new(bytes, |data| {
             let mut at = 0;
             for p in parts {
                 data[at..at + p.data.len()].copy_from_slice(&p.data);
@@ -2990,6 +2999,7 @@ mod tests {
     /// A settled matrix (its tiles copied into a shared slab) and a concatenation (made
     /// there) hold the same tiles as the matrices they come from, and multiply the same;
     /// settling one already in a slab is a no-op.
+    #[cfg(unix)]
     #[test]
     fn settled_and_concatenated_matrices_keep_their_tiles() {
         for dtype in [GgmlDType::Q8_0, GgmlDType::Q4K] {
@@ -3003,7 +3013,7 @@ mod tests {
             assert_eq!(&*settled.data, &*a.data, "{dtype:?}");
             assert!(settled.settled().is_none(), "{dtype:?}: settled twice");
             let both = Packed::concat(&[&a, &b]).unwrap();
-            assert!(both.settled().is_none() || cfg!(not(unix)), "{dtype:?}");
+            assert!(both.settled().is_none(), "{dtype:?}");
             let mut want = a.dequantize().unwrap();
             want.extend(b.dequantize().unwrap());
             assert_eq!(both.dequantize().unwrap(), want, "{dtype:?}");
