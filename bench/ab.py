@@ -9,7 +9,8 @@ separated by spaces, e.g. `"/tmp/gpt-old"` and `"target/release/gpt"`, or
 N rounds runs A then B once (`gpt bench --prompt-len 16 --new-tokens 128 --runs 1
 --threads 2`, on $AB_MODEL); the medians and the median of the N ratios B/A are printed.
 With AB_WORK=prefill the work is a prefill of 512 tokens instead (`--prompt-len 512
---new-tokens 0`), and its speed is compared. Needs only the Python standard library.
+--new-tokens 0`), and its speed is compared. Each side's peak RSS (from `gpt bench`) is
+printed beside its speed. Needs only the Python standard library.
 """
 import json
 import os
@@ -28,6 +29,7 @@ prefill = os.environ.get("AB_WORK", "decode") == "prefill"
 shape = ["512", "0"] if prefill else ["16", "128"]
 metric = "prefill_tokens_per_s" if prefill else "decode_tokens_per_s"
 res = [[], []]
+rss = [[], []]
 for _ in range(n):
     for k, config in enumerate(configs):
         binary, *settings = config.split()
@@ -36,8 +38,10 @@ for _ in range(n):
                "--runs", "1", "--threads", "2", "--format", "json", *extra]
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
         res[k].append(json.loads(out)[metric])
-for config, r in zip(configs, res):
+        rss[k].append((json.loads(out)["peak_rss_bytes"] or 0) / 2**20)
+for config, r, m in zip(configs, res, rss):
     print(f"{config!r:50} median {statistics.median(r):.1f} tok/s  {[round(x, 1) for x in r]}")
+    print(f"{'':50} peak RSS median {statistics.median(m):.0f} MiB  {[round(x) for x in m]}")
 ratios = [b / a for a, b in zip(*res)]
 print(f"paired ratio B/A: median {statistics.median(ratios):.3f} "
       f"(range {min(ratios):.2f}-{max(ratios):.2f})")

@@ -47,15 +47,7 @@ pub(crate) fn model_dtype(name: &str, stored: safetensors::Dtype) -> Result<DTyp
 pub(crate) fn read_floats(file: &mut impl Read, dtype: DType, shape: &[usize]) -> Result<Tensor> {
     fn read<T: candle_core::WithDType>(file: &mut impl Read, shape: &[usize]) -> Result<Tensor> {
         let mut data = mha::memory::weight_vec(shape.iter().product(), T::from_f64(0.0));
-        // SAFETY: the float types are plain data: any bytes are valid values, and the
-        // slice covers exactly the vector's memory.
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(
-                data.as_mut_ptr().cast::<u8>(),
-                std::mem::size_of_val(data.as_slice()),
-            )
-        };
-        file.read_exact(bytes)?;
+        read_into(file, &mut data)?;
         Tensor::from_vec(data, shape, &Device::Cpu)
     }
     match dtype {
@@ -65,6 +57,19 @@ pub(crate) fn read_floats(file: &mut impl Read, dtype: DType, shape: &[usize]) -
         DType::F64 => read::<f64>(file, shape),
         other => bail!("{other:?} is not a float format weights are read in"),
     }
+}
+
+/// Fills `out` with the elements stored next in `file` in `out`'s float type.
+pub(crate) fn read_into<T: candle_core::WithDType>(
+    file: &mut impl Read,
+    out: &mut [T],
+) -> Result<()> {
+    // SAFETY: the float types are plain data: any bytes are valid values, and the slice
+    // covers exactly `out`'s memory.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
+    };
+    Ok(file.read_exact(bytes)?)
 }
 
 impl FileTensors {

@@ -729,6 +729,18 @@ impl Gguf {
         // llama.cpp's Llama rotates adjacent pairs, so its converter reorders each head's
         // query and key rows; this model rotates halves, so the rows go back.
         let unpermute = |heads: usize| cfg.family == Family::Llama && heads > 0;
+        // A projection's bias, its rows in the order the matrix's are put in.
+        let proj_bias = |stem: &str, d_out: usize, has_bias: bool, heads: usize| {
+            let b = bias(format!("{stem}.bias"), d_out, has_bias)?;
+            match (b, unpermute(heads)) {
+                (Some(b), true) => Ok(Some(select_rows(&b, &rotary_order(d_out, heads, false)?)?)),
+                (b, _) => Ok::<_, candle_core::Error>(b),
+            }
+        };
+        let arena = std::cell::RefCell::new(match fuse {
+            true => self.float_arena(&cfg, dtype, device)?,
+            false => FloatArena::default(),
+        });
         let proj = |stem: String, (d_out, d_in): (usize, usize), has_bias: bool, heads: usize| {
             let name = format!("{stem}.weight");
             if !unpermute(heads) {
@@ -737,14 +749,14 @@ impl Gguf {
                     return Ok(Proj::from_packed(Arc::new(packed), b));
                 }
             }
-            let mut b = bias(format!("{stem}.bias"), d_out, has_bias)?;
+            let b = proj_bias(&stem, d_out, has_bias, heads)?;
+            if let Some(w) = arena.borrow_mut().take(&[(name.clone(), [d_out, d_in])])? {
+                return Proj::from_linear(&w, b);
+            }
             let order = match unpermute(heads) {
                 true => Some(rotary_order(d_out, heads, false)?),
                 false => None,
             };
-            if let Some(order) = &order {
-                b = b.map(|b| select_rows(&b, order)).transpose()?;
-            }
             if let Some(t) = self.stored(&name).filter(|&t| stored_float(t).is_some()) {
                 let mut w = self.dense(&name, &[d_out, d_in], matrix(t), device)?;
                 if let Some(order) = &order {
@@ -817,8 +829,32 @@ impl Gguf {
         for i in 0..cfg.n_layer {
             let blk = |part: &str| format!("blk.{i}.{part}");
             let attn_cfg = Block::attn_config(&cfg, i);
+            let qkv_parts = [("attn_q", d, cfg.n_head), ("attn_k", kv, cfg.kv_heads())]
+                .into_iter()
+                .chain([("attn_v", kv, 0)]);
+            let qkv_arena = arena.borrow_mut().take(
+                &qkv_parts
+                    .clone()
+                    .map(|(p, rows, _)| (blk(&format!("{p}.weight")), [rows, d]))
+                    .collect::<Vec<_>>(),
+            )?;
             let qkv = if self.shape(&blk("attn_qkv.weight")).is_some() {
                 QkvProj::Fused(proj(blk("attn_qkv"), (d + 2 * kv, d), cfg.attn_bias, 0)?)
+            } else if let Some(w) = qkv_arena {
+                // q, k and v side by side as read: the fused projection is a view of them.
+                let b = match cfg.attn_bias {
+                    true => {
+                        let bs = qkv_parts
+                            .map(|(p, rows, heads)| proj_bias(&blk(p), rows, true, heads))
+                            .collect::<Result<Vec<_>>>()?;
+                        Some(Tensor::cat(
+                            &bs.into_iter().flatten().collect::<Vec<_>>(),
+                            0,
+                        )?)
+                    }
+                    false => None,
+                };
+                QkvProj::Fused(Proj::from_linear(&w, b)?)
             } else {
                 QkvProj::Separate([
                     proj(blk("attn_q"), (d, d), cfg.attn_bias, cfg.n_head)?,
@@ -829,13 +865,39 @@ impl Gguf {
             let o = proj(blk("attn_output"), (d, d), cfg.attn_out_bias, 0)?;
             let attn = MultiHeadAttention::from_projections(&attn_cfg, qkv, o)
                 .map_err(|e| candle_core::Error::Msg(format!("block {i}: {e}")))?;
-            let gate = match cfg.gated_mlp {
-                true => Some(proj(blk("ffn_gate"), (inner, d), cfg.mlp_bias, 0)?),
+            let gate_up = match cfg.gated_mlp {
+                true => arena.borrow_mut().take(&[
+                    (blk("ffn_gate.weight"), [inner, d]),
+                    (blk("ffn_up.weight"), [inner, d]),
+                ])?,
                 false => None,
             };
-            let up = proj(blk("ffn_up"), (inner, d), cfg.mlp_bias, 0)?;
-            let down = proj(blk("ffn_down"), (d, inner), cfg.mlp_bias, 0)?;
-            let mlp = Mlp::from_projections(&cfg, up, gate, down)?;
+            let mlp = match gate_up {
+                // Gate and up side by side as read: the fused projection is a view of them.
+                Some(w) => {
+                    let b = match cfg.mlp_bias {
+                        true => Some(Tensor::cat(
+                            &[
+                                self.dense(&blk("ffn_gate.bias"), &[inner], dtype, device)?,
+                                self.dense(&blk("ffn_up.bias"), &[inner], dtype, device)?,
+                            ],
+                            0,
+                        )?),
+                        false => None,
+                    };
+                    let down = proj(blk("ffn_down"), (d, inner), cfg.mlp_bias, 0)?;
+                    Mlp::from_gate_up(&cfg, Proj::from_linear(&w, b)?, down)?
+                }
+                None => {
+                    let gate = match cfg.gated_mlp {
+                        true => Some(proj(blk("ffn_gate"), (inner, d), cfg.mlp_bias, 0)?),
+                        false => None,
+                    };
+                    let up = proj(blk("ffn_up"), (inner, d), cfg.mlp_bias, 0)?;
+                    let down = proj(blk("ffn_down"), (d, inner), cfg.mlp_bias, 0)?;
+                    Mlp::from_projections(&cfg, up, gate, down)?
+                }
+            };
             let (ln_1, ln_2) = (norm(&blk("attn_norm"))?, norm(&blk("ffn_norm"))?);
             let block = Block::from_parts(&cfg, i, ln_1, attn, ln_2, mlp)?;
             blocks.push(if fuse { block.fused()? } else { block });
@@ -903,6 +965,166 @@ impl Gguf {
 
 /// The dtype a float matrix stored as `t` is kept in when the model computes in `dtype`:
 /// half precision stays half on the CPU under f32 activations, anything else is `dtype`.
+/// The blocks' float matrices of a model loaded for inference, read side by side into one
+/// buffer per precision (a [`mha::memory::weight_vec`]), each matrix a view into it: q, k
+/// and v of a block next to each other, then its output projection, gate and up next to
+/// each other, then down. Read matrix by matrix, each of 0.2–4.5 MiB, into buffers of its
+/// own, the two huge pages at their ends were collapsed with whatever shared them (the
+/// allocator's gaps, freed temporaries), resident from then on; and fusing q/k/v and
+/// gate/up for inference copied them into new matrices. Here the fused matrices are views
+/// of the buffer as read, and only the buffer's own two end pages are shared.
+#[derive(Default)]
+struct FloatArena {
+    /// Each matrix's buffer (1-D), the offset of its first element there, its `[rows, cols]`.
+    slots: HashMap<String, (Tensor, usize, [usize; 2])>,
+}
+
+impl FloatArena {
+    /// The matrices `parts` (`(name, [rows, cols])`) stacked by rows as one `[Σ rows, cols]`
+    /// view, taken out of the arena, when they are all there and side by side in that order;
+    /// `None` otherwise (the caller reads them as it would without an arena). A stored
+    /// shape other than the one asked for is an error.
+    fn take(&mut self, parts: &[(String, [usize; 2])]) -> Result<Option<Tensor>> {
+        let mut span: Option<(&Tensor, usize, usize, usize)> = None; // (buffer, first, end, rows)
+        for (name, want) in parts {
+            let Some((buf, at, dims)) = self.slots.get(name) else {
+                return Ok(None);
+            };
+            if dims != want {
+                bail!("tensor {name} has shape {dims:?}, the config needs {want:?}")
+            }
+            let len = dims[0] * dims[1];
+            span = match span {
+                None => Some((buf, *at, at + len, dims[0])),
+                Some((b, first, end, rows)) if b.id() == buf.id() && end == *at => {
+                    Some((b, first, end + len, rows + dims[0]))
+                }
+                Some(_) => return Ok(None),
+            };
+        }
+        let Some((buf, first, end, rows)) = span else {
+            return Ok(None);
+        };
+        let view = buf
+            .narrow(0, first, end - first)?
+            .reshape((rows, parts[0].1[1]))?;
+        for (name, _) in parts {
+            self.slots.remove(name);
+        }
+        Ok(Some(view))
+    }
+}
+
+impl Gguf {
+    /// The [`FloatArena`] of a model loaded in `dtype` for inference: every block matrix
+    /// kept as stored (f32, f16 or bf16 as [`matrix_dtype`] wants it), llama.cpp's rotary
+    /// rows of a Llama's q and k put back in Hugging Face's order. Empty off the CPU.
+    fn float_arena(&self, cfg: &GptConfig, dtype: DType, device: &Device) -> Result<FloatArena> {
+        const PARTS: [&str; 8] = [
+            "attn_qkv",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ];
+        let mut arena = FloatArena::default();
+        if !device.is_cpu() {
+            return Ok(arena);
+        }
+        let (d, inner) = (cfg.n_embd, cfg.inner_dim());
+        let kv = cfg.kv_heads() * (d / cfg.n_head.max(1));
+        // (block, place in the block, name, [rows, cols], rotary heads to reorder, dtype),
+        // from the file's own tensors: a file claiming a billion blocks lists no more.
+        let mut mats = Vec::new();
+        for (name, dims, t) in self.tensors() {
+            let Some((i, part)) = name
+                .strip_prefix("blk.")
+                .and_then(|n| n.strip_suffix(".weight"))
+                .and_then(|n| n.split_once('.'))
+            else {
+                continue;
+            };
+            let (Ok(i), Some(place)) = (i.parse::<usize>(), PARTS.iter().position(|&p| p == part))
+            else {
+                continue;
+            };
+            let (2, Some(stored)) = (dims.len(), stored_float(t)) else {
+                continue;
+            };
+            if stored != matrix_dtype(t, dtype, device) {
+                continue;
+            }
+            // The shape the blocks need (checked against the stored one as it is read).
+            let [rows, cols] = match part {
+                "attn_qkv" => [d + 2 * kv, d],
+                "attn_q" | "attn_output" => [d, d],
+                "attn_k" | "attn_v" => [kv, d],
+                "ffn_gate" | "ffn_up" => [inner, d],
+                _ => [d, inner],
+            };
+            let heads = match (cfg.family, part) {
+                (Family::Llama, "attn_q") => cfg.n_head,
+                (Family::Llama, "attn_k") => cfg.kv_heads(),
+                _ => 0,
+            };
+            mats.push((i, place, name.to_string(), [rows, cols], heads, stored));
+        }
+        mats.sort_unstable_by_key(|m| (m.0, m.1));
+        for want in [DType::F32, DType::F16, DType::BF16] {
+            let group: Vec<_> = mats.iter().filter(|m| m.5 == want).collect();
+            if group.is_empty() {
+                continue;
+            }
+            let parts: Vec<_> = group.iter().map(|m| (m.2.as_str(), m.3, m.4)).collect();
+            let buf = match want {
+                DType::F32 => self.read_arena::<f32>(&parts)?,
+                DType::F16 => self.read_arena::<half::f16>(&parts)?,
+                _ => self.read_arena::<half::bf16>(&parts)?,
+            };
+            let mut at = 0;
+            for (name, [rows, cols], _) in parts {
+                arena
+                    .slots
+                    .insert(name.to_string(), (buf.clone(), at, [rows, cols]));
+                at += rows * cols;
+            }
+        }
+        Ok(arena)
+    }
+
+    /// `parts` (`(name, [rows, cols], rotary heads or 0)`) read one after the other into one
+    /// weight buffer, a 1-D tensor; a part stored in another shape is an error.
+    fn read_arena<T: candle_core::WithDType>(
+        &self,
+        parts: &[(&str, [usize; 2], usize)],
+    ) -> Result<Tensor> {
+        let total = parts.iter().map(|(_, [r, c], _)| r * c).sum();
+        let mut data = mha::memory::weight_vec(total, T::zero());
+        let mut at = 0;
+        for &(name, [rows, cols], heads) in parts {
+            let slot = &mut data[at..at + rows * cols];
+            {
+                // The byte range was checked when the file was opened.
+                let (_, mut file) = self.claim(name, &[rows, cols])?;
+                crate::files::read_into(&mut *file, slot)?;
+            }
+            if heads > 0 {
+                // llama.cpp's rotary rows back in Hugging Face's order, as `select_rows`.
+                let read = slot.to_vec();
+                for (dst, src) in rotary_order(rows, heads, false)?.into_iter().enumerate() {
+                    slot[dst * cols..(dst + 1) * cols]
+                        .copy_from_slice(&read[src * cols..(src + 1) * cols]);
+                }
+            }
+            at += rows * cols;
+        }
+        Tensor::from_vec(data, total, &Device::Cpu)
+    }
+}
+
 fn matrix_dtype(t: GgmlDType, dtype: DType, device: &Device) -> DType {
     match (t, dtype) {
         (GgmlDType::F16, DType::F32) if device.is_cpu() => DType::F16,

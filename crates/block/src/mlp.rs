@@ -122,6 +122,14 @@ impl Mlp {
         })
     }
 
+    /// The MLP of a model loaded for inference whose gate and up projections are one
+    /// (`gate_up`: `[d, 2·inner]`, gate first), as [`Mlp::fused`] makes them.
+    pub fn from_gate_up(cfg: &GptConfig, gate_up: Proj, down: Proj) -> Result<Self> {
+        let inner = cfg.inner_dim();
+        let (up, gate) = (gate_up.narrow(inner, inner)?, gate_up.narrow(0, inner)?);
+        Self::from_projections(cfg, up, Some(gate), down)?.with_gate_up(gate_up)
+    }
+
     /// The MLP with its gate and up projections computed as one where they can share a
     /// matrix ([`Proj::concat`]: a new matrix, the checkpoint's left as they are): for
     /// inference, one product instead of two, and SwiGLU's `silu(gate)·up` in one pass

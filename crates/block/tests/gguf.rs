@@ -386,6 +386,114 @@ fn fused_loading_computes_what_the_separate_projections_do() {
 /// q4_K (its fallback, on these widths), and on a model of width 256 the k-quants and q5_0,
 /// the logits of the model quantized in memory to the same blocks. llama.cpp running these
 /// files is checked by scripts/gguf_export_check.py (it needs llama.cpp).
+/// Loaded for inference, the blocks' float matrices are views of one buffer, side by side
+/// in the order the blocks use them (q/k/v, output, gate/up, down), the fused q/k/v and
+/// gate/up among them: no copy of what the file stored, and no matrix in a buffer of its
+/// own. (What they compute is checked above.)
+#[test]
+fn fused_float_matrices_are_views_of_one_buffer() {
+    for file in [
+        "llama.f32.gguf",
+        "qwen2.f32.gguf",
+        "gpt2.f32.gguf",
+        "neox.f32.gguf",
+    ] {
+        let model = Gguf::open(&path(file))
+            .unwrap()
+            .load_fused(DType::F32, &Device::Cpu)
+            .unwrap();
+        // (buffer, first element, elements) of each matrix.
+        let mut spans = Vec::new();
+        for block in model.blocks() {
+            let (_, attn, _, mlp) = block.parts();
+            let (up, _, down) = mlp.parts();
+            let qkv = attn.fused_qkv().unwrap();
+            for p in [
+                qkv,
+                attn.out_proj(),
+                mlp.fused_gate_up().unwrap_or(up),
+                down,
+            ] {
+                let w = p.weight_t().unwrap();
+                let (storage, layout) = w.storage_and_layout();
+                let candle_core::Storage::Cpu(cpu) = &*storage else {
+                    panic!("{file}: not on the CPU")
+                };
+                let buffer = cpu.as_slice::<f32>().unwrap().as_ptr();
+                spans.push((buffer, layout.start_offset(), w.elem_count()));
+            }
+        }
+        assert!(spans.len() >= 8, "{file}: {} matrices", spans.len());
+        for (i, pair) in spans.windows(2).enumerate() {
+            assert_eq!(
+                pair[0].0,
+                pair[1].0,
+                "{file}: matrix {} in another buffer",
+                i + 1
+            );
+            assert_eq!(
+                pair[0].1 + pair[0].2,
+                pair[1].1,
+                "{file}: matrix {} not right after the one before",
+                i + 1
+            );
+        }
+    }
+}
+
+/// A file whose matrix has another shape than its metadata's config implies is refused by
+/// the loader for inference too, naming the tensor, where the matrices are read side by
+/// side before any block is built.
+#[test]
+fn a_matrix_of_the_wrong_shape_is_refused_when_loading_for_inference() {
+    use candle_core::quantized::{gguf_file, QTensor};
+    let mut file = std::fs::File::open(path("llama.f32.gguf")).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut tensors = Vec::new();
+    for name in content.tensor_infos.keys() {
+        let mut t = content.tensor(&mut file, name, &Device::Cpu).unwrap();
+        if name == "blk.1.attn_k.weight" {
+            // One row fewer: a shape the file's byte ranges agree with, the config not.
+            let w = t.dequantize(&Device::Cpu).unwrap();
+            let (rows, cols) = w.dims2().unwrap();
+            // A fresh buffer (Candle quantizes a narrowed tensor's whole storage).
+            let kept = w.narrow(0, 0, rows - 1).unwrap().flatten_all().unwrap();
+            let w = Tensor::from_vec(
+                kept.to_vec1::<f32>().unwrap(),
+                (rows - 1, cols),
+                &Device::Cpu,
+            )
+            .unwrap();
+            t = QTensor::quantize(&w, GgmlDType::F32).unwrap();
+        }
+        tensors.push((name.clone(), t));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.gguf");
+    let mut out = std::fs::File::create(&bad).unwrap();
+    let metadata: Vec<(&str, &gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    gguf_file::write(&mut out, &metadata, &tensors).unwrap();
+    drop(out);
+    let gguf = Gguf::open(&bad).unwrap();
+    for fused in [false, true] {
+        let err = match fused {
+            true => gguf.load_fused(DType::F32, &Device::Cpu),
+            false => gguf.load(DType::F32, &Device::Cpu),
+        }
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("blk.1.attn_k.weight") && err.contains("shape"),
+            "fused = {fused}: {err}"
+        );
+    }
+}
+
 #[test]
 fn written_files_load_back_as_the_same_model() {
     let dir = tempfile::tempdir().unwrap();
