@@ -910,10 +910,14 @@ impl Gguf {
         };
         let ln_f = Some(norm("output_norm")?);
         let model = Gpt::from_parts(&cfg, wte, wpe, blocks, ln_f, lm_head)?;
-        let read = self
+        let mut read = self
             .read
             .lock()
             .map_err(|_| candle_core::Error::Msg("the GGUF file's lock is poisoned".into()))?;
+        // Read into the arena but taken by no block (a gate in an ungated model, say): unused.
+        for name in arena.borrow().slots.keys() {
+            read.remove(name);
+        }
         let mut unused: Vec<&str> = self
             .content
             .tensor_infos
@@ -1051,6 +1055,9 @@ impl Gguf {
             else {
                 continue;
             };
+            if i >= cfg.n_layer {
+                continue;
+            }
             let (2, Some(stored)) = (dims.len(), stored_float(t)) else {
                 continue;
             };

@@ -441,56 +441,81 @@ fn fused_float_matrices_are_views_of_one_buffer() {
     }
 }
 
-/// A file whose matrix has another shape than its metadata's config implies is refused by
-/// the loader for inference too, naming the tensor, where the matrices are read side by
-/// side before any block is built.
+/// A file whose matrix has another shape than its metadata's config implies, or with a
+/// matrix no block uses, is refused by the loader for inference too, naming the tensor,
+/// where the matrices are read side by side before any block is built.
 #[test]
-fn a_matrix_of_the_wrong_shape_is_refused_when_loading_for_inference() {
+fn matrices_of_the_wrong_shape_or_unused_are_refused_when_loading_for_inference() {
     use candle_core::quantized::{gguf_file, QTensor};
     let mut file = std::fs::File::open(path("llama.f32.gguf")).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
-    let mut tensors = Vec::new();
-    for name in content.tensor_infos.keys() {
-        let mut t = content.tensor(&mut file, name, &Device::Cpu).unwrap();
-        if name == "blk.1.attn_k.weight" {
-            // One row fewer: a shape the file's byte ranges agree with, the config not.
-            let w = t.dequantize(&Device::Cpu).unwrap();
-            let (rows, cols) = w.dims2().unwrap();
-            // A fresh buffer (Candle quantizes a narrowed tensor's whole storage).
-            let kept = w.narrow(0, 0, rows - 1).unwrap().flatten_all().unwrap();
-            let w = Tensor::from_vec(
-                kept.to_vec1::<f32>().unwrap(),
-                (rows - 1, cols),
-                &Device::Cpu,
-            )
-            .unwrap();
-            t = QTensor::quantize(&w, GgmlDType::F32).unwrap();
-        }
-        tensors.push((name.clone(), t));
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let bad = dir.path().join("bad.gguf");
-    let mut out = std::fs::File::create(&bad).unwrap();
-    let metadata: Vec<(&str, &gguf_file::Value)> = content
-        .metadata
+    let mut read_all = || -> Vec<(String, QTensor)> {
+        let names = content.tensor_infos.keys();
+        let mut read = |n: &String| content.tensor(&mut file, n, &Device::Cpu).unwrap();
+        names.map(|n| (n.clone(), read(n))).collect()
+    };
+    let good = read_all();
+    let k = |tensors: &[(String, QTensor)]| {
+        let t = &tensors
+            .iter()
+            .find(|(n, _)| n == "blk.1.attn_k.weight")
+            .unwrap()
+            .1;
+        t.dequantize(&Device::Cpu).unwrap()
+    };
+    let f32 = |w: &Tensor| QTensor::quantize(w, GgmlDType::F32).unwrap();
+    // One row fewer: a shape the file's byte ranges agree with, the config not (copied to a
+    // fresh buffer: Candle quantizes a narrowed tensor's whole storage).
+    let mut short = read_all();
+    let (rows, cols) = k(&good).dims2().unwrap();
+    let kept = k(&good)
+        .narrow(0, 0, rows - 1)
+        .unwrap()
+        .flatten_all()
+        .unwrap();
+    let kept = Tensor::from_vec(
+        kept.to_vec1::<f32>().unwrap(),
+        (rows - 1, cols),
+        &Device::Cpu,
+    );
+    let at = short
         .iter()
-        .map(|(k, v)| (k.as_str(), v))
-        .collect();
-    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    gguf_file::write(&mut out, &metadata, &tensors).unwrap();
-    drop(out);
-    let gguf = Gguf::open(&bad).unwrap();
-    for fused in [false, true] {
-        let err = match fused {
-            true => gguf.load_fused(DType::F32, &Device::Cpu),
-            false => gguf.load(DType::F32, &Device::Cpu),
+        .position(|(n, _)| n == "blk.1.attn_k.weight")
+        .unwrap();
+    short[at].1 = f32(&kept.unwrap());
+    // A block past the config's layers.
+    let layers = gpt_blocks::load_gguf(&path("llama.f32.gguf"), DType::F32, &Device::Cpu)
+        .unwrap()
+        .config()
+        .n_layer;
+    let extra_name = format!("blk.{layers}.attn_k.weight");
+    let mut extra = read_all();
+    extra.push((extra_name.clone(), f32(&k(&good))));
+    let dir = tempfile::tempdir().unwrap();
+    for (case, tensors, named) in [
+        ("short", short, "blk.1.attn_k.weight"),
+        ("extra", extra, extra_name.as_str()),
+    ] {
+        let bad = dir.path().join(format!("{case}.gguf"));
+        let mut out = std::fs::File::create(&bad).unwrap();
+        let metadata: Vec<(&str, &gguf_file::Value)> = content
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.as_str(), v))
+            .collect();
+        let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        gguf_file::write(&mut out, &metadata, &tensors).unwrap();
+        drop(out);
+        let gguf = Gguf::open(&bad).unwrap();
+        for fused in [false, true] {
+            let err = match fused {
+                true => gguf.load_fused(DType::F32, &Device::Cpu),
+                false => gguf.load(DType::F32, &Device::Cpu),
+            }
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains(named), "{case}, fused = {fused}: {err}");
         }
-        .unwrap_err()
-        .to_string();
-        assert!(
-            err.contains("blk.1.attn_k.weight") && err.contains("shape"),
-            "fused = {fused}: {err}"
-        );
     }
 }
 
