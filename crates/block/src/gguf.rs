@@ -708,7 +708,9 @@ impl Gguf {
     /// [`Gguf::load`], each block's q/k/v and gate/up projections fused into one product
     /// each as it is loaded ([`Gpt::fused`], for inference): the block's separate matrices
     /// are freed at once and their memory serves the next block's, where fusing the
-    /// loaded model would hold them all until the allocator returns them.
+    /// loaded model would hold them all until the allocator returns them. Float (f32, f16,
+    /// bf16) block matrices are read side by side into one buffer first, each a view of it,
+    /// the fused ones views spanning their parts: nothing is copied.
     pub fn load_fused(&self, dtype: DType, device: &Device) -> Result<Gpt> {
         self.load_blocks(dtype, device, true)
     }

@@ -229,8 +229,9 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
 /// where they can share a matrix ([`gpt_blocks::Gpt::fused`]), for the commands that run
 /// the model (`generate`, `score`, `bench`, `serve`, `chat`); those that show or save its
 /// tensors by their checkpoint names load it as stored. GGUF files only: their loader
-/// fuses each block as it reads it, so its separate matrices' memory serves the next
-/// block; the other formats hold every tensor before the model is built, and fusing after
+/// fuses each block as it reads it (float matrices read side by side, the fused ones views
+/// of them; quantized ones concatenated, the separate ones' memory serving the next
+/// block); the other formats hold every tensor before the model is built, and fusing after
 /// would cost memory the allocator keeps for a while (+20-40 MiB on SmolLM-135M).
 pub fn load_for_inference(args: &ModelArgs) -> Result<Loaded> {
     load_with(args, true)
