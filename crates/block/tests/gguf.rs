@@ -441,6 +441,54 @@ fn fused_float_matrices_are_views_of_one_buffer() {
     }
 }
 
+/// A file mixing precisions among a block's matrices (a key projection and an up projection
+/// in f16, the rest f32) loads for inference through the matrices that can share a buffer
+/// and the separate reads for the others, and computes what the unfused model does.
+#[test]
+fn mixed_precision_blocks_load_for_inference_as_they_are() {
+    use candle_core::quantized::{gguf_file, QTensor};
+    let mut file = std::fs::File::open(path("llama.f32.gguf")).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let half = ["blk.0.attn_k.weight", "blk.1.ffn_up.weight"];
+    let mut tensors = Vec::new();
+    for name in content.tensor_infos.keys() {
+        let mut t = content.tensor(&mut file, name, &Device::Cpu).unwrap();
+        if half.contains(&name.as_str()) {
+            t = QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::F16).unwrap();
+        }
+        tensors.push((name.clone(), t));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mixed = dir.path().join("mixed.gguf");
+    let mut out = std::fs::File::create(&mixed).unwrap();
+    let metadata: Vec<(&str, &gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    gguf_file::write(&mut out, &metadata, &tensors).unwrap();
+    drop(out);
+    let gguf = Gguf::open(&mixed).unwrap();
+    let plain = gguf.load(DType::F32, &Device::Cpu).unwrap();
+    let fused = gguf.load_fused(DType::F32, &Device::Cpu).unwrap();
+    // Block 0's q/k/v cannot share a buffer (k is f16); block 1's can.
+    let k = fused.blocks()[0].parts().1.qkv_proj()[1]
+        .weight_t()
+        .unwrap();
+    assert_eq!(k.dtype(), DType::F16);
+    assert!(fused.blocks()[1].parts().1.fused_qkv().is_some());
+    let ids = batch(&expected("llama")["input_ids"])
+        .narrow(1, 0, 12)
+        .unwrap();
+    let want = plain.infer(&ids, None, None, Logits::All).unwrap();
+    let got = fused.infer(&ids, None, None, Logits::All).unwrap();
+    assert_close(&got, &want, 1e-5, 1e-4, "mixed precision, full pass");
+    let mut cache = GptCache::new(fused.config(), 4);
+    let cached = cached_logits(&fused, &ids, 3, &mut cache);
+    assert_close(&cached, &want, 1e-5, 1e-4, "mixed precision, decoding");
+}
+
 /// A file whose matrix has another shape than its metadata's config implies, or with a
 /// matrix no block uses, is refused by the loader for inference too, naming the tensor,
 /// where the matrices are read side by side before any block is built.
