@@ -441,6 +441,22 @@ fn fused_float_matrices_are_views_of_one_buffer() {
     }
 }
 
+/// A GGUF file at `path` with `content`'s metadata and `tensors`.
+fn write_gguf(
+    path: &std::path::Path,
+    content: &candle_core::quantized::gguf_file::Content,
+    tensors: &[(String, candle_core::quantized::QTensor)],
+) {
+    let mut out = std::fs::File::create(path).unwrap();
+    let metadata: Vec<_> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    let tensors: Vec<_> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    candle_core::quantized::gguf_file::write(&mut out, &metadata, &tensors).unwrap();
+}
+
 /// A file mixing precisions among a block's matrices (a key projection and an up projection
 /// in f16, the rest f32) loads for inference through the matrices that can share a buffer
 /// and the separate reads for the others, and computes what the unfused model does.
@@ -460,15 +476,7 @@ fn mixed_precision_blocks_load_for_inference_as_they_are() {
     }
     let dir = tempfile::tempdir().unwrap();
     let mixed = dir.path().join("mixed.gguf");
-    let mut out = std::fs::File::create(&mixed).unwrap();
-    let metadata: Vec<(&str, &gguf_file::Value)> = content
-        .metadata
-        .iter()
-        .map(|(k, v)| (k.as_str(), v))
-        .collect();
-    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    gguf_file::write(&mut out, &metadata, &tensors).unwrap();
-    drop(out);
+    write_gguf(&mixed, &content, &tensors);
     let gguf = Gguf::open(&mixed).unwrap();
     let plain = gguf.load(DType::F32, &Device::Cpu).unwrap();
     let fused = gguf.load_fused(DType::F32, &Device::Cpu).unwrap();
@@ -545,15 +553,7 @@ fn matrices_of_the_wrong_shape_or_unused_are_refused_when_loading_for_inference(
         ("extra", extra, extra_name.as_str()),
     ] {
         let bad = dir.path().join(format!("{case}.gguf"));
-        let mut out = std::fs::File::create(&bad).unwrap();
-        let metadata: Vec<(&str, &gguf_file::Value)> = content
-            .metadata
-            .iter()
-            .map(|(k, v)| (k.as_str(), v))
-            .collect();
-        let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        gguf_file::write(&mut out, &metadata, &tensors).unwrap();
-        drop(out);
+        write_gguf(&bad, &content, &tensors);
         let gguf = Gguf::open(&bad).unwrap();
         for fused in [false, true] {
             let err = match fused {
