@@ -154,8 +154,9 @@ for name, res in results.items():
     g, l = statistics.median(res["gpt"]), statistics.median(res["llama.cpp"])
     floor = " "
     if res["gpt floor"]:
+        by_round = ", ".join(f"{x:.2f}" for x in res["gpt floor"])
         floor = (f"{statistics.median(res['gpt floor']):.2f} / "
-                 f"{statistics.median(res['llama.cpp floor']):.2f}")
+                 f"{statistics.median(res['llama.cpp floor']):.2f} (gpt by round {by_round})")
     rss = (statistics.median(res["gpt rss"]), statistics.median(res["llama.cpp rss"]))
     print(f"| {name} | {g:.1f} | {l:.1f} | {g / l:.2f} | {floor} | "
           f"{rss[0]:.0f} / {rss[1]:.0f} MiB ({rss[0] / rss[1]:.2f}) |")
