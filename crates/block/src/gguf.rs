@@ -743,6 +743,31 @@ impl Gguf {
             true => self.float_arena(&cfg, dtype, device)?,
             false => FloatArena::default(),
         });
+        // Matrices read side by side (`parts`: stem, rows, rotary heads) as one projection,
+        // the view `w` of them, with their biases concatenated.
+        let side_by_side = |w: Tensor, parts: &[(String, usize, usize)], has_bias: bool| {
+            let b = match has_bias {
+                true => {
+                    let bs = parts
+                        .iter()
+                        .map(|(stem, rows, heads)| proj_bias(stem, *rows, true, *heads))
+                        .collect::<Result<Vec<_>>>()?;
+                    Some(Tensor::cat(
+                        &bs.into_iter().flatten().collect::<Vec<_>>(),
+                        0,
+                    )?)
+                }
+                false => None,
+            };
+            Proj::from_linear(&w, b)
+        };
+        let arena_take = |parts: &[(String, usize, usize)], cols: usize| {
+            let names: Vec<_> = parts
+                .iter()
+                .map(|(stem, rows, _)| (format!("{stem}.weight"), [*rows, cols]))
+                .collect();
+            arena.borrow_mut().take(&names)
+        };
         let proj = |stem: String, (d_out, d_in): (usize, usize), has_bias: bool, heads: usize| {
             let name = format!("{stem}.weight");
             if !unpermute(heads) {
@@ -831,32 +856,16 @@ impl Gguf {
         for i in 0..cfg.n_layer {
             let blk = |part: &str| format!("blk.{i}.{part}");
             let attn_cfg = Block::attn_config(&cfg, i);
-            let qkv_parts = [("attn_q", d, cfg.n_head), ("attn_k", kv, cfg.kv_heads())]
-                .into_iter()
-                .chain([("attn_v", kv, 0)]);
-            let qkv_arena = arena.borrow_mut().take(
-                &qkv_parts
-                    .clone()
-                    .map(|(p, rows, _)| (blk(&format!("{p}.weight")), [rows, d]))
-                    .collect::<Vec<_>>(),
-            )?;
+            let qkv_parts = [
+                (blk("attn_q"), d, cfg.n_head),
+                (blk("attn_k"), kv, cfg.kv_heads()),
+                (blk("attn_v"), kv, 0),
+            ];
             let qkv = if self.shape(&blk("attn_qkv.weight")).is_some() {
                 QkvProj::Fused(proj(blk("attn_qkv"), (d + 2 * kv, d), cfg.attn_bias, 0)?)
-            } else if let Some(w) = qkv_arena {
+            } else if let Some(w) = arena_take(&qkv_parts, d)? {
                 // q, k and v side by side as read: the fused projection is a view of them.
-                let b = match cfg.attn_bias {
-                    true => {
-                        let bs = qkv_parts
-                            .map(|(p, rows, heads)| proj_bias(&blk(p), rows, true, heads))
-                            .collect::<Result<Vec<_>>>()?;
-                        Some(Tensor::cat(
-                            &bs.into_iter().flatten().collect::<Vec<_>>(),
-                            0,
-                        )?)
-                    }
-                    false => None,
-                };
-                QkvProj::Fused(Proj::from_linear(&w, b)?)
+                QkvProj::Fused(side_by_side(w, &qkv_parts, cfg.attn_bias)?)
             } else {
                 QkvProj::Separate([
                     proj(blk("attn_q"), (d, d), cfg.attn_bias, cfg.n_head)?,
@@ -867,28 +876,17 @@ impl Gguf {
             let o = proj(blk("attn_output"), (d, d), cfg.attn_out_bias, 0)?;
             let attn = MultiHeadAttention::from_projections(&attn_cfg, qkv, o)
                 .map_err(|e| candle_core::Error::Msg(format!("block {i}: {e}")))?;
+            let gate_up_parts = [(blk("ffn_gate"), inner, 0), (blk("ffn_up"), inner, 0)];
             let gate_up = match cfg.gated_mlp {
-                true => arena.borrow_mut().take(&[
-                    (blk("ffn_gate.weight"), [inner, d]),
-                    (blk("ffn_up.weight"), [inner, d]),
-                ])?,
+                true => arena_take(&gate_up_parts, d)?,
                 false => None,
             };
             let mlp = match gate_up {
                 // Gate and up side by side as read: the fused projection is a view of them.
                 Some(w) => {
-                    let b = match cfg.mlp_bias {
-                        true => Some(Tensor::cat(
-                            &[
-                                self.dense(&blk("ffn_gate.bias"), &[inner], dtype, device)?,
-                                self.dense(&blk("ffn_up.bias"), &[inner], dtype, device)?,
-                            ],
-                            0,
-                        )?),
-                        false => None,
-                    };
+                    let gate_up = side_by_side(w, &gate_up_parts, cfg.mlp_bias)?;
                     let down = proj(blk("ffn_down"), (d, inner), cfg.mlp_bias, 0)?;
-                    Mlp::from_gate_up(&cfg, Proj::from_linear(&w, b)?, down)?
+                    Mlp::from_gate_up(&cfg, gate_up, down)?
                 }
                 None => {
                     let gate = match cfg.gated_mlp {
