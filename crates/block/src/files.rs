@@ -39,22 +39,48 @@ pub(crate) fn model_dtype(name: &str, stored: safetensors::Dtype) -> Result<DTyp
     })
 }
 
-/// A CPU tensor of `shape` whose elements, stored as `dtype` (f32, f16, bf16 or f64), are
-/// read from `file`'s position straight into the vector the tensor keeps (a
-/// [`mha::memory::weight_vec`]): no buffer of bytes beside it, which Candle's
-/// `from_raw_buffer` would copy (a moment at twice the tensor, and memory the allocator
-/// keeps).
-pub(crate) fn read_floats(file: &mut impl Read, dtype: DType, shape: &[usize]) -> Result<Tensor> {
-    fn read<T: candle_core::WithDType>(file: &mut impl Read, shape: &[usize]) -> Result<Tensor> {
+/// A CPU tensor of `shape` in `dtype` whose elements, stored as `stored` (f32, f16, bf16 or
+/// f64), are read from `file`'s position straight into the vector the tensor keeps (a
+/// [`mha::memory::weight_vec`]), converted on the way when the two differ: no buffer of
+/// bytes beside it, which Candle's `from_raw_buffer` would copy (a moment at twice the
+/// tensor, and memory the allocator keeps), nor a tensor in the stored type.
+pub(crate) fn read_floats(
+    file: &mut impl Read,
+    stored: DType,
+    dtype: DType,
+    shape: &[usize],
+) -> Result<Tensor> {
+    fn read<T: candle_core::WithDType>(
+        file: &mut impl Read,
+        stored: DType,
+        shape: &[usize],
+    ) -> Result<Tensor> {
         let mut data = mha::memory::weight_vec(shape.iter().product(), T::from_f64(0.0));
-        read_into(file, &mut data)?;
+        read_stored(file, stored, &mut data)?;
         Tensor::from_vec(data, shape, &Device::Cpu)
     }
     match dtype {
-        DType::F32 => read::<f32>(file, shape),
-        DType::F16 => read::<half::f16>(file, shape),
-        DType::BF16 => read::<half::bf16>(file, shape),
-        DType::F64 => read::<f64>(file, shape),
+        DType::F32 => read::<f32>(file, stored, shape),
+        DType::F16 => read::<half::f16>(file, stored, shape),
+        DType::BF16 => read::<half::bf16>(file, stored, shape),
+        DType::F64 => read::<f64>(file, stored, shape),
+        other => bail!("{other:?} is not a float format weights are read in"),
+    }
+}
+
+/// Fills `out` with the elements stored next in `file` as `stored`, converted to `out`'s
+/// float type where it differs.
+pub(crate) fn read_stored<T: candle_core::WithDType>(
+    file: &mut impl Read,
+    stored: DType,
+    out: &mut [T],
+) -> Result<()> {
+    match stored {
+        s if s == T::DTYPE => read_into(file, out),
+        DType::F32 => read_converted::<f32, T>(file, out),
+        DType::F16 => read_converted::<half::f16, T>(file, out),
+        DType::BF16 => read_converted::<half::bf16, T>(file, out),
+        DType::F64 => read_converted::<f64, T>(file, out),
         other => bail!("{other:?} is not a float format weights are read in"),
     }
 }
@@ -70,6 +96,32 @@ pub(crate) fn read_into<T: candle_core::WithDType>(
         std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
     };
     Ok(file.read_exact(bytes)?)
+}
+
+/// Fills `out` with the elements stored next in `file` as `S`, converted a chunk at a time
+/// (no tensor of the whole matrix in its stored type beside the converted one), to the
+/// values Candle's `to_dtype` gives.
+fn read_converted<S: candle_core::WithDType, T: candle_core::WithDType>(
+    file: &mut impl Read,
+    out: &mut [T],
+) -> Result<()> {
+    // Half precision from f32, f16 or bf16 is rounded from the f32 value (exact in f32)
+    // as Candle does: `half`'s conversions from f64 drop the low bits that decide a tie.
+    let convert: fn(S) -> T = match (S::DTYPE, T::DTYPE) {
+        (DType::F64, _) => |s| T::from_f64(s.to_f64()),
+        (_, DType::F16) => |s| T::from_f64(half::f16::from_f32(s.to_f64() as f32).to_f64()),
+        (_, DType::BF16) => |s| T::from_f64(half::bf16::from_f32(s.to_f64() as f32).to_f64()),
+        _ => |s| T::from_f64(s.to_f64()),
+    };
+    let mut chunk = [S::from_f64(0.0); 4096];
+    for dst in out.chunks_mut(chunk.len()) {
+        let src = &mut chunk[..dst.len()];
+        read_into(file, src)?;
+        for (d, &s) in dst.iter_mut().zip(src.iter()) {
+            *d = convert(s);
+        }
+    }
+    Ok(())
 }
 
 impl FileTensors {
@@ -122,7 +174,7 @@ impl FileTensors {
             .map(|(name, (_, info, _))| (name.as_str(), info.dtype, info.shape.as_slice()))
     }
 
-    fn load(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+    pub(crate) fn load(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
         let Some((i, info, base)) = self.index.get(name) else {
             bail!("cannot find tensor {name}")
         };
@@ -135,10 +187,59 @@ impl FileTensors {
                 .map_err(|_| path_err(path, "file lock poisoned"))?;
             file.seek(SeekFrom::Start(base + start as u64))
                 .map_err(|e| path_err(path, e))?;
-            read_floats(&mut *file, stored, &info.shape).map_err(|e| path_err(path, e))?
+            // Floats are read as `dtype` directly; anything else converts from as stored.
+            let read_as = match dtype.is_float() {
+                true => dtype,
+                false => stored,
+            };
+            read_floats(&mut *file, stored, read_as, &info.shape).map_err(|e| path_err(path, e))?
         };
         debug_assert_eq!(t.elem_count() * stored.size_in_bytes(), end - start);
         t.to_dtype(dtype)?.to_device(dev)
+    }
+
+    /// The matrices `parts` (`(name, [rows, cols])`, shapes as checked against the header)
+    /// read one after the other into one weight buffer of `dtype`, a 1-D CPU tensor,
+    /// converted on the way where stored otherwise.
+    pub(crate) fn read_arena(&self, parts: &[(&str, [usize; 2])], dtype: DType) -> Result<Tensor> {
+        fn read<T: candle_core::WithDType>(
+            st: &FileTensors,
+            parts: &[(&str, [usize; 2])],
+        ) -> Result<Tensor> {
+            let total = parts.iter().map(|(_, [r, c])| r * c).sum();
+            let mut data = mha::memory::weight_vec(total, T::from_f64(0.0));
+            let mut at = 0;
+            for &(name, [rows, cols]) in parts {
+                let slot = &mut data[at..at + rows * cols];
+                let Some((i, info, base)) = st.index.get(name) else {
+                    bail!("cannot find tensor {name}")
+                };
+                if info.shape != [rows, cols] {
+                    bail!(
+                        "tensor {name} is {:?}, expected {:?}",
+                        info.shape,
+                        [rows, cols]
+                    )
+                }
+                let (path, file) = &st.files[*i];
+                let mut file = file
+                    .lock()
+                    .map_err(|_| path_err(path, "file lock poisoned"))?;
+                file.seek(SeekFrom::Start(base + info.data_offsets.0 as u64))
+                    .map_err(|e| path_err(path, e))?;
+                read_stored(&mut *file, model_dtype(name, info.dtype)?, slot)
+                    .map_err(|e| path_err(path, e))?;
+                at += rows * cols;
+            }
+            Tensor::from_vec(data, total, &Device::Cpu)
+        }
+        match dtype {
+            DType::F32 => read::<f32>(self, parts),
+            DType::F16 => read::<half::f16>(self, parts),
+            DType::BF16 => read::<half::bf16>(self, parts),
+            DType::F64 => read::<f64>(self, parts),
+            other => bail!("{other:?} is not a float format weights are read in"),
+        }
     }
 }
 

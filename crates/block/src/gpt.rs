@@ -252,6 +252,24 @@ impl Gpt {
         vb: VarBuilder,
         quantize: Option<GgmlDType>,
     ) -> Result<Self> {
+        Self::build_with(cfg, vb, quantize, |i, vb| {
+            let block = Block::new(cfg, i, vb)?;
+            match quantize {
+                Some(dtype) => block.quantize(dtype), // drops the f32 block
+                None => Ok(block),
+            }
+        })
+    }
+
+    /// [`Self::build`] with each block made by `block(index, its VarBuilder)`, quantized or
+    /// not as it chooses (a loader's own, fusing projections as it reads them, say);
+    /// `quantize` applies to the head.
+    pub(crate) fn build_with(
+        cfg: &GptConfig,
+        vb: VarBuilder,
+        quantize: Option<GgmlDType>,
+        block: impl Fn(usize, VarBuilder) -> Result<Block>,
+    ) -> Result<Self> {
         cfg.validate()?;
         let names = TensorNames::of(cfg.family);
         let (v, d) = (cfg.vocab_size, cfg.n_embd);
@@ -267,13 +285,7 @@ impl Gpt {
         };
         let layers = vb.pp(names.layers);
         let h = (0..cfg.n_layer)
-            .map(|i| {
-                let block = Block::new(cfg, i, layers.pp(i.to_string()))?;
-                match quantize {
-                    Some(dtype) => block.quantize(dtype), // drops the f32 block
-                    None => Ok(block),
-                }
-            })
+            .map(|i| block(i, layers.pp(i.to_string())))
             .collect::<Result<Vec<_>>>()?;
         let ln_f = match cfg.norm_placement {
             NormPlacement::Pre => Some(Norm::new(

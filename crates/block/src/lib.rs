@@ -38,6 +38,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+mod arena;
 mod block;
 mod check;
 mod config;
@@ -63,8 +64,8 @@ pub use generate::{
 pub use gguf::{load_gguf, save_gguf, Gguf, GgufVocab};
 pub use gpt::{next_token_loss, token_logprobs, Embedding, Gpt, GptCache, Logits};
 pub use load::{
-    load_bytes, load_dir, load_files, read_config, save_dir, save_dir_as, weight_files,
-    write_atomic, LoadAs,
+    load_bytes, load_dir, load_dir_fused, load_files, load_files_fused, read_config, save_dir,
+    save_dir_as, weight_files, write_atomic, LoadAs,
 };
 pub use mlp::Mlp;
 pub use nanogpt::{load_nanogpt, nanogpt_config};

@@ -4,14 +4,17 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
+use mha::{MultiHeadAttention, Proj, QkvProj, WeightLayout};
 
+use crate::arena::FloatArena;
 use crate::family::TensorNames;
 use crate::files::{self, FileTensors};
-use crate::{check, Gpt, GptConfig};
+use crate::{check, Block, Gpt, GptConfig, Mlp, Norm};
 
 /// What to load the weights as: a dtype for everything, and optionally a block-quantized
 /// format for the matrix products (see [`Gpt::new_quantized`]). A plain [`DType`]
@@ -206,6 +209,267 @@ pub fn load_files(
     let (st, prefixed) = open(cfg, files, dtype)?;
     let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
     Gpt::build(cfg, with_prefix_fallback(vb, cfg, prefixed), quantize)
+}
+
+/// [`load_dir`] for inference: each block's q/k/v projections, and its gate and up
+/// projections, computed as one product each ([`Gpt::fused`]), the fused matrices views of
+/// the matrices as read rather than copies of them. On the CPU every block matrix is read,
+/// in `load_as`'s dtype, into one buffer, in the order the blocks use them (q, k and v of a
+/// block next to each other, then its output projection, gate and up next to each other,
+/// then down), as [`crate::Gguf::load_fused`] reads a GGUF file's; quantized while loading
+/// (`load_as.quantize`) or off the CPU, each block is fused as it is built. The model
+/// computes what [`load_dir`]'s does, up to the summation order of the products.
+pub fn load_dir_fused(dir: &Path, load_as: impl Into<LoadAs>, device: &Device) -> Result<Gpt> {
+    let cfg = read_config(dir)?;
+    load_files_fused(&cfg, &weight_files(dir)?, load_as, device)
+}
+
+/// [`load_files`] for inference, as [`load_dir_fused`].
+pub fn load_files_fused(
+    cfg: &GptConfig,
+    files: &[PathBuf],
+    load_as: impl Into<LoadAs>,
+    device: &Device,
+) -> Result<Gpt> {
+    let LoadAs { dtype, quantize } = load_as.into();
+    cfg.validate()?;
+    let (st, prefixed) = open(cfg, files, dtype)?;
+    let root = format!("{}.", TensorNames::of(cfg.family).root());
+    // The name a tensor has in the files, from the one the model asks for.
+    let in_file = move |name: String| match prefixed {
+        true => name,
+        false => name
+            .strip_prefix(&root)
+            .map_or(name.clone(), str::to_string),
+    };
+    let st = Arc::new(st);
+    let arena = Arc::new(Mutex::new(FloatArena::default()));
+    let backend = ArenaTensors {
+        files: st.clone(),
+        arena: arena.clone(),
+    };
+    let vb = VarBuilder::from_backend(Box::new(backend), dtype, device.clone());
+    let model = Gpt::build_with(
+        cfg,
+        with_prefix_fallback(vb, cfg, prefixed),
+        quantize,
+        |i, vb| {
+            // Read when the first block is built: after the token embedding, whose reading is
+            // the load's largest moment and is better had before the blocks are all there.
+            if i == 0 && quantize.is_none() && device.is_cpu() {
+                *lock(&arena)? = block_matrices(&st, cfg, dtype, &in_file)?;
+            }
+            if lock(&arena)?.slots.is_empty() {
+                let block = Block::new(cfg, i, vb)?;
+                return match quantize {
+                    Some(q) => block.quantize(q)?.fused(),
+                    None => block.fused(),
+                };
+            }
+            block_from_arena(cfg, i, vb, &arena, &in_file)
+        },
+    )?;
+    if let Some(name) = lock(&arena)?.slots.keys().next() {
+        bail!("internal error: tensor {name} was read for a block but no block took it")
+    }
+    Ok(model)
+}
+
+fn lock(arena: &Mutex<FloatArena>) -> Result<std::sync::MutexGuard<'_, FloatArena>> {
+    arena
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("the weight buffer's lock is poisoned".into()))
+}
+
+/// The files' block matrices read into one buffer of `dtype` ([`FloatArena`]), in the order
+/// the blocks use them; keyed by their names in the files. A GPT-NeoX `query_key_value`
+/// is left out: its rows are regrouped into a copy as it loads.
+fn block_matrices(
+    st: &FileTensors,
+    cfg: &GptConfig,
+    dtype: DType,
+    in_file: &dyn Fn(String) -> String,
+) -> Result<FloatArena> {
+    let names = TensorNames::of(cfg.family);
+    let (attn, mlp) = (names.attn, names.mlp_prefix);
+    let mut order = Vec::new(); // the parts of a block, in the order they are read
+    match TensorNames::attn_layout(cfg.family) {
+        WeightLayout::Separate { q, k, v, o } => {
+            order.extend([q, k, v, o].map(|p| format!("{attn}.{p}.weight")))
+        }
+        WeightLayout::HeadInterleavedQkv { o, .. } => order.push(format!("{attn}.{o}.weight")),
+        WeightLayout::Gpt2Conv1d => {
+            order.extend(["c_attn", "c_proj"].map(|p| format!("{attn}.{p}.weight")))
+        }
+        WeightLayout::TorchInProj => {}
+    }
+    let m = names.mlp;
+    for p in m.gate.into_iter().chain([m.up, m.down]) {
+        order.push(format!("{mlp}.{p}.weight"));
+    }
+    let shapes: HashMap<&str, &[usize]> = st.infos().map(|(n, _, s)| (n, s)).collect();
+    let mut parts = Vec::new();
+    for i in 0..cfg.n_layer {
+        for part in &order {
+            let name = in_file(format!("{}.{i}.{part}", names.layers));
+            // Shapes were checked against the config when the files were opened.
+            if let Some(&&[rows, cols]) = shapes.get(name.as_str()) {
+                parts.push((name, [rows, cols]));
+            }
+        }
+    }
+    let mut arena = FloatArena::default();
+    if parts.is_empty() {
+        return Ok(arena);
+    }
+    let list: Vec<_> = parts.iter().map(|(n, s)| (n.as_str(), *s)).collect();
+    let buf = st.read_arena(&list, dtype)?;
+    let mut at = 0;
+    for (name, [rows, cols]) in parts {
+        arena.slots.insert(name, (buf.clone(), at, [rows, cols]));
+        at += rows * cols;
+    }
+    Ok(arena)
+}
+
+/// Block `i` of a model loaded for inference, its matrices views of `arena`: q/k/v and
+/// gate/up, read side by side, become one projection each with no copy.
+fn block_from_arena(
+    cfg: &GptConfig,
+    i: usize,
+    vb: VarBuilder,
+    arena: &Mutex<FloatArena>,
+    in_file: &dyn Fn(String) -> String,
+) -> Result<Block> {
+    let names = TensorNames::of(cfg.family);
+    let (d, inner) = (cfg.n_embd, cfg.inner_dim());
+    let kv = cfg.kv_heads() * (d / cfg.n_head);
+    // `(prefix, rows)` under `vb` read side by side: one `[Σ rows, cols]` view.
+    // (The lock is held only here: the VarBuilder's reads take it too.)
+    let span = |vb: &VarBuilder, parts: &[(&str, usize)], cols: usize| {
+        let parts: Vec<_> = parts
+            .iter()
+            .map(|(p, rows)| {
+                (
+                    in_file(format!("{}.{p}.weight", vb.prefix())),
+                    [*rows, cols],
+                )
+            })
+            .collect();
+        lock(arena)?.take(&parts)
+    };
+    let biases = |vb: &VarBuilder, parts: &[(&str, usize)], on: bool| -> Result<Option<Tensor>> {
+        if !on {
+            return Ok(None);
+        }
+        let bs = parts
+            .iter()
+            .map(|(p, rows)| vb.pp(p).get(*rows, "bias"))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(Tensor::cat(&bs, 0)?))
+    };
+    let linear = |vb: VarBuilder, (d_out, d_in): (usize, usize), bias: bool| -> Result<Proj> {
+        let b = match bias {
+            true => Some(vb.get(d_out, "bias")?),
+            false => None,
+        };
+        Proj::from_linear(&vb.get((d_out, d_in), "weight")?, b)
+    };
+    let attn_cfg = Block::attn_config(cfg, i);
+    let layout = TensorNames::attn_layout(cfg.family);
+    let a = vb.pp(names.attn);
+    let qkv = match &layout {
+        WeightLayout::Separate { q, k, v, .. } => {
+            let parts = [(q.as_str(), d), (k.as_str(), kv), (v.as_str(), kv)];
+            span(&a, &parts, d)?.map(|w| (w, parts))
+        }
+        _ => None,
+    };
+    let attn = match (qkv, &layout) {
+        (Some((w, parts)), WeightLayout::Separate { o, .. }) => {
+            let qkv = Proj::from_linear(&w, biases(&a, &parts, cfg.attn_bias)?)?;
+            let o = linear(a.pp(o), (d, d), cfg.attn_out_bias)?;
+            MultiHeadAttention::from_projections(&attn_cfg, QkvProj::Fused(qkv), o)?
+        }
+        _ => MultiHeadAttention::load(&attn_cfg, &layout, a)?.fused()?,
+    };
+    let m = vb.pp(names.mlp_prefix);
+    let gate_up = match names.mlp.gate.filter(|_| cfg.gated_mlp) {
+        Some(gate) => {
+            let parts = [(gate, inner), (names.mlp.up, inner)];
+            span(&m, &parts, d)?.map(|w| (w, parts))
+        }
+        None => None,
+    };
+    let mlp = match gate_up {
+        Some((w, parts)) => {
+            let gate_up = Proj::from_linear(&w, biases(&m, &parts, cfg.mlp_bias)?)?;
+            let down = linear(m.pp(names.mlp.down), (d, inner), cfg.mlp_bias)?;
+            Mlp::from_gate_up(cfg, gate_up, down)?
+        }
+        None => Mlp::new(cfg, m)?.fused()?,
+    };
+    let eps = cfg.layer_norm_epsilon;
+    let ln_1 = Norm::new(cfg.norm, d, eps, vb.pp(names.attn_norm))?;
+    let ln_2 = Norm::new(cfg.norm, d, eps, vb.pp(names.mlp_norm))?;
+    Block::from_parts(cfg, i, ln_1, attn, ln_2, mlp)
+}
+
+/// The files' tensors, a block's matrices served as views of the [`FloatArena`] they were
+/// read into (each taken out as it is served).
+struct ArenaTensors {
+    files: Arc<FileTensors>,
+    arena: Arc<Mutex<FloatArena>>,
+}
+
+impl ArenaTensors {
+    fn load(
+        &self,
+        name: &str,
+        shape: Option<&[usize]>,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Tensor> {
+        let mut arena = lock(&self.arena)?;
+        let Some(&(_, _, stored)) = arena.slots.get(name) else {
+            drop(arena);
+            return self.files.load(name, dtype, dev);
+        };
+        let want = match shape {
+            Some(&[rows, cols]) => [rows, cols],
+            Some(other) => bail!("tensor {name} is {stored:?}, expected {other:?}"),
+            None => stored,
+        };
+        match arena.take(&[(name.to_string(), want)])? {
+            Some(w) => w.to_dtype(dtype)?.to_device(dev),
+            None => bail!("cannot find tensor {name}"),
+        }
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for ArenaTensors {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Tensor> {
+        let t = self.load(name, Some(s.dims()), dtype, dev)?;
+        if t.shape() != &s {
+            bail!("tensor {name} is {:?}, expected {:?}", t.dims(), s.dims())
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        self.load(name, None, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.files.contains_tensor(name)
+    }
 }
 
 /// Writes `model` as a Hugging Face directory (`config.json`, `model.safetensors`) that

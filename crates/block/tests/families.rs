@@ -775,3 +775,147 @@ fn llama_configs_round_trip_and_others_are_refused() {
     let err = cfg.to_json().unwrap_err().to_string();
     assert!(err.contains("cannot express"), "{err}");
 }
+
+/// Loaded for inference (`load_dir_fused`, as `gpt` runs a checkpoint), a model computes
+/// what `load_dir`'s does: f32, f16 and bf16 read from the f32 files (converted as they
+/// are read), and q8_0 quantized while loading; q/k/v and gate/up are one projection each
+/// where the family stores them apart, holding the stored weights bit for bit; a full pass
+/// and cached decoding. On the CPU every block matrix is a view of one buffer, each right
+/// after the one before in the order the blocks use them (GPT-NeoX's q/k/v, regrouped into
+/// a copy, aside), so fusing copied nothing.
+#[test]
+fn loading_for_inference_fuses_in_place_and_computes_the_same() {
+    use gpt_blocks::{load_dir_fused, LoadAs};
+    let dirs: Vec<PathBuf> = MODELS
+        .iter()
+        .map(|m| fixture(m))
+        .chain([Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny")])
+        .collect();
+    for dir in &dirs {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let family = read_config(dir).unwrap().family;
+        let regrouped = family == gpt_blocks::Family::GptNeox;
+        let gated = read_config(dir).unwrap().gated_mlp;
+        let cases = [
+            (DType::F32, None, 1e-5),
+            (DType::F16, None, 1e-4),
+            (DType::BF16, None, 1e-4),
+            (DType::F32, Some(GgmlDType::Q8_0), 1e-4),
+        ];
+        for (dtype, quantize, tol) in cases {
+            let what = format!("{name}, {dtype:?}, {quantize:?}");
+            let load_as = LoadAs { dtype, quantize };
+            let plain = load_dir(dir, load_as, &Device::Cpu).unwrap();
+            let fused = load_dir_fused(dir, load_as, &Device::Cpu)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            // Fused wherever `Gpt::fused` fuses (quantized parts whose row tiles would not
+            // line up stay apart: an MQA's 8-row keys).
+            let after = plain.clone().fused().unwrap();
+            let fusions = |m: &Gpt| {
+                let (_, attn, _, mlp) = m.blocks()[0].parts();
+                (attn.fused_qkv().is_some(), mlp.fused_gate_up().is_some())
+            };
+            assert_eq!(fusions(&fused), fusions(&after), "{what}: what is fused");
+            if quantize.is_none() {
+                assert_eq!(fusions(&fused), (true, gated), "{what}: what is fused");
+            }
+            if quantize.is_none() {
+                // The parts hold the stored weights, fused or not.
+                let (named, plain_named) = (fused.named_tensors(), plain.named_tensors());
+                let (named, plain_named) = (named.unwrap(), plain_named.unwrap());
+                assert_eq!(named.len(), plain_named.len(), "{what}");
+                for (n, t) in &plain_named {
+                    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                    assert_close(&f32(&named[n]), &f32(t), 0.0, 0.0, &format!("{what}: {n}"));
+                }
+                // Converted as read, to what Candle's `to_dtype` makes of the f32 weights.
+                let f32_named = load(dir, DType::F32).named_tensors().unwrap();
+                for (n, t) in &f32_named {
+                    let want = t.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+                    let got = named[n].to_dtype(DType::F32).unwrap();
+                    assert_close(&got, &want, 0.0, 0.0, &format!("{what}: {n} converted"));
+                }
+                views_of_one_buffer(&fused, !regrouped, &what);
+            }
+            // Half precision computes in f32 on the CPU, as `gpt` runs it.
+            let run = |m: &Gpt| match dtype {
+                DType::F32 => m.clone(),
+                _ => m.with_f32_activations().unwrap(),
+            };
+            let (plain, fused) = (run(&plain), run(&fused));
+            let exp = dir.join("expected.safetensors");
+            let ids = &candle_core::safetensors::load(exp, &Device::Cpu).unwrap()["input_ids"];
+            let want = plain.infer(ids, None, None, Logits::All).unwrap();
+            let got = fused.infer(ids, None, None, Logits::All).unwrap();
+            assert_close(&got, &want, tol, tol, &format!("{what}: full pass"));
+            let t = ids.dim(1).unwrap();
+            let mut cache = GptCache::new(fused.config(), 4);
+            let mut steps = vec![fused
+                .infer(
+                    &ids.narrow(1, 0, 3).unwrap(),
+                    None,
+                    Some(&mut cache),
+                    Logits::All,
+                )
+                .unwrap()];
+            for i in 3..t {
+                let step = ids.narrow(1, i, 1).unwrap();
+                steps.push(
+                    fused
+                        .infer(&step, None, Some(&mut cache), Logits::All)
+                        .unwrap(),
+                );
+            }
+            let stepped = Tensor::cat(&steps, 1).unwrap();
+            assert_close(
+                &stepped,
+                &want,
+                tol,
+                tol,
+                &format!("{what}: cached decoding"),
+            );
+        }
+    }
+}
+
+/// Every block matrix of `model` (q/k/v fused where `qkv`, the output projection, gate/up
+/// or up, down) is a view of one CPU buffer, each right after the one before.
+fn views_of_one_buffer(model: &Gpt, qkv: bool, what: &str) {
+    let mut spans = Vec::new(); // (buffer, first element, elements)
+    for block in model.blocks() {
+        let (_, attn, _, mlp) = block.parts();
+        let (up, _, down) = mlp.parts();
+        let fused_qkv = attn.fused_qkv().filter(|_| qkv);
+        let projs =
+            fused_qkv
+                .into_iter()
+                .chain([attn.out_proj(), mlp.fused_gate_up().unwrap_or(up), down]);
+        for p in projs {
+            let w = p.weight_t().unwrap();
+            let (storage, layout) = w.storage_and_layout();
+            let candle_core::Storage::Cpu(cpu) = &*storage else {
+                panic!("{what}: not on the CPU")
+            };
+            let buffer = match w.dtype() {
+                DType::F32 => cpu.as_slice::<f32>().unwrap().as_ptr() as usize,
+                DType::F16 => cpu.as_slice::<half::f16>().unwrap().as_ptr() as usize,
+                _ => cpu.as_slice::<half::bf16>().unwrap().as_ptr() as usize,
+            };
+            spans.push((buffer, layout.start_offset(), w.elem_count()));
+        }
+    }
+    for (i, pair) in spans.windows(2).enumerate() {
+        assert_eq!(
+            pair[0].0,
+            pair[1].0,
+            "{what}: matrix {} in another buffer",
+            i + 1
+        );
+        assert_eq!(
+            pair[0].1 + pair[0].2,
+            pair[1].1,
+            "{what}: matrix {} not right after the one before",
+            i + 1
+        );
+    }
+}

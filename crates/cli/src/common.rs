@@ -228,11 +228,11 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
 /// [`load`], with each block's q/k/v and gate/up projections fused into one product each
 /// where they can share a matrix ([`gpt_blocks::Gpt::fused`]), for the commands that run
 /// the model (`generate`, `score`, `bench`, `serve`, `chat`); those that show or save its
-/// tensors by their checkpoint names load it as stored. GGUF files only: their loader
-/// fuses each block as it reads it (float matrices read side by side, the fused ones views
-/// of them; quantized ones concatenated, the separate ones' memory serving the next
-/// block); the other formats hold every tensor before the model is built, and fusing after
-/// would cost memory the allocator keeps for a while (+20-40 MiB on SmolLM-135M).
+/// tensors by their checkpoint names load it as stored. GGUF files and Hugging Face
+/// checkpoints: their loaders fuse each block as they read it (float matrices read side by
+/// side, the fused ones views of them; quantized ones concatenated, the separate ones'
+/// memory serving the next block). A nanoGPT checkpoint (GPT-2's fused layout already)
+/// loads as stored.
 pub fn load_for_inference(args: &ModelArgs) -> Result<Loaded> {
     load_with(args, true)
 }
@@ -291,7 +291,10 @@ fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs, fuse: bool) -> 
     };
     let path = PathBuf::from(spec);
     if path.is_dir() {
-        let model = gpt_blocks::load_dir(&path, load_as, &dev)?;
+        let model = match fuse {
+            true => gpt_blocks::load_dir_fused(&path, load_as, &dev)?,
+            false => gpt_blocks::load_dir(&path, load_as, &dev)?,
+        };
         let tokenizer = tokenizer_file(&path.join("tokenizer.json"))?;
         return Ok(loaded(model, tokenizer, ChatTemplate::from_dir(&path)?));
     }
@@ -308,7 +311,11 @@ fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs, fuse: bool) -> 
         }
         if let Some(dir) = path.parent().filter(|_| ext == "safetensors") {
             let cfg = gpt_blocks::read_config(dir)?;
-            let model = gpt_blocks::load_files(&cfg, std::slice::from_ref(&path), load_as, &dev)?;
+            let files = std::slice::from_ref(&path);
+            let model = match fuse {
+                true => gpt_blocks::load_files_fused(&cfg, files, load_as, &dev)?,
+                false => gpt_blocks::load_files(&cfg, files, load_as, &dev)?,
+            };
             let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
             return Ok(loaded(model, tokenizer, ChatTemplate::from_dir(dir)?));
         }
@@ -323,7 +330,10 @@ fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs, fuse: bool) -> 
         bail!("{spec}: no such file or directory")
     }
     let dir = hub_download(spec)?;
-    let model = gpt_blocks::load_dir(&dir, load_as, &dev)?;
+    let model = match fuse {
+        true => gpt_blocks::load_dir_fused(&dir, load_as, &dev)?,
+        false => gpt_blocks::load_dir(&dir, load_as, &dev)?,
+    };
     let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
     Ok(loaded(model, tokenizer, ChatTemplate::from_dir(&dir)?))
 }
