@@ -275,6 +275,23 @@ impl Gpt {
         let (v, d) = (cfg.vocab_size, cfg.n_embd);
         let normal = |stdev| Init::Randn { mean: 0.0, stdev };
         let wte = vb.get_with_hints((v, d), &format!("{}.weight", names.embed), normal(0.02))?;
+        // A tied head is the table: quantized here, before the blocks are read, a packed
+        // table replaces the f32 one (the load's largest tensor) while nothing else is in
+        // memory beside it.
+        let tied_head = match cfg.tie_word_embeddings {
+            true => {
+                let head = Proj::from_linear(&wte, None)?;
+                Some(match quantize {
+                    Some(dtype) => head.quantize_or_keep(dtype)?,
+                    None => head,
+                })
+            }
+            false => None,
+        };
+        let wte = match &tied_head {
+            Some(head) => shared_table(Embedding::Dense(wte), head, true),
+            None => Embedding::Dense(wte),
+        };
         let wpe = match cfg.rope {
             Some(_) => None,
             None => Some(vb.get_with_hints(
@@ -296,17 +313,19 @@ impl Gpt {
             )?),
             NormPlacement::Post => None,
         };
-        let lm_head_weight = if cfg.tie_word_embeddings {
-            None
-        } else {
-            let name = format!("{}.weight", names.head);
-            Some(vb.get_with_hints((v, d), &name, normal(0.02))?)
+        let (lm_head_weight, lm_head) = match tied_head {
+            Some(head) => (None, head),
+            None => {
+                let name = format!("{}.weight", names.head);
+                let w = vb.get_with_hints((v, d), &name, normal(0.02))?;
+                let head = Proj::from_linear(&w, None)?;
+                let head = match quantize {
+                    Some(dtype) => head.quantize_or_keep(dtype)?,
+                    None => head,
+                };
+                (Some(w), head)
+            }
         };
-        let mut lm_head = Proj::from_linear(lm_head_weight.as_ref().unwrap_or(&wte), None)?;
-        if let Some(dtype) = quantize {
-            lm_head = lm_head.quantize_or_keep(dtype)?;
-        }
-        let wte = shared_table(Embedding::Dense(wte), &lm_head, cfg.tie_word_embeddings);
         let mut model = Self::from_parts(cfg, wte, wpe, h, ln_f, lm_head)?;
         model.lm_head_weight = lm_head_weight;
         Ok(model)
