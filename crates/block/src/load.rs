@@ -148,8 +148,18 @@ fn with_prefix_fallback<'a>(vb: VarBuilder<'a>, cfg: &GptConfig, prefixed: bool)
     if prefixed {
         return vb;
     }
+    let in_file = in_file(cfg, prefixed);
+    vb.rename_f(move |name: &str| in_file(name))
+}
+
+/// The name a tensor the model asks for has in the files (`prefixed`: whether their names
+/// carry the family's root prefix).
+fn in_file(cfg: &GptConfig, prefixed: bool) -> impl Fn(&str) -> String + Send + Sync + 'static {
     let root = format!("{}.", TensorNames::of(cfg.family).root());
-    vb.rename_f(move |name: &str| name.strip_prefix(&root).unwrap_or(name).to_string())
+    move |name: &str| match prefixed {
+        true => name.to_string(),
+        false => name.strip_prefix(&root).unwrap_or(name).to_string(),
+    }
 }
 
 /// Loads a model from a `config.json` text and safetensors bytes held in memory (an
@@ -234,14 +244,7 @@ pub fn load_files_fused(
     let LoadAs { dtype, quantize } = load_as.into();
     cfg.validate()?;
     let (st, prefixed) = open(cfg, files, dtype)?;
-    let root = format!("{}.", TensorNames::of(cfg.family).root());
-    // The name a tensor has in the files, from the one the model asks for.
-    let in_file = move |name: String| match prefixed {
-        true => name,
-        false => name
-            .strip_prefix(&root)
-            .map_or(name.clone(), str::to_string),
-    };
+    let in_file = in_file(cfg, prefixed);
     let st = Arc::new(st);
     let arena = Arc::new(Mutex::new(FloatArena::default()));
     let backend = ArenaTensors {
@@ -288,7 +291,7 @@ fn block_matrices(
     st: &FileTensors,
     cfg: &GptConfig,
     dtype: DType,
-    in_file: &dyn Fn(String) -> String,
+    in_file: &dyn Fn(&str) -> String,
 ) -> Result<FloatArena> {
     let names = TensorNames::of(cfg.family);
     let (attn, mlp) = (names.attn, names.mlp_prefix);
@@ -311,7 +314,7 @@ fn block_matrices(
     let mut parts = Vec::new();
     for i in 0..cfg.n_layer {
         for part in &order {
-            let name = in_file(format!("{}.{i}.{part}", names.layers));
+            let name = in_file(&format!("{}.{i}.{part}", names.layers));
             // Shapes were checked against the config when the files were opened.
             if let Some(&&[rows, cols]) = shapes.get(name.as_str()) {
                 parts.push((name, [rows, cols]));
@@ -339,7 +342,7 @@ fn block_from_arena(
     i: usize,
     vb: VarBuilder,
     arena: &Mutex<FloatArena>,
-    in_file: &dyn Fn(String) -> String,
+    in_file: &dyn Fn(&str) -> String,
 ) -> Result<Block> {
     let names = TensorNames::of(cfg.family);
     let (d, inner) = (cfg.n_embd, cfg.inner_dim());
@@ -351,7 +354,7 @@ fn block_from_arena(
             .iter()
             .map(|(p, rows)| {
                 (
-                    in_file(format!("{}.{p}.weight", vb.prefix())),
+                    in_file(&format!("{}.{p}.weight", vb.prefix())),
                     [*rows, cols],
                 )
             })

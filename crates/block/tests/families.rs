@@ -66,26 +66,8 @@ fn cached_decoding_equals_the_full_pass() {
         let model = load(&fixture(name), DType::F32);
         let model = if fuse { model.fused().unwrap() } else { model };
         let ids = &expected(name)["input_ids"];
-        let (_, t) = ids.dims2().unwrap();
         let full = model.infer(ids, None, None, Logits::All).unwrap();
-        let mut cache = GptCache::new(model.config(), 4);
-        let mut steps = vec![model
-            .infer(
-                &ids.narrow(1, 0, 3).unwrap(),
-                None,
-                Some(&mut cache),
-                Logits::All,
-            )
-            .unwrap()];
-        for i in 3..t {
-            let step = ids.narrow(1, i, 1).unwrap();
-            steps.push(
-                model
-                    .infer(&step, None, Some(&mut cache), Logits::All)
-                    .unwrap(),
-            );
-        }
-        let stepped = Tensor::cat(&steps, 1).unwrap();
+        let stepped = stepped(&model, ids);
         assert_close(
             &stepped,
             &full,
@@ -94,6 +76,23 @@ fn cached_decoding_equals_the_full_pass() {
             &format!("{name} (fused: {fuse}): cached decoding"),
         );
     }
+}
+
+/// The logits of `ids` `[b, t]` run through a cache: a prefill of 3 positions, then one
+/// position a step.
+fn stepped(model: &Gpt, ids: &Tensor) -> Tensor {
+    let t = ids.dim(1).unwrap();
+    let mut cache = GptCache::new(model.config(), 4);
+    let mut steps = Vec::new();
+    for (at, n) in std::iter::once((0, 3)).chain((3..t).map(|i| (i, 1))) {
+        let part = ids.narrow(1, at, n).unwrap();
+        steps.push(
+            model
+                .infer(&part, None, Some(&mut cache), Logits::All)
+                .unwrap(),
+        );
+    }
+    Tensor::cat(&steps, 1).unwrap()
 }
 
 /// A left-padded batch gives each row the logits of that row run alone (positions count
@@ -848,25 +847,7 @@ fn loading_for_inference_fuses_in_place_and_computes_the_same() {
             let want = plain.infer(ids, None, None, Logits::All).unwrap();
             let got = fused.infer(ids, None, None, Logits::All).unwrap();
             assert_close(&got, &want, tol, tol, &format!("{what}: full pass"));
-            let t = ids.dim(1).unwrap();
-            let mut cache = GptCache::new(fused.config(), 4);
-            let mut steps = vec![fused
-                .infer(
-                    &ids.narrow(1, 0, 3).unwrap(),
-                    None,
-                    Some(&mut cache),
-                    Logits::All,
-                )
-                .unwrap()];
-            for i in 3..t {
-                let step = ids.narrow(1, i, 1).unwrap();
-                steps.push(
-                    fused
-                        .infer(&step, None, Some(&mut cache), Logits::All)
-                        .unwrap(),
-                );
-            }
-            let stepped = Tensor::cat(&steps, 1).unwrap();
+            let stepped = stepped(&fused, ids);
             assert_close(
                 &stepped,
                 &want,
