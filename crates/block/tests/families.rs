@@ -554,6 +554,23 @@ fn bad_configs_are_one_line_errors_naming_the_field() {
     }
 }
 
+/// The error loading `dir` gives; loading it for inference must give the same.
+fn load_err(dir: &Path) -> String {
+    let err = load_dir(dir, DType::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    let fused = gpt_blocks::load_dir_fused(dir, DType::F32, &Device::Cpu);
+    // (The first line: with RUST_BACKTRACE set, Candle appends where each error arose.)
+    let first = |e: &str| e.lines().next().unwrap_or("").to_string();
+    assert_eq!(
+        first(&fused.unwrap_err().to_string()),
+        first(&err),
+        "{}",
+        dir.display()
+    );
+    err
+}
+
 #[test]
 fn bad_checkpoints_of_new_families_name_the_tensor() {
     let tmp = tempfile::tempdir().unwrap();
@@ -573,9 +590,7 @@ fn bad_checkpoints_of_new_families_name_the_tensor() {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::copy(fixture(name).join("config.json"), dir.join("config.json")).unwrap();
         candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
-        let err = load_dir(&dir, DType::F32, &Device::Cpu)
-            .unwrap_err()
-            .to_string();
+        let err = load_err(&dir);
         assert!(err.contains(drop), "{name}: {err}");
     }
     // A wrong shape: k_proj sized for 4 kv heads where the config says 2.
@@ -596,9 +611,7 @@ fn bad_checkpoints_of_new_families_name_the_tensor() {
     )
     .unwrap();
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
-    let err = load_dir(&dir, DType::F32, &Device::Cpu)
-        .unwrap_err()
-        .to_string();
+    let err = load_err(&dir);
     assert!(
         err.contains("k_proj.weight") && err.contains("[16, 32]"),
         "{err}"

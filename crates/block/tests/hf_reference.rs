@@ -146,10 +146,17 @@ fn other_checkpoint_layouts_give_the_same_logits() {
     assert_close(&got, &want, 2e-2, 2e-2, "f16");
 }
 
+/// The error loading `dir` gives; loading it for inference (as `gpt` runs a checkpoint)
+/// must give the same.
 fn load_err(dir: &Path) -> String {
-    load_dir(dir, DType::F32, &Device::Cpu)
+    let err = load_dir(dir, DType::F32, &Device::Cpu)
         .unwrap_err()
-        .to_string()
+        .to_string();
+    let fused = gpt_blocks::load_dir_fused(dir, DType::F32, &Device::Cpu);
+    // (The first line: with RUST_BACKTRACE set, Candle appends where each error arose.)
+    let first = |e: &str| e.lines().next().unwrap_or("").to_string();
+    assert_eq!(first(&fused.unwrap_err().to_string()), first(&err));
+    err
 }
 
 #[test]
