@@ -10,7 +10,9 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, DType, Device, Result, Shape, Tensor};
+use mha::qpacked::Packed;
 use safetensors::tensor::{Metadata, TensorInfo};
 
 use crate::load::path_err;
@@ -50,20 +52,37 @@ pub(crate) fn read_floats(
     dtype: DType,
     shape: &[usize],
 ) -> Result<Tensor> {
+    read_floats_into(file, stored, dtype, shape, true)
+}
+
+/// [`read_floats`] into a weight buffer (`weights`) or, for a passing part of a matrix, an
+/// ordinary vector: a weight buffer's end pages are collapsed into huge pages.
+fn read_floats_into(
+    file: &mut impl Read,
+    stored: DType,
+    dtype: DType,
+    shape: &[usize],
+    weights: bool,
+) -> Result<Tensor> {
     fn read<T: candle_core::WithDType>(
         file: &mut impl Read,
         stored: DType,
         shape: &[usize],
+        weights: bool,
     ) -> Result<Tensor> {
-        let mut data = mha::memory::weight_vec(shape.iter().product(), T::from_f64(0.0));
+        let (len, zero) = (shape.iter().product(), T::from_f64(0.0));
+        let mut data = match weights {
+            true => mha::memory::weight_vec(len, zero),
+            false => vec![zero; len],
+        };
         read_stored(file, stored, &mut data)?;
         Tensor::from_vec(data, shape, &Device::Cpu)
     }
     match dtype {
-        DType::F32 => read::<f32>(file, stored, shape),
-        DType::F16 => read::<half::f16>(file, stored, shape),
-        DType::BF16 => read::<half::bf16>(file, stored, shape),
-        DType::F64 => read::<f64>(file, stored, shape),
+        DType::F32 => read::<f32>(file, stored, shape, weights),
+        DType::F16 => read::<half::f16>(file, stored, shape, weights),
+        DType::BF16 => read::<half::bf16>(file, stored, shape, weights),
+        DType::F64 => read::<f64>(file, stored, shape, weights),
         other => bail!("{other:?} is not a float format weights are read in"),
     }
 }
@@ -240,6 +259,46 @@ impl FileTensors {
             DType::F64 => read::<f64>(self, parts),
             other => bail!("{other:?} is not a float format weights are read in"),
         }
+    }
+}
+
+impl FileTensors {
+    /// The matrix `name` `[n, k]` quantized to `q` and packed for this CPU's kernels, read
+    /// 16 rows at a time (each row as `dtype`, then widened to f32 and quantized, the bytes
+    /// [`mha::Proj::quantize`] gives the whole matrix): no f32 copy of the matrix is ever
+    /// whole. `None` when it is not there, not a matrix, or `q` does not pack here for its
+    /// width (the caller quantizes it as it would have).
+    pub(crate) fn packed_rows(
+        &self,
+        name: &str,
+        dtype: DType,
+        q: GgmlDType,
+    ) -> Result<Option<Packed>> {
+        let Some((i, info, base)) = self.index.get(name) else {
+            return Ok(None);
+        };
+        let &[n, k] = info.shape.as_slice() else {
+            return Ok(None);
+        };
+        let Some(q) = mha::Proj::quantized_as(q, k).filter(|&q| Packed::packs_here(q)) else {
+            return Ok(None);
+        };
+        let stored = model_dtype(name, info.dtype)?;
+        let (path, file) = &self.files[*i];
+        let mut file = file
+            .lock()
+            .map_err(|_| path_err(path, "file lock poisoned"))?;
+        file.seek(SeekFrom::Start(base + info.data_offsets.0 as u64))
+            .map_err(|e| path_err(path, e))?;
+        let row_bytes = k / q.block_size() * q.type_size();
+        let packed = Packed::from_rows(q, n, k, |chunk| {
+            let rows = chunk.len() / row_bytes;
+            let t = read_floats_into(&mut *file, stored, dtype, &[rows, k], false)?;
+            let t = t.to_dtype(DType::F32)?;
+            chunk.copy_from_slice(&QTensor::quantize(&t, q)?.data()?);
+            Ok(())
+        });
+        packed.map_err(|e| path_err(path, e))
     }
 }
 

@@ -252,45 +252,63 @@ impl Gpt {
         vb: VarBuilder,
         quantize: Option<GgmlDType>,
     ) -> Result<Self> {
-        Self::build_with(cfg, vb, quantize, |i, vb| {
+        let block = |i, vb: VarBuilder| {
             let block = Block::new(cfg, i, vb)?;
             match quantize {
                 Some(dtype) => block.quantize(dtype), // drops the f32 block
                 None => Ok(block),
             }
-        })
+        };
+        Self::build_with(cfg, vb, quantize, block, |_| Ok(None))
     }
 
     /// [`Self::build`] with each block made by `block(index, its VarBuilder)`, quantized or
     /// not as it chooses (a loader's own, fusing projections as it reads them, say);
-    /// `quantize` applies to the head.
+    /// `quantize` applies to the head, whose matrix `packed(name)` may give already
+    /// quantized and packed (read from a file row by row, say; `None`: quantized here).
     pub(crate) fn build_with(
         cfg: &GptConfig,
         vb: VarBuilder,
         quantize: Option<GgmlDType>,
         block: impl Fn(usize, VarBuilder) -> Result<Block>,
+        packed: impl Fn(&str) -> Result<Option<Arc<Packed>>>,
     ) -> Result<Self> {
         cfg.validate()?;
         let names = TensorNames::of(cfg.family);
         let (v, d) = (cfg.vocab_size, cfg.n_embd);
         let normal = |stdev| Init::Randn { mean: 0.0, stdev };
-        let wte = vb.get_with_hints((v, d), &format!("{}.weight", names.embed), normal(0.02))?;
+        let embed = format!("{}.weight", names.embed);
+        let table = match (cfg.tie_word_embeddings, quantize) {
+            (true, Some(_)) => packed(&embed)?,
+            _ => None,
+        };
         // A tied head is the table: quantized here, before the blocks are read, a packed
         // table replaces the f32 one (the load's largest tensor) while nothing else is in
         // memory beside it.
-        let tied_head = match cfg.tie_word_embeddings {
-            true => {
-                let head = Proj::from_linear(&wte, None)?;
-                Some(match quantize {
-                    Some(dtype) => head.quantize_or_keep(dtype)?,
-                    None => head,
-                })
+        let (wte, tied_head) = match table {
+            Some(table) => {
+                let head = Proj::from_packed(table.clone(), None);
+                let dtype = vb.dtype();
+                (Embedding::Packed { table, dtype }, Some(head))
             }
-            false => None,
-        };
-        let wte = match &tied_head {
-            Some(head) => shared_table(Embedding::Dense(wte), head, true),
-            None => Embedding::Dense(wte),
+            None => {
+                let wte = vb.get_with_hints((v, d), &embed, normal(0.02))?;
+                let tied_head = match cfg.tie_word_embeddings {
+                    true => {
+                        let head = Proj::from_linear(&wte, None)?;
+                        Some(match quantize {
+                            Some(dtype) => head.quantize_or_keep(dtype)?,
+                            None => head,
+                        })
+                    }
+                    false => None,
+                };
+                let wte = match &tied_head {
+                    Some(head) => shared_table(Embedding::Dense(wte), head, true),
+                    None => Embedding::Dense(wte),
+                };
+                (wte, tied_head)
+            }
         };
         let wpe = match cfg.rope {
             Some(_) => None,
@@ -313,10 +331,16 @@ impl Gpt {
             )?),
             NormPlacement::Post => None,
         };
-        let (lm_head_weight, lm_head) = match tied_head {
-            Some(head) => (None, head),
-            None => {
-                let name = format!("{}.weight", names.head);
+        let head = format!("{}.weight", names.head);
+        let packed_head = match (tied_head.is_none(), quantize) {
+            (true, Some(_)) => packed(&head)?,
+            _ => None,
+        };
+        let (lm_head_weight, lm_head) = match (tied_head, packed_head) {
+            (Some(head), _) => (None, head),
+            (None, Some(table)) => (None, Proj::from_packed(table, None)),
+            (None, None) => {
+                let name = head;
                 let w = vb.get_with_hints((v, d), &name, normal(0.02))?;
                 let head = Proj::from_linear(&w, None)?;
                 let head = match quantize {

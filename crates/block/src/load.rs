@@ -271,6 +271,11 @@ pub fn load_files_fused(
             }
             block_from_arena(cfg, i, vb, &arena, &in_file)
         },
+        // A quantized head (a tied model's table too) read and packed row by row.
+        |name| match (quantize, device.is_cpu()) {
+            (Some(q), true) => Ok(st.packed_rows(&in_file(name), dtype, q)?.map(Arc::new)),
+            _ => Ok(None),
+        },
     )?;
     if let Some(name) = lock(&arena)?.slots.keys().next() {
         bail!("internal error: tensor {name} was read for a block but no block took it")

@@ -812,7 +812,7 @@ fn loading_for_inference_fuses_in_place_and_computes_the_same() {
             (DType::F32, None, 1e-5),
             (DType::F16, None, 1e-4),
             (DType::BF16, None, 1e-4),
-            (DType::F32, Some(GgmlDType::Q8_0), 1e-4),
+            (DType::F32, Some(GgmlDType::Q8_0), 1e-5),
         ];
         for (dtype, quantize, tol) in cases {
             let what = format!("{name}, {dtype:?}, {quantize:?}");
@@ -831,6 +831,35 @@ fn loading_for_inference_fuses_in_place_and_computes_the_same() {
             if quantize.is_none() {
                 assert_eq!(fusions(&fused), (true, gated), "{what}: what is fused");
             }
+            // The quantized head (a tied model's table too), read and packed row by row,
+            // holds what quantizing the whole matrix gives.
+            assert_eq!(
+                fused.lm_head().packed().is_some(),
+                plain.lm_head().packed().is_some(),
+                "{what}: head packed"
+            );
+            let head = |m: &Gpt| {
+                m.lm_head()
+                    .weight_t()
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+            };
+            assert_close(
+                &head(&fused),
+                &head(&plain),
+                0.0,
+                0.0,
+                &format!("{what}: head"),
+            );
+            let table = |m: &Gpt| m.wte().unwrap().to_dtype(DType::F32).unwrap();
+            assert_close(
+                &table(&fused),
+                &table(&plain),
+                0.0,
+                0.0,
+                &format!("{what}: table"),
+            );
             if quantize.is_none() {
                 // The parts hold the stored weights, fused or not.
                 let (named, plain_named) = (fused.named_tensors(), plain.named_tensors());
