@@ -193,27 +193,35 @@ impl FileTensors {
             .map(|(name, (_, info, _))| (name.as_str(), info.dtype, info.shape.as_slice()))
     }
 
-    pub(crate) fn load(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+    /// `read(file, info, stored dtype)` with the file positioned at tensor `name`'s
+    /// elements; its errors name the file.
+    fn read_tensor<R>(
+        &self,
+        name: &str,
+        read: impl FnOnce(&mut File, &TensorInfo, DType) -> Result<R>,
+    ) -> Result<R> {
         let Some((i, info, base)) = self.index.get(name) else {
             bail!("cannot find tensor {name}")
         };
         let stored = model_dtype(name, info.dtype)?;
         let (path, file) = &self.files[*i];
-        let (start, end) = info.data_offsets;
-        let t = {
-            let mut file = file
-                .lock()
-                .map_err(|_| path_err(path, "file lock poisoned"))?;
-            file.seek(SeekFrom::Start(base + start as u64))
-                .map_err(|e| path_err(path, e))?;
+        let mut file = file
+            .lock()
+            .map_err(|_| path_err(path, "file lock poisoned"))?;
+        file.seek(SeekFrom::Start(base + info.data_offsets.0 as u64))
+            .map_err(|e| path_err(path, e))?;
+        read(&mut file, info, stored).map_err(|e| path_err(path, e))
+    }
+
+    pub(crate) fn load(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        let t = self.read_tensor(name, |file, info, stored| {
             // Floats are read as `dtype` directly; anything else converts from as stored.
             let read_as = match dtype.is_float() {
                 true => dtype,
                 false => stored,
             };
-            read_floats(&mut *file, stored, read_as, &info.shape).map_err(|e| path_err(path, e))?
-        };
-        debug_assert_eq!(t.elem_count() * stored.size_in_bytes(), end - start);
+            read_floats(file, stored, read_as, &info.shape)
+        })?;
         t.to_dtype(dtype)?.to_device(dev)
     }
 
@@ -230,24 +238,16 @@ impl FileTensors {
             let mut at = 0;
             for &(name, [rows, cols]) in parts {
                 let slot = &mut data[at..at + rows * cols];
-                let Some((i, info, base)) = st.index.get(name) else {
-                    bail!("cannot find tensor {name}")
-                };
-                if info.shape != [rows, cols] {
-                    bail!(
-                        "tensor {name} is {:?}, expected {:?}",
-                        info.shape,
-                        [rows, cols]
-                    )
-                }
-                let (path, file) = &st.files[*i];
-                let mut file = file
-                    .lock()
-                    .map_err(|_| path_err(path, "file lock poisoned"))?;
-                file.seek(SeekFrom::Start(base + info.data_offsets.0 as u64))
-                    .map_err(|e| path_err(path, e))?;
-                read_stored(&mut *file, model_dtype(name, info.dtype)?, slot)
-                    .map_err(|e| path_err(path, e))?;
+                st.read_tensor(name, |file, info, stored| {
+                    if info.shape != [rows, cols] {
+                        bail!(
+                            "tensor {name} is {:?}, expected {:?}",
+                            info.shape,
+                            [rows, cols]
+                        )
+                    }
+                    read_stored(file, stored, slot)
+                })?;
                 at += rows * cols;
             }
             Tensor::from_vec(data, total, &Device::Cpu)
@@ -274,7 +274,7 @@ impl FileTensors {
         dtype: DType,
         q: GgmlDType,
     ) -> Result<Option<Packed>> {
-        let Some((i, info, base)) = self.index.get(name) else {
+        let Some((_, info, _)) = self.index.get(name) else {
             return Ok(None);
         };
         let &[n, k] = info.shape.as_slice() else {
@@ -283,22 +283,16 @@ impl FileTensors {
         let Some(q) = mha::Proj::quantized_as(q, k).filter(|&q| Packed::packs_here(q)) else {
             return Ok(None);
         };
-        let stored = model_dtype(name, info.dtype)?;
-        let (path, file) = &self.files[*i];
-        let mut file = file
-            .lock()
-            .map_err(|_| path_err(path, "file lock poisoned"))?;
-        file.seek(SeekFrom::Start(base + info.data_offsets.0 as u64))
-            .map_err(|e| path_err(path, e))?;
         let row_bytes = k / q.block_size() * q.type_size();
-        let packed = Packed::from_rows(q, n, k, |chunk| {
-            let rows = chunk.len() / row_bytes;
-            let t = read_floats_into(&mut *file, stored, dtype, &[rows, k], false)?;
-            let t = t.to_dtype(DType::F32)?;
-            chunk.copy_from_slice(&QTensor::quantize(&t, q)?.data()?);
-            Ok(())
-        });
-        packed.map_err(|e| path_err(path, e))
+        self.read_tensor(name, |file, _, stored| {
+            Packed::from_rows(q, n, k, |chunk| {
+                let rows = chunk.len() / row_bytes;
+                let t = read_floats_into(file, stored, dtype, &[rows, k], false)?;
+                let t = t.to_dtype(DType::F32)?;
+                chunk.copy_from_slice(&QTensor::quantize(&t, q)?.data()?);
+                Ok(())
+            })
+        })
     }
 }
 
