@@ -278,6 +278,10 @@ impl RopeTrain {
             )
         }
         let mut ys = xs.to_vec();
+        if ys.is_empty() {
+            // No positions (or no rotated features): nothing to rotate, and no chunk size.
+            return Ok(ys);
+        }
         let plane = t * rot;
         with_values(&self.cos, "rope cos", |cos| {
             with_values(&self.sin, "rope sin", |sin| {

@@ -324,3 +324,15 @@ fn mismatched_checkpoints_name_the_fix() {
     };
     assert!(load(&with_kdim, &WeightLayout::TorchInProj, m).is_ok());
 }
+
+/// Rotating no positions in training (a variable, the differentiable op) gives no
+/// positions back, not a panic (a zero-sized chunk; found by `attention_never_panics`).
+#[test]
+fn rotating_no_positions_while_training_is_fine() {
+    let dev = Device::Cpu;
+    let rope = mha::Rope::new(&mha::RopeConfig::default(), 2).unwrap();
+    let tables = rope.tables_from(1, 0, 0, &dev).unwrap();
+    let xs = candle_core::Var::zeros((1, 1, 0, 2), DType::F32, &dev).unwrap();
+    let ys = rope.apply(xs.as_tensor(), &tables).unwrap();
+    assert_eq!(ys.dims(), &[1, 1, 0, 2]);
+}
