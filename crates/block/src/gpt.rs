@@ -174,6 +174,13 @@ impl GptCache {
         self.layers.iter_mut().for_each(KvCache::reset)
     }
 
+    /// Forgets every position from `len` on, in every layer ([`KvCache::truncate`]): a
+    /// decoding step that failed part way, some layers written and some not, is undone by
+    /// truncating to the length before it.
+    pub fn truncate(&mut self, len: usize) {
+        self.layers.iter_mut().for_each(|l| l.truncate(len))
+    }
+
     /// The cache of a left-padded batch split into one cache per row, each holding only its
     /// row's real positions: row `i`'s last `lens[i]` positions. After a prefill with
     /// [`Gpt::infer`] and a `keep` mask (positions then count real tokens only), row `i`'s

@@ -77,6 +77,32 @@ fn cached_decoding_equals_full_pass() -> Result<()> {
     Ok(())
 }
 
+/// Decoding after truncating the cache equals decoding from a cache that never held the
+/// forgotten positions: what was appended past the cut is overwritten, not read. (The
+/// server undoes a failed step so.) The cache starts small, so the wrong continuation also
+/// grows its storage past the cut.
+#[test]
+fn truncated_cache_decodes_as_if_never_extended() -> Result<()> {
+    let cfg = tiny(NormPlacement::Pre);
+    let (_vm, gpt) = model(&cfg, DType::F32);
+    let seq = ids(&[&[3, 14, 15, 9, 26, 5, 35, 8]]);
+    let wrong = ids(&[&[40, 41, 42, 43, 44, 45]]);
+    let mut clean = GptCache::new(&cfg, 2);
+    gpt.infer(&seq.narrow(1, 0, 5)?, None, Some(&mut clean), Logits::All)?;
+    let want = gpt.infer(&seq.narrow(1, 5, 3)?, None, Some(&mut clean), Logits::All)?;
+    let mut cut = GptCache::new(&cfg, 2);
+    gpt.infer(&seq.narrow(1, 0, 5)?, None, Some(&mut cut), Logits::All)?;
+    gpt.infer(&wrong, None, Some(&mut cut), Logits::All)?;
+    assert_eq!(cut.len(), 11);
+    cut.truncate(5);
+    assert_eq!(cut.len(), 5);
+    cut.truncate(9); // not below the length: nothing changes
+    assert_eq!(cut.len(), 5);
+    let got = gpt.infer(&seq.narrow(1, 5, 3)?, None, Some(&mut cut), Logits::All)?;
+    assert_close(&got, &want, 0.0, 0.0, "after truncate");
+    Ok(())
+}
+
 #[test]
 fn padded_batch_rows_equal_rows_run_alone() -> Result<()> {
     let cfg = tiny(NormPlacement::Pre);

@@ -61,6 +61,14 @@ impl KvCache {
         self.len = 0;
     }
 
+    /// Forgets every position from `len` on (nothing when `len` is not below the cached
+    /// length). A step that failed part way, or a speculated continuation, is undone so:
+    /// positions are written in place after the cached ones, so those before `len` are
+    /// untouched by anything appended since.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     /// Cached keys and values, `[batch, n_kv_heads, len, head_dim]`, or `None` when empty.
     pub fn current(&self) -> Result<Option<(Tensor, Tensor)>> {
         match (&self.k, &self.v) {
