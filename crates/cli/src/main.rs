@@ -182,9 +182,11 @@ fn main() -> ExitCode {
     if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
         std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "100");
     }
-    // A bug must still end in one line, not a backtrace.
+    // A bug must still end in one line, not a backtrace. Written without `eprintln!`, which
+    // panics (inside the hook: an abort) when stderr is a closed pipe.
     std::panic::set_hook(Box::new(|info| {
-        eprintln!("error: internal error: {info}");
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "error: internal error: {info}");
     }));
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -197,6 +199,16 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // A server must outlive its clients: with the default action, one write to a client that
+    // has reset its connection (hyper writes with `writev`, which raises SIGPIPE) would end
+    // the process. Ignored, the write fails with EPIPE for that connection alone.
+    #[cfg(unix)]
+    if matches!(cli.command, Command::Serve(_)) {
+        // SAFETY: setting a signal's disposition before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        }
+    }
     if let Some(n) = cli.threads {
         if n == 0 {
             eprintln!("error: --threads must be at least 1");

@@ -3,146 +3,18 @@
 //! bounded in count and time. Outputs are checked against `gpt generate` on the same
 //! prompts; batching against each request run alone.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod server;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use server::{generate, Server};
 
 const PROMPT: &str = "ROMEO:";
-
-/// A `gpt serve` child process, killed when dropped.
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Server {
-    fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_gpt"))
-            .args([
-                "--threads",
-                "2",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-            ])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        // Reads the server's log until it closes; the address goes to the test.
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(addr) = line.strip_prefix("listening on ") {
-                    let _ = tx.send(addr.to_string());
-                }
-                assert!(!line.contains("panicked"), "server: {line}");
-            }
-        });
-        let base = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the server did not start listening within 60 s");
-        assert!(base.starts_with("http://127.0.0.1:"), "{base}");
-        Server { child, base }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    /// Status and body of a request (any status).
-    fn call(
-        &self,
-        method: &str,
-        path: &str,
-        body: Option<&str>,
-        key: Option<&str>,
-    ) -> (u16, String) {
-        let mut req = ureq::request(method, &self.url(path)).timeout(Duration::from_secs(60));
-        if let Some(k) = key {
-            req = req.set("Authorization", &format!("Bearer {k}"));
-        }
-        let res = match body {
-            Some(b) => req.set("Content-Type", "application/json").send_string(b),
-            None => req.call(),
-        };
-        match res {
-            Ok(r) => (r.status(), r.into_string().unwrap()),
-            Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap()),
-            Err(e) => panic!("{method} {path}: {e}"),
-        }
-    }
-
-    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (status, text) = self.call("POST", path, Some(&body.to_string()), None);
-        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
-        (status, v)
-    }
-
-    fn complete(&self, body: Value) -> Value {
-        let (status, v) = self.post("/v1/completions", &body);
-        assert_eq!(status, 200, "{v}");
-        v
-    }
-
-    fn metric(&self, name: &str) -> f64 {
-        let (_, text) = self.call("GET", "/metrics", None, None);
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or_else(|| panic!("{name} not in /metrics"))
-    }
-
-    /// SIGTERM, then the exit status (within `limit`).
-    fn terminate(&mut self, limit: Duration) -> ExitStatus {
-        // SAFETY: sending a signal to our own child process.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                start.elapsed() < limit,
-                "the server did not stop within {limit:?}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// What `gpt generate` prints (its JSON `text`) for these arguments.
-fn generate(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_gpt"))
-        .args(["--threads", "2", "generate", "--format", "json"])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    v["text"].as_str().unwrap().to_string()
-}
 
 /// Text of the first choice.
 fn text(v: &Value) -> &str {

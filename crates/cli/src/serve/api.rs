@@ -26,18 +26,18 @@ pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
     pub kind: &'static str,
-    pub param: Option<&'static str>,
+    pub param: Option<String>,
     pub code: Option<&'static str>,
 }
 
 impl ApiError {
     /// 400 `invalid_request_error` about `param`.
-    pub fn invalid(param: Option<&'static str>, message: impl Into<String>) -> Self {
+    pub fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             kind: "invalid_request_error",
-            param,
+            param: param.map(str::to_string),
             code: None,
         }
     }
@@ -129,13 +129,14 @@ fn f64_field(o: &Obj, name: &'static str) -> Result<Option<f64>, ApiError> {
     }
 }
 
-fn int_field(o: &Obj, name: &'static str) -> Result<Option<i64>, ApiError> {
+/// An integer field, in a type that holds every integer JSON gives us (i64 and u64 alike),
+/// so that no range check below sees a value wrapped around.
+fn int_field(o: &Obj, name: &'static str) -> Result<Option<i128>, ApiError> {
     match opt(o, name) {
         None => Ok(None),
         Some(v) => match (v.as_i64(), v.as_u64()) {
-            (Some(i), _) => Ok(Some(i)),
-            // Seeds may use all 64 bits.
-            (None, Some(u)) => Ok(Some(u as i64)),
+            (Some(i), _) => Ok(Some(i.into())),
+            (None, Some(u)) => Ok(Some(u.into())),
             _ => Err(ApiError::invalid(
                 Some(name),
                 format!("`{name}` must be an integer, got {v}"),
@@ -155,17 +156,37 @@ fn bool_field(o: &Obj, name: &'static str) -> Result<bool, ApiError> {
     }
 }
 
-/// The body as a JSON object.
+/// The body as a JSON object. Its fields are read one by one, so that a value JSON allows
+/// and this server cannot hold (a number past f64's range, nesting past serde_json's depth)
+/// is an error naming its field, not one about the whole body.
 pub fn object(body: &[u8]) -> Result<Obj, ApiError> {
-    let v: Value = serde_json::from_slice(body)
+    use serde_json::value::RawValue;
+    let raw: &RawValue = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(None, format!("the request body is not valid JSON: {e}")))?;
-    match v {
-        Value::Object(o) => Ok(o),
-        v => Err(ApiError::invalid(
-            None,
-            format!("the request body must be a JSON object, got {}", kind(&v)),
-        )),
-    }
+    let fields: Vec<(String, Box<RawValue>)> = match serde_json::from_str::<
+        std::collections::BTreeMap<String, Box<RawValue>>,
+    >(raw.get())
+    {
+        Ok(m) => m.into_iter().collect(),
+        Err(_) => {
+            return Err(ApiError::invalid(
+                None,
+                "the request body must be a JSON object",
+            ))
+        }
+    };
+    fields
+        .into_iter()
+        .map(
+            |(name, raw)| match serde_json::from_str::<Value>(raw.get()) {
+                Ok(v) => Ok((name, v)),
+                Err(e) => Err(ApiError::invalid(
+                    Some(&name),
+                    format!("`{name}` cannot be read: {e}"),
+                )),
+            },
+        )
+        .collect()
 }
 
 fn kind(v: &Value) -> &'static str {
@@ -185,7 +206,7 @@ pub fn check_model(o: &Obj, info: &ModelInfo) -> Result<(), ApiError> {
         None => Ok(()),
         Some(Value::String(m)) if m == info.name => Ok(()),
         Some(Value::String(m)) => Err(ApiError {
-            param: Some("model"),
+            param: Some("model".into()),
             ..ApiError::new(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
@@ -219,9 +240,8 @@ fn refuse_unsupported(o: &Obj) -> Result<(), ApiError> {
         if let Some(v) = opt(o, name) {
             let same = v == &neutral || (v.as_f64().is_some() && v.as_f64() == neutral.as_f64());
             if !same {
-                let param: &'static str = name;
                 return Err(ApiError::invalid(
-                    Some(param),
+                    Some(name),
                     format!("`{name}` is not supported by this server (got {v})"),
                 ));
             }
@@ -257,10 +277,10 @@ fn common_fields(o: &Obj, plan: &mut Plan, info: &ModelInfo) -> Result<(), ApiEr
             ));
         }
     }
-    // vLLM's extension: 0 or -1 means no limit.
+    // vLLM's extension: 0 or -1 means no limit. Past the vocabulary, every token is kept.
     let top_k = match int_field(o, "top_k")? {
         None | Some(0) | Some(-1) => None,
-        Some(k) if k > 0 => Some(k as usize),
+        Some(k) if k > 0 => Some(usize::try_from(k).unwrap_or(usize::MAX)),
         Some(k) => {
             return Err(ApiError::invalid(
                 Some("top_k"),
@@ -268,13 +288,18 @@ fn common_fields(o: &Obj, plan: &mut Plan, info: &ModelInfo) -> Result<(), ApiEr
             ))
         }
     };
-    let repeat_penalty = f64_field(o, "repetition_penalty")?.unwrap_or(1.0);
-    if repeat_penalty <= 0.0 {
+    // Checked as the f32 the sampler multiplies by: 1e300 would become inf and 1e-50 zero.
+    let asked = f64_field(o, "repetition_penalty")?.unwrap_or(1.0);
+    let repeat_penalty = asked as f32;
+    if !(repeat_penalty > 0.0 && repeat_penalty.is_finite()) {
         return Err(ApiError::invalid(
             Some("repetition_penalty"),
-            format!("`repetition_penalty` must be > 0, got {repeat_penalty}"),
+            format!(
+                "`repetition_penalty` must be a positive number within f32's range (about 1.2e-38 to 3.4e38), got {asked}"
+            ),
         ));
     }
+    // Any integer JSON can carry: a negative seed is its two's complement, as in NumPy.
     let seed = match int_field(o, "seed")? {
         Some(s) => s as u64,
         None => fresh_seed(),
@@ -283,7 +308,7 @@ fn common_fields(o: &Obj, plan: &mut Plan, info: &ModelInfo) -> Result<(), ApiEr
         temperature,
         top_k,
         top_p,
-        repeat_penalty: repeat_penalty as f32,
+        repeat_penalty,
         seed,
     };
     plan.stops = match opt(o, "stop") {
@@ -333,7 +358,10 @@ fn common_fields(o: &Obj, plan: &mut Plan, info: &ModelInfo) -> Result<(), ApiEr
     plan.stream = bool_field(o, "stream")?;
     plan.include_usage = match opt(o, "stream_options") {
         None => false,
-        Some(Value::Object(so)) => bool_field(so, "include_usage")?,
+        Some(Value::Object(so)) => bool_field(so, "include_usage").map_err(|e| ApiError {
+            param: Some("stream_options.include_usage".into()),
+            ..e
+        })?,
         Some(v) => {
             return Err(ApiError::invalid(
                 Some("stream_options"),
@@ -371,11 +399,14 @@ fn empty_plan() -> Plan {
 }
 
 /// Checks the prompt against the vocabulary and the context and settles `max_tokens`
-/// (`default` when the request gives none: `None` means all the room left).
+/// (`default` when the request gives none: `None` means all the room left). A context
+/// overflow names the prompt's field (`prompt_param`) when the prompt alone fills the
+/// context, else the length field that asked for too much.
 fn fit(
     plan: &mut Plan,
     o: &Obj,
     names: &[&'static str],
+    prompt_param: &'static str,
     default: Option<usize>,
     info: &ModelInfo,
 ) -> Result<(), ApiError> {
@@ -388,7 +419,7 @@ fn fit(
                     format!("`{name}` must be at least 1, got {n}"),
                 ));
             }
-            asked = Some((name, n as u64));
+            asked = Some((name, u64::try_from(n).unwrap_or(u64::MAX)));
         }
     }
     let longest = plan.prompts.iter().map(Vec::len).max().unwrap_or(0);
@@ -410,11 +441,11 @@ fn fit(
             ));
         }
     }
-    let too_long = |asked: u64| {
+    let too_long = |param: &str, asked: u64| {
         ApiError {
         code: Some("context_length_exceeded"),
         ..ApiError::invalid(
-            Some("messages"),
+            Some(param),
             format!(
                 "this model's maximum context length is {ctx} tokens; the prompt has {longest} and {asked} more were requested"
             ),
@@ -422,11 +453,11 @@ fn fit(
     }
     };
     if longest >= ctx {
-        return Err(too_long(1));
+        return Err(too_long(prompt_param, 1));
     }
     let room = (ctx - longest) as u64;
     plan.max_tokens = match (asked, default) {
-        (Some((_, n)), _) if n > room => return Err(too_long(n)),
+        (Some((name, n)), _) if n > room => return Err(too_long(name, n)),
         (Some((_, n)), _) => n as usize,
         (None, Some(d)) => d.min(room as usize),
         (None, None) => room as usize,
@@ -506,7 +537,7 @@ pub fn completions(o: &Obj, info: &ModelInfo) -> Result<Plan, ApiError> {
     };
     plan.logprobs = match int_field(o, "logprobs")? {
         None => None,
-        Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
+        Some(n) if (0..=MAX_TOP_LOGPROBS as i128).contains(&n) => Some(n as usize),
         Some(n) => {
             return Err(ApiError::invalid(
                 Some("logprobs"),
@@ -515,7 +546,7 @@ pub fn completions(o: &Obj, info: &ModelInfo) -> Result<Plan, ApiError> {
         }
     };
     // OpenAI's default for completions.
-    fit(&mut plan, o, &["max_tokens"], Some(16), info)?;
+    fit(&mut plan, o, &["max_tokens"], "prompt", Some(16), info)?;
     Ok(plan)
 }
 
@@ -542,7 +573,7 @@ pub fn chat(o: &Obj, info: &ModelInfo) -> Result<Plan, ApiError> {
             ))
         }
         (true, None) => Some(0),
-        (true, Some(n)) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
+        (true, Some(n)) if (0..=MAX_TOP_LOGPROBS as i128).contains(&n) => Some(n as usize),
         (true, Some(n)) => {
             return Err(ApiError::invalid(
                 Some("top_logprobs"),
@@ -554,6 +585,7 @@ pub fn chat(o: &Obj, info: &ModelInfo) -> Result<Plan, ApiError> {
         &mut plan,
         o,
         &["max_tokens", "max_completion_tokens"],
+        "messages",
         None,
         info,
     )?;
@@ -676,7 +708,7 @@ mod tests {
             ),
             (
                 r#"{"prompt": [1], "max_tokens": 32}"#,
-                Some("messages"),
+                Some("max_tokens"),
                 400,
             ),
             (r#"{"prompt": [1], "n": 2}"#, Some("n"), 400),
@@ -699,14 +731,14 @@ mod tests {
         for (body, param, status) in cases {
             let e = parse(body).expect_err(body);
             assert_eq!(
-                (e.param, e.status.as_u16()),
+                (e.param.as_deref(), e.status.as_u16()),
                 (param, status),
                 "{body}: {}",
                 e.message
             );
         }
         let many = format!(r#"{{"prompt": [1], "stop": {:?}}}"#, vec!["x"; 10_000]);
-        assert_eq!(parse(&many).unwrap_err().param, Some("stop"));
+        assert_eq!(parse(&many).unwrap_err().param.as_deref(), Some("stop"));
         assert!(parse("[1]").unwrap_err().message.contains("JSON object"));
         assert!(parse("{\"prompt\": NaN}")
             .unwrap_err()
@@ -743,7 +775,7 @@ mod tests {
         ] {
             let e = run(body).unwrap_err();
             assert!(e.message.contains(what), "{body}: {}", e.message);
-            assert_eq!(e.param, Some("messages"));
+            assert_eq!(e.param.as_deref(), Some("messages"));
         }
     }
 }

@@ -6,17 +6,17 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Tensor};
-use gpt_blocks::{left_padded, Gpt, GptCache, Logits, Sampler, SamplingParams};
+use gpt_blocks::{left_padded, Gpt, GptCache, Logits, Sampler};
 use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
+use super::queue::Queue;
 use super::Shared;
 
 /// One sequence to generate.
@@ -28,8 +28,8 @@ pub struct Job {
     pub prompt: Vec<u32>,
     /// Most new tokens; `prompt.len() + max_tokens` fits the context.
     pub max_tokens: usize,
-    /// How tokens are picked.
-    pub sampling: SamplingParams,
+    /// How tokens are picked: built, and so checked, by the request's handler.
+    pub sampler: Sampler,
     /// Tokens that end the sequence.
     pub stop_ids: Vec<u32>,
     /// `Some(n)`: report each token's log-probability and the `n` most likely tokens.
@@ -52,6 +52,10 @@ impl Job {
     fn gone(&self) -> bool {
         self.events.is_closed() || self.cancel.load(Ordering::Relaxed)
     }
+
+    fn fail(&self, e: &anyhow::Error) {
+        self.send(Event::Failed(Failure::Internal(format!("{e:#}"))));
+    }
 }
 
 /// What the scheduler tells a request.
@@ -65,7 +69,16 @@ pub enum Event {
         stopped: bool,
     },
     /// The sequence could not go on.
-    Failed(String),
+    Failed(Failure),
+}
+
+/// Why a sequence could not go on.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Failure {
+    /// Shutdown came first: before it started, or past the grace period.
+    ShutDown(String),
+    /// The model or the sampler failed on this sequence (alone: see [`run`]).
+    Internal(String),
 }
 
 /// A generated token with, on request, its log-probability and the likeliest alternatives.
@@ -85,7 +98,6 @@ pub struct TokenOut {
 struct Seq {
     job: Job,
     cache: GptCache,
-    sampler: Sampler,
     /// Prompt and generated tokens (the repetition penalty reads them).
     history: Vec<u32>,
     generated: usize,
@@ -97,25 +109,29 @@ impl Seq {
     }
 }
 
-/// Runs the scheduler until the queue closes, or until shutdown has drained (or, after
-/// `grace`, cancelled) the running sequences.
-pub fn run(model: &Gpt, jobs: Receiver<Job>, shared: &Shared, max_batch: usize, grace: Duration) {
+/// Runs the scheduler until shutdown has drained the running sequences, or cancelled them
+/// at `shared`'s deadline.
+///
+/// A failure belongs to one sequence, never to the batch it ran in: a group prefill that
+/// fails is run again prompt by prompt, a decoding step that fails is undone (every cache
+/// truncated to its length before the step) and run again sequence by sequence, and a
+/// sequence whose sampling fails leaves alone. Only what fails on its own is reported.
+pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize) {
     let metrics = &shared.metrics;
     let mut active: Vec<Seq> = Vec::new();
-    let mut drain_deadline: Option<Instant> = None;
     loop {
-        if shared.draining.load(Ordering::SeqCst) {
-            let deadline = *drain_deadline.get_or_insert_with(|| Instant::now() + grace);
+        if let Some(deadline) = shared.deadline() {
             // Nothing new starts; what waits in the queue is told so.
-            while let Ok(job) = jobs.try_recv() {
-                metrics.queue_length.fetch_sub(1, Ordering::Relaxed);
-                job.send(Event::Failed("the server is shutting down".into()));
+            for job in queue.close() {
+                job.send(Event::Failed(Failure::ShutDown(
+                    "the server is shutting down".into(),
+                )));
             }
             if Instant::now() >= deadline {
                 for s in active.drain(..) {
-                    s.job.send(Event::Failed(
+                    s.job.send(Event::Failed(Failure::ShutDown(
                         "the server shut down before this request finished".into(),
-                    ));
+                    )));
                 }
             }
             if active.is_empty() {
@@ -127,37 +143,18 @@ pub fn run(model: &Gpt, jobs: Receiver<Job>, shared: &Shared, max_batch: usize, 
             // what is already queued.
             let mut admitted = Vec::new();
             while active.len() + admitted.len() < max_batch {
-                let job = if active.is_empty() && admitted.is_empty() {
-                    match jobs.recv_timeout(Duration::from_millis(50)) {
-                        Ok(job) => job,
-                        Err(RecvTimeoutError::Timeout) => break,
-                        Err(RecvTimeoutError::Disconnected) => return,
-                    }
-                } else {
-                    match jobs.try_recv() {
-                        Ok(job) => job,
-                        Err(_) => break,
-                    }
+                let job = match active.is_empty() && admitted.is_empty() {
+                    true => queue.pop_wait(Duration::from_millis(50)),
+                    false => queue.try_pop(),
                 };
-                metrics.queue_length.fetch_sub(1, Ordering::Relaxed);
-                metrics
-                    .queue_wait
-                    .observe(job.queued_at.elapsed().as_secs_f64());
+                let Some(job) = job else { break };
                 if !job.gone() {
                     admitted.push(job); // else the client left while queued
                 }
             }
             let prefilled = !admitted.is_empty();
             for group in prefill_groups(admitted) {
-                let senders: Vec<_> = group.iter().map(|j| (j.index, j.events.clone())).collect();
-                match catch(|| prefill(model, group, metrics)) {
-                    Ok(seqs) => active.extend(seqs),
-                    Err(e) => {
-                        for (index, events) in senders {
-                            let _ = events.send((index, Event::Failed(format!("{e:#}"))));
-                        }
-                    }
-                }
+                active.extend(prefill_group(model, group, metrics));
             }
             if prefilled {
                 // The prefills' temporaries go back before the decoding steps.
@@ -173,12 +170,7 @@ pub fn run(model: &Gpt, jobs: Receiver<Job>, shared: &Shared, max_batch: usize, 
             continue;
         }
         metrics.step_batch.observe(active.len() as f64);
-        if let Err(e) = catch(|| step(model, &mut active, metrics)) {
-            // One failed step fails the sequences in it, not the server.
-            for s in active.drain(..) {
-                s.job.send(Event::Failed(format!("{e:#}")));
-            }
-        }
+        step_all(model, &mut active, metrics);
         metrics
             .batch_size
             .store(active.len() as u64, Ordering::Relaxed);
@@ -220,22 +212,46 @@ fn prefill_groups(mut jobs: Vec<Job>) -> Vec<Vec<Job>> {
     groups
 }
 
-/// Runs the prompts of `jobs` in one left-padded pass, splits the batch's cache into one
-/// cache per sequence (each as its prompt alone would have made it) and picks each first
-/// token. Returns the sequences that go on (not those that already ended: one token asked
-/// for, a stop token, a client gone).
-fn prefill(model: &Gpt, jobs: Vec<Job>, metrics: &Metrics) -> Result<Vec<Seq>> {
+/// Prefills `jobs` together; if that fails, each alone, so that a prompt that cannot run
+/// fails only its own request. Returns the sequences that go on.
+fn prefill_group(model: &Gpt, jobs: Vec<Job>, metrics: &Metrics) -> Vec<Seq> {
+    if jobs.len() > 1 {
+        let prompts: Vec<&[u32]> = jobs.iter().map(|j| j.prompt.as_slice()).collect();
+        let room: Vec<usize> = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).collect();
+        if let Ok((rows, caches)) = catch(|| prefill(model, &prompts, &room)) {
+            return start(jobs.into_iter().zip(caches).zip(rows), metrics);
+        }
+    }
+    let mut going = Vec::new();
+    for job in jobs {
+        let room = job.prompt.len() + job.max_tokens;
+        match catch(|| prefill(model, &[&job.prompt], &[room])) {
+            Ok((rows, caches)) => {
+                going.extend(start(std::iter::once(job).zip(caches).zip(rows), metrics))
+            }
+            Err(e) => job.fail(&e),
+        }
+    }
+    going
+}
+
+/// Runs `prompts` in one left-padded pass and splits the batch's cache into one cache per
+/// prompt (each as the prompt alone would have made it, with room for `room[i]` positions).
+/// Returns each prompt's last logits and its cache.
+fn prefill(
+    model: &Gpt,
+    prompts: &[&[u32]],
+    room: &[usize],
+) -> Result<(Vec<Vec<f32>>, Vec<GptCache>)> {
     let dev = model.device();
-    let n = jobs.len();
-    let lens: Vec<usize> = jobs.iter().map(|j| j.prompt.len()).collect();
+    let n = prompts.len();
+    let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
     let longest = lens.iter().copied().max().unwrap_or(0);
-    let prompts: Vec<&[u32]> = jobs.iter().map(|j| j.prompt.as_slice()).collect();
-    let (ids, keep) = left_padded(&prompts, dev)?;
+    let (ids, keep) = left_padded(prompts, dev)?;
     let padded = lens.iter().any(|&l| l != longest);
-    let capacity: Vec<usize> = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).collect();
     // One prompt keeps the batch's cache: give it its whole room at once.
-    let room = if n == 1 { capacity[0] } else { longest };
-    let mut batch = model.new_cache(room);
+    let capacity = if n == 1 { room[0] } else { longest };
+    let mut batch = model.new_cache(capacity);
     // (n, 1, vocab)
     let logits = model.infer(
         &ids,
@@ -246,47 +262,83 @@ fn prefill(model: &Gpt, jobs: Vec<Job>, metrics: &Metrics) -> Result<Vec<Seq>> {
     let logits = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let caches = match n {
         1 => vec![batch],
-        _ => batch.split_left_padded(&lens, &capacity)?,
+        _ => batch.split_left_padded(&lens, room)?,
     };
-    let mut going = Vec::with_capacity(n);
-    for ((job, cache), row) in jobs.into_iter().zip(caches).zip(&logits) {
+    Ok((logits, caches))
+}
+
+/// Sequences made of prefilled jobs, each with its first token picked and sent; those that
+/// end at once (one token asked for, a stop token, a client gone, a failed sampler) are not
+/// returned.
+fn start(
+    prefilled: impl Iterator<Item = ((Job, GptCache), Vec<f32>)>,
+    metrics: &Metrics,
+) -> Vec<Seq> {
+    let mut going = Vec::new();
+    for ((job, cache), row) in prefilled {
         let mut seq = Seq {
             cache,
-            sampler: Sampler::new(job.sampling.clone())?,
             history: job.prompt.clone(),
             generated: 0,
             job,
         };
-        if advance(&mut seq, row, metrics)? {
-            going.push(seq);
+        match catch(|| advance(&mut seq, &row, metrics)) {
+            Ok(true) => going.push(seq),
+            Ok(false) => {}
+            Err(e) => seq.job.fail(&e),
         }
     }
-    Ok(going)
+    going
 }
 
-/// One decoding step for every running sequence; those that end leave the batch.
-fn step(model: &Gpt, active: &mut Vec<Seq>, metrics: &Metrics) -> Result<()> {
-    let n = active.len();
-    let last: Vec<u32> = active.iter().map(Seq::last).collect();
+/// One decoding step for every running sequence; those that end or fail leave the batch.
+fn step_all(model: &Gpt, active: &mut Vec<Seq>, metrics: &Metrics) {
+    let lens: Vec<usize> = active.iter().map(|s| s.cache.len()).collect();
+    let logits = match catch(|| forward(model, active)) {
+        Ok(rows) => rows.into_iter().map(Ok).collect(),
+        // Undo what the batched step wrote, and find who fails on their own.
+        Err(_) if active.len() > 1 => active
+            .iter_mut()
+            .zip(&lens)
+            .map(|(seq, &len)| {
+                seq.cache.truncate(len);
+                catch(|| forward(model, std::slice::from_mut(seq)))
+                    .map(|mut rows| rows.pop().unwrap_or_default())
+            })
+            .collect(),
+        Err(e) => vec![Err(e)],
+    };
+    // Sampling reads the whole vocabulary per sequence: split it across the cores.
+    let outcomes: Vec<Result<bool>> = active
+        .par_iter_mut()
+        .zip(logits)
+        .map(|(seq, row)| catch(|| advance(seq, &row?, metrics)))
+        .collect();
+    let mut outcomes = outcomes.into_iter();
+    active.retain(|seq| match outcomes.next() {
+        Some(Ok(going)) => going,
+        Some(Err(e)) => {
+            seq.job.fail(&e);
+            false
+        }
+        None => false,
+    });
+}
+
+/// The batched decoding pass over `seqs`: each one's next-token logits.
+fn forward(model: &Gpt, seqs: &mut [Seq]) -> Result<Vec<Vec<f32>>> {
+    let n = seqs.len();
+    let last: Vec<u32> = seqs.iter().map(Seq::last).collect();
     let ids = Tensor::from_vec(last, (n, 1), model.device())?;
-    let mut caches: Vec<&mut GptCache> = active.iter_mut().map(|s| &mut s.cache).collect();
+    let mut caches: Vec<&mut GptCache> = seqs.iter_mut().map(|s| &mut s.cache).collect();
     // (n, 1, vocab)
     let logits = model.infer_rows(&ids, &mut caches, Logits::Last)?;
-    let logits = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-    // Sampling reads the whole vocabulary per sequence: split it across the cores.
-    let keep: Vec<bool> = active
-        .par_iter_mut()
-        .zip(logits.par_iter())
-        .map(|(seq, row)| advance(seq, row, metrics))
-        .collect::<Result<_>>()?;
-    let mut keep = keep.into_iter();
-    active.retain(|_| keep.next().unwrap_or(false));
-    Ok(())
+    Ok(logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?)
 }
 
 /// Samples the next token from `logits`, sends it, and says whether the sequence goes on.
 fn advance(seq: &mut Seq, logits: &[f32], metrics: &Metrics) -> Result<bool> {
-    let id = seq.sampler.sample(logits, &seq.history)?;
+    let id = seq.job.sampler.sample(logits, &seq.history)?;
     metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
     seq.history.push(id);
     seq.generated += 1;
@@ -336,55 +388,124 @@ fn top_n(xs: &[f32], n: usize) -> Vec<(u32, f32)> {
     order.into_iter().map(|i| (i, xs[i as usize])).collect()
 }
 
-/// The scheduler's handle for request handlers: a bounded queue.
-#[derive(Debug, Clone)]
-pub struct Queue {
-    tx: std::sync::mpsc::SyncSender<Job>,
-    metrics: Arc<Metrics>,
-}
-
-/// Why a job was not queued.
-#[derive(Debug, PartialEq, Eq)]
-pub enum QueueError {
-    /// `--max-queue` requests are already waiting.
-    Full,
-    /// The scheduler has stopped.
-    Closed,
-}
-
-impl Queue {
-    /// A queue of `capacity` waiting jobs and its receiving end.
-    pub fn new(capacity: usize, metrics: Arc<Metrics>) -> (Self, Receiver<Job>) {
-        let (tx, rx) = std::sync::mpsc::sync_channel(capacity);
-        (Self { tx, metrics }, rx)
-    }
-
-    /// Queues `job` without waiting.
-    pub fn push(&self, job: Job) -> Result<(), QueueError> {
-        // Counted before it is sent so the scheduler's decrement never goes first.
-        self.metrics.queue_length.fetch_add(1, Ordering::Relaxed);
-        let r = self.tx.try_send(job);
-        if r.is_err() {
-            self.metrics.queue_length.fetch_sub(1, Ordering::Relaxed);
-        }
-        match r {
-            Ok(()) => Ok(()),
-            Err(std::sync::mpsc::TrySendError::Full(_)) => Err(QueueError::Full),
-            Err(std::sync::mpsc::TrySendError::Disconnected(_)) => Err(QueueError::Closed),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
+    use candle_nn::{VarBuilder, VarMap};
+    use gpt_blocks::{GptConfig, SamplingParams};
+    use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+    fn tiny(n_head: usize) -> Gpt {
+        let cfg = GptConfig {
+            vocab_size: 50,
+            n_positions: 40,
+            n_embd: 16,
+            n_layer: 2,
+            n_head,
+            ..GptConfig::gpt2()
+        };
+        let vm = VarMap::new();
+        Gpt::new(&cfg, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap()
+    }
+
+    /// A job whose events arrive on the returned receiver; sampled (seeded) so that the
+    /// tokens depend on every logit.
+    fn seq_job(prompt: &[u32], max_tokens: usize) -> (Job, UnboundedReceiver<(usize, Event)>) {
+        let (tx, rx) = unbounded_channel();
+        let params = SamplingParams {
+            temperature: 0.9,
+            seed: prompt.len() as u64,
+            ..SamplingParams::default()
+        };
+        let job = Job {
+            index: 0,
+            prompt: prompt.to_vec(),
+            max_tokens,
+            sampler: Sampler::new(params).unwrap(),
+            stop_ids: Vec::new(),
+            logprobs: Some(2),
+            events: tx,
+            cancel: Arc::new(AtomicBool::new(false)),
+            queued_at: Instant::now(),
+        };
+        (job, rx)
+    }
+
+    /// Everything a sequence was sent: its tokens (with log-probabilities), then how it ended.
+    fn events(rx: &mut UnboundedReceiver<(usize, Event)>) -> Vec<Event> {
+        std::iter::from_fn(|| rx.try_recv().ok().map(|(_, e)| e)).collect()
+    }
+
+    fn run_to_end(model: &Gpt, mut active: Vec<Seq>) {
+        for _ in 0..100 {
+            if active.is_empty() {
+                return;
+            }
+            step_all(model, &mut active, &Metrics::default());
+        }
+        panic!("sequences still running after 100 steps");
+    }
+
+    /// What `prompt` gives when it runs alone.
+    fn alone(model: &Gpt, prompt: &[u32], max_tokens: usize) -> Vec<Event> {
+        let (job, mut rx) = seq_job(prompt, max_tokens);
+        run_to_end(model, prefill_group(model, vec![job], &Metrics::default()));
+        events(&mut rx)
+    }
+
+    /// A prompt the model cannot run (an id past the vocabulary: the HTTP layer refuses it,
+    /// the scheduler must not rely on that) fails alone; the prompts prefilled with it give
+    /// what they give alone.
+    #[test]
+    fn a_failing_prompt_fails_alone_in_its_prefill_group() {
+        let model = tiny(4);
+        let prompts: [&[u32]; 3] = [&[1, 2, 3], &[4, 99, 5], &[6, 7, 8, 9]];
+        let (jobs, mut rxs): (Vec<_>, Vec<_>) = prompts.iter().map(|p| seq_job(p, 5)).unzip();
+        let active = prefill_group(&model, jobs, &Metrics::default());
+        assert_eq!(active.len(), 2);
+        run_to_end(&model, active);
+        let got: Vec<Vec<Event>> = rxs.iter_mut().map(events).collect();
+        assert_eq!(got[0], alone(&model, prompts[0], 5));
+        assert_eq!(got[2], alone(&model, prompts[2], 5));
+        assert_eq!(got[0].len(), 6, "{:?}", got[0]); // 5 tokens and Done
+        match &got[1][..] {
+            [Event::Failed(Failure::Internal(m))] => assert!(m.contains("vocabulary"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A sequence that fails a decoding step (here its cache holds keys of another shape, so
+    /// it fails after its batch-mates have written theirs: rows attend in parallel) fails
+    /// alone; the step is undone and the others decode exactly as they do alone.
+    #[test]
+    fn a_sequence_failing_a_step_fails_alone_and_the_rest_decode_as_alone() {
+        let model = tiny(4);
+        let other = tiny(2);
+        let prompts: [&[u32]; 3] = [&[1, 2, 3], &[6, 7, 8, 9], &[10, 11]];
+        let (jobs, mut rxs): (Vec<_>, Vec<_>) = prompts.iter().map(|p| seq_job(p, 6)).unzip();
+        let mut active = prefill_group(&model, jobs, &Metrics::default());
+        assert_eq!(active.len(), 3);
+        let (_, foreign) = prefill(&other, &[prompts[2]], &[8]).unwrap();
+        active[2].cache = foreign.into_iter().next().unwrap();
+        run_to_end(&model, active);
+        let got: Vec<Vec<Event>> = rxs.iter_mut().map(events).collect();
+        assert_eq!(got[0], alone(&model, prompts[0], 6));
+        assert_eq!(got[1], alone(&model, prompts[1], 6));
+        match &got[2][..] {
+            [Event::Token(_), Event::Failed(Failure::Internal(m))] => {
+                assert!(m.contains("cache"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 
     fn job(len: usize) -> Job {
         Job {
             index: len,
             prompt: vec![1; len],
             max_tokens: 1,
-            sampling: SamplingParams::default(),
+            sampler: Sampler::new(gpt_blocks::SamplingParams::default()).unwrap(),
             stop_ids: Vec::new(),
             logprobs: None,
             events: tokio::sync::mpsc::unbounded_channel().0,

@@ -7,29 +7,31 @@
 //! channel.
 
 mod api;
+mod body;
+mod conns;
 mod engine;
 mod metrics;
+mod queue;
 mod routes;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use tokenizers::Tokenizer;
-use tokio::sync::Semaphore;
 
 use crate::chat_template::ChatTemplate;
 use crate::common::{self, Loaded, ModelArgs};
 use api::ModelInfo;
-use engine::Queue;
+use conns::Conns;
 use metrics::Metrics;
+use queue::Queue;
 
 /// Options of `gpt serve`.
 #[derive(Debug, Clone, Args)]
@@ -52,14 +54,15 @@ pub struct ServeArgs {
     /// The model's name in the API (default: the --model argument, or `gpt-default`).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Most open connections; more are closed at once.
+    /// Most open connections; past it, the oldest idle one (no request queued or running)
+    /// is closed to make room, and when every one is busy the new one is.
     #[arg(long, default_value_t = 256)]
     pub max_connections: usize,
     /// Seconds a client has to send a request's headers (slow clients are dropped).
     #[arg(long, default_value_t = 10)]
     pub header_timeout: u64,
     /// Seconds in-flight requests get to finish after SIGTERM or Ctrl-C; then they are
-    /// cancelled.
+    /// cancelled, every connection is closed, and the process exits.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace: u64,
 }
@@ -74,8 +77,9 @@ pub struct Shared {
     eos: Option<u32>,
     queue: Queue,
     metrics: Arc<Metrics>,
-    /// Set on SIGTERM / Ctrl-C: nothing new is accepted.
-    draining: AtomicBool,
+    /// Set on SIGTERM / Ctrl-C to the end of the grace period: from then on nothing new is
+    /// accepted, and at it whatever still runs is cancelled.
+    shutdown: OnceLock<Instant>,
     api_key: Option<String>,
     /// Unix time the server started (the model's `created`).
     created: u64,
@@ -97,6 +101,22 @@ impl Shared {
     fn next_id(&self) -> u64 {
         self.ids.fetch_add(1, Ordering::Relaxed)
     }
+
+    /// The end of the grace period, once shutdown has begun.
+    fn deadline(&self) -> Option<Instant> {
+        self.shutdown.get().copied()
+    }
+
+    fn draining(&self) -> bool {
+        self.shutdown.get().is_some()
+    }
+}
+
+/// A line on the server's log. Never fails: stderr may be a pipe its reader has closed, and
+/// the server goes on without its log (`eprintln!` would panic).
+fn log(line: std::fmt::Arguments) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 /// Runs `gpt serve` until SIGTERM or Ctrl-C.
@@ -130,12 +150,12 @@ pub fn run(a: &ServeArgs, margs: &ModelArgs) -> Result<()> {
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     if a.api_key.is_none() && !addr.ip().is_loopback() {
-        eprintln!(
+        log(format_args!(
             "warning: listening on {addr} without --api-key: anyone who can reach this address can use the model"
-        );
+        ));
     }
     let metrics = Arc::new(Metrics::default());
-    let (queue, jobs) = Queue::new(a.max_queue, metrics.clone());
+    let queue = Queue::new(a.max_queue, metrics.clone());
     let shared = Arc::new(Shared {
         model_name,
         tokenizer: tokenizer.map(Arc::new),
@@ -143,9 +163,9 @@ pub fn run(a: &ServeArgs, margs: &ModelArgs) -> Result<()> {
         n_positions: cfg.n_positions,
         vocab_size: cfg.vocab_size,
         eos: cfg.eos_token_id,
-        queue,
+        queue: queue.clone(),
         metrics,
-        draining: AtomicBool::new(false),
+        shutdown: OnceLock::new(),
         api_key: a.api_key.clone(),
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -171,16 +191,18 @@ pub fn run(a: &ServeArgs, margs: &ModelArgs) -> Result<()> {
         true => "the model's chat template",
         false => "the plain User:/Assistant: format",
     };
-    eprintln!(
+    log(format_args!(
         "gpt serve: `{}` ({source}) on http://{addr} (max batch {}, queue {}; chat uses {template})",
         shared.model_name, a.max_batch, a.max_queue
-    );
-    eprintln!("listening on http://{addr}");
-    engine::run(&model, jobs, &shared, a.max_batch, limits.grace);
-    // The scheduler returns once shutdown has drained it; let the connections finish.
+    ));
+    log(format_args!("listening on http://{addr}"));
+    engine::run(&model, &queue, &shared, a.max_batch);
+    // The scheduler returns once shutdown has drained it; the HTTP side returns by the
+    // deadline whatever its clients do, and what is left of it (connections that never
+    // finished a request, blocking tasks) is dropped without waiting.
     rt.block_on(http).context("the HTTP server failed")??;
-    rt.shutdown_timeout(Duration::from_secs(1));
-    eprintln!("gpt serve: stopped");
+    rt.shutdown_background();
+    log(format_args!("gpt serve: stopped"));
     Ok(())
 }
 
@@ -191,15 +213,18 @@ struct Limits {
     grace: Duration,
 }
 
-/// Accepts connections until a shutdown signal, then waits (up to the grace period and a
-/// little) for open connections to finish.
+/// What the scheduler's failure events need to reach clients after the deadline.
+const LAST_WORDS: Duration = Duration::from_millis(300);
+
+/// Accepts connections until a shutdown signal, then lets open connections finish until the
+/// grace period ends (and [`LAST_WORDS`] more for the cancelled ones' errors to go out).
 async fn serve_http(
     listener: tokio::net::TcpListener,
     shared: Arc<Shared>,
     limits: Limits,
 ) -> Result<()> {
     let app = routes::router(shared.clone());
-    let permits = Arc::new(Semaphore::new(limits.connections));
+    let conns = Conns::new(limits.connections);
     let graceful = GracefulShutdown::new();
     let mut signal = std::pin::pin!(shutdown_signal());
     loop {
@@ -214,32 +239,38 @@ async fn serve_http(
             },
             _ = &mut signal => break,
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            drop(stream); // over the connection limit
+        let Some(conn) = conns.open() else {
+            drop(stream); // every connection is busy
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let svc = TowerToHyperService::new(app.clone());
-        let conn = http1::Builder::new()
+        let svc = routes::ConnService::new(app.clone(), conn.busy.clone());
+        let http = http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_timeout)
             .serve_connection(TokioIo::new(stream), svc);
-        let conn = graceful.watch(conn);
+        let http = graceful.watch(http);
         let metrics = shared.metrics.clone();
         metrics.connections.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
-            let _ = conn.await;
+            // Evicted: the connection is dropped, which closes it.
+            tokio::select! {
+                _ = http => {}
+                _ = conn.evicted() => {}
+            }
             metrics.connections.fetch_sub(1, Ordering::Relaxed);
-            drop(permit);
+            drop(conn);
         });
     }
-    eprintln!(
+    let deadline = Instant::now() + limits.grace;
+    let _ = shared.shutdown.set(deadline);
+    log(format_args!(
         "gpt serve: shutting down (in-flight requests get {} s)",
         limits.grace.as_secs()
-    );
-    shared.draining.store(true, Ordering::SeqCst);
+    ));
     drop(listener);
-    let _ = tokio::time::timeout(limits.grace + Duration::from_secs(5), graceful.shutdown()).await;
+    let end = tokio::time::Instant::from_std(deadline + LAST_WORDS);
+    let _ = tokio::time::timeout_at(end, graceful.shutdown()).await;
     Ok(())
 }
 

@@ -4,10 +4,10 @@
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -17,14 +17,12 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{self, json_body, ApiError, Plan};
-use super::engine::{Event, Job, QueueError, TokenOut};
+use super::body;
+use super::conns::{Busy, ConnBusy};
+use super::engine::{Event, Failure, Job, TokenOut};
+use super::queue::{QueueError, Ticket};
 use super::Shared;
 use crate::generate::visible;
-
-/// Largest request body.
-pub const MAX_BODY_BYTES: usize = 1 << 20;
-/// Time a client has to send its body.
-const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Every route.
 pub fn router(shared: Arc<Shared>) -> Router {
@@ -40,8 +38,36 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .with_state(shared)
 }
 
+/// The router as hyper's service for one connection: each request carries the connection's
+/// busy count (a request extension), which a request holding work raises so that the
+/// connection is not evicted as idle ([`super::conns`]).
+#[derive(Clone)]
+pub struct ConnService {
+    app: Router,
+    busy: ConnBusy,
+}
+
+impl ConnService {
+    /// `app` serving the connection whose count is `busy`.
+    pub fn new(app: Router, busy: ConnBusy) -> Self {
+        Self { app, busy }
+    }
+}
+
+impl hyper::service::Service<Request<hyper::body::Incoming>> for ConnService {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = axum::routing::future::RouteFuture<Infallible>;
+
+    fn call(&self, mut req: Request<hyper::body::Incoming>) -> Self::Future {
+        req.extensions_mut().insert(self.busy.clone());
+        // The router is always ready (its `poll_ready` returns at once).
+        tower_service::Service::call(&mut self.app.clone(), req)
+    }
+}
+
 async fn health(State(s): State<Arc<Shared>>) -> Response {
-    match s.draining.load(Ordering::SeqCst) {
+    match s.draining() {
         false => json_body(&json!({"status": "ok"})).into_response(),
         true => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -156,21 +182,34 @@ impl Endpoint {
     }
 }
 
-async fn completions(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
-    handle(s, headers, body, Endpoint::Completions).await
+async fn completions(
+    State(s): State<Arc<Shared>>,
+    conn: Option<Extension<ConnBusy>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    handle(s, conn, headers, body, Endpoint::Completions).await
 }
 
 async fn chat_completions(
     State(s): State<Arc<Shared>>,
+    conn: Option<Extension<ConnBusy>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    handle(s, headers, body, Endpoint::Chat).await
+    handle(s, conn, headers, body, Endpoint::Chat).await
 }
 
-async fn handle(s: Arc<Shared>, headers: HeaderMap, body: Body, ep: Endpoint) -> Response {
+async fn handle(
+    s: Arc<Shared>,
+    conn: Option<Extension<ConnBusy>>,
+    headers: HeaderMap,
+    body: Body,
+    ep: Endpoint,
+) -> Response {
     let started = Instant::now();
-    let response = match accept(&s, &headers, body, ep, started).await {
+    let conn = conn.map(|Extension(c)| c);
+    let response = match accept(&s, conn, &headers, body, ep, started).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     };
@@ -190,42 +229,18 @@ fn is_stream(r: &Response) -> bool {
 
 async fn accept(
     s: &Arc<Shared>,
+    conn: Option<ConnBusy>,
     headers: &HeaderMap,
     body: Body,
     ep: Endpoint,
     started: Instant,
 ) -> Result<Response, ApiError> {
     authorize(s, headers)?;
-    if s.draining.load(Ordering::SeqCst) {
+    if s.draining() {
         return Err(shutting_down());
     }
-    let bytes = match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, MAX_BODY_BYTES))
-        .await
-    {
-        Err(_) => {
-            return Err(ApiError::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "invalid_request_error",
-                None,
-                format!(
-                    "the request body did not arrive within {} s",
-                    BODY_TIMEOUT.as_secs()
-                ),
-            ))
-        }
-        Ok(Err(_)) => {
-            return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                None,
-                format!(
-                    "the request body is larger than {} bytes, or was cut off",
-                    MAX_BODY_BYTES
-                ),
-            ))
-        }
-        Ok(Ok(b)) => b,
-    };
+    body::check_declared(headers)?;
+    let bytes = body::read(body).await?;
     // Tokenizing (and rendering a chat template) is CPU work: off the async threads.
     let s2 = s.clone();
     let plan = tokio::task::spawn_blocking(move || {
@@ -238,8 +253,10 @@ async fn accept(
     })
     .await
     .map_err(|_| internal("the request could not be read"))??;
-    let (rx, cancels) = submit(s, &plan)?;
+    let (rx, cancels, ticket) = submit(s, &plan)?;
     let run = Run {
+        _ticket: ticket,
+        _busy: conn.map(|c| c.hold()),
         shared: s.clone(),
         choices: (0..plan.prompts.len()).map(|_| Choice::default()).collect(),
         cancels,
@@ -278,46 +295,58 @@ fn internal(msg: &str) -> ApiError {
     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, msg)
 }
 
-/// Queues one job per prompt, all sending to one channel.
+/// Queues one job per prompt, all sending to one channel: all of them or none.
 #[allow(clippy::type_complexity)]
 fn submit(
     s: &Shared,
     plan: &Plan,
-) -> Result<(UnboundedReceiver<(usize, Event)>, Vec<Arc<AtomicBool>>), ApiError> {
+) -> Result<
+    (
+        UnboundedReceiver<(usize, Event)>,
+        Vec<Arc<AtomicBool>>,
+        Ticket,
+    ),
+    ApiError,
+> {
     let (tx, rx) = unbounded_channel();
     let mut cancels = Vec::new();
+    let mut jobs = Vec::new();
     for (index, prompt) in plan.prompts.iter().enumerate() {
         let cancel = Arc::new(AtomicBool::new(false));
-        let job = Job {
+        // The request's fields were checked in the types the sampler uses, so this fails
+        // only on a bug of ours.
+        let sampler = gpt_blocks::Sampler::new(plan.sampling.clone())
+            .map_err(|e| internal(&format!("{e:#}")))?;
+        jobs.push(Job {
             index,
             prompt: prompt.clone(),
             max_tokens: plan.max_tokens,
-            sampling: plan.sampling.clone(),
+            sampler,
             stop_ids: plan.stop_ids.clone(),
             logprobs: plan.logprobs,
             events: tx.clone(),
             cancel: cancel.clone(),
             queued_at: Instant::now(),
-        };
-        match s.queue.push(job) {
-            Ok(()) => cancels.push(cancel),
-            // Those already queued see the channel close and are skipped.
-            Err(QueueError::Full) => {
-                return Err(ApiError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "rate_limit_error",
-                    Some("queue_full"),
-                    "the server's queue is full; retry later",
-                ))
-            }
-            Err(QueueError::Closed) => return Err(shutting_down()),
-        }
+        });
+        cancels.push(cancel);
     }
+    let ticket = match s.queue.push(jobs) {
+        Ok(t) => t,
+        Err(QueueError::Full) => {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("queue_full"),
+                "the server's queue is full; retry later",
+            ))
+        }
+        Err(QueueError::Closed) => return Err(shutting_down()),
+    };
     s.metrics.prompt_tokens.fetch_add(
         plan.prompts.iter().map(|p| p.len() as u64).sum(),
         Ordering::Relaxed,
     );
-    Ok((rx, cancels))
+    Ok((rx, cancels, ticket))
 }
 
 /// One choice's tokens and text as they arrive.
@@ -335,8 +364,11 @@ struct Choice {
     finish: Option<&'static str>,
 }
 
-/// A request in flight.
+/// A request in flight. Dropped (finished, failed, or its client gone), it gives back the
+/// queue places its jobs still hold and lets its connection count as idle again.
 struct Run {
+    _ticket: Ticket,
+    _busy: Option<Busy>,
     shared: Arc<Shared>,
     plan: Plan,
     ep: Endpoint,
@@ -401,15 +433,13 @@ impl Run {
                     choice.text = text;
                     choice.finish = Some(if stopped || cut { "stop" } else { "length" });
                 }
-                Event::Failed(msg)
-                    if msg.contains("shutting down") || msg.contains("shut down") =>
-                {
+                Event::Failed(Failure::ShutDown(msg)) => {
                     return Err(ApiError {
                         message: msg,
                         ..shutting_down()
                     })
                 }
-                Event::Failed(msg) => return Err(internal(&msg)),
+                Event::Failed(Failure::Internal(msg)) => return Err(internal(&msg)),
             }
             return Ok(Some(i));
         }
