@@ -219,6 +219,11 @@ fn bad_and_hostile_requests_get_clean_errors() {
             "stop strings",
         ),
         (r#"{"prompt": "x", "seed": "seven"}"#.into(), 400, "seed"),
+        (
+            r#"{"prompt": "x", "response_format": {"type": "json_object"}}"#.into(),
+            400,
+            "`response_format` is not supported",
+        ),
     ];
     for (body, status, needle) in &cases {
         let (got, text) = server.call("POST", "/v1/completions", Some(body), None);
@@ -228,6 +233,15 @@ fn bad_and_hostile_requests_get_clean_errors() {
         assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
         assert!(v["error"]["type"].is_string());
     }
+    // Asked for JSON, a client must not get free text with a 200.
+    let (status, v) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
+    );
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("response_format"))
+    );
     let (status, v) = server.post("/v1/chat/completions", &json!({"messages": "hello"}));
     assert_eq!(
         (status, v["error"]["param"].as_str()),

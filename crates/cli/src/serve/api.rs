@@ -236,6 +236,9 @@ fn refuse_unsupported(o: &Obj) -> Result<(), ApiError> {
         ("tools", json!([])),
         ("functions", json!([])),
         ("logit_bias", json!({})),
+        // Constrained output (`json_object`, `json_schema`) is not enforced: answering
+        // with free text would break the promise the client relies on.
+        ("response_format", json!({"type": "text"})),
     ] {
         if let Some(v) = opt(o, name) {
             let same = v == &neutral || (v.as_f64().is_some() && v.as_f64() == neutral.as_f64());
@@ -725,6 +728,21 @@ mod tests {
             (r#"{"prompt": [1], "stop": [""]}"#, Some("stop"), 400),
             (r#"{"prompt": [1], "stop": 5}"#, Some("stop"), 400),
             (r#"{"prompt": [1], "logprobs": 21}"#, Some("logprobs"), 400),
+            (
+                r#"{"prompt": [1], "response_format": {"type": "json_object"}}"#,
+                Some("response_format"),
+                400,
+            ),
+            (
+                r#"{"prompt": [1], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}"#,
+                Some("response_format"),
+                400,
+            ),
+            (
+                r#"{"prompt": [1], "response_format": "json"}"#,
+                Some("response_format"),
+                400,
+            ),
             (r#"{"prompt": [1], "model": "other"}"#, Some("model"), 404),
             (r#"{"max_tokens": 1}"#, Some("prompt"), 400),
         ];
@@ -747,6 +765,7 @@ mod tests {
         // Neutral values of unsupported parameters are fine.
         parse(r#"{"prompt": [1], "echo": false, "n": 1, "presence_penalty": 0, "best_of": 1}"#)
             .unwrap();
+        parse(r#"{"prompt": [1], "response_format": {"type": "text"}}"#).unwrap();
     }
 
     #[test]
