@@ -595,6 +595,7 @@ fn sigterm_under_slow_clients_exits_within_the_grace_period() {
     let start = Instant::now();
     let status = server.terminate(Duration::from_secs(10));
     let took = start.elapsed();
+    eprintln!("exit {took:?} after SIGTERM (grace 2 s)");
     assert!(status.success(), "{status:?}");
     assert!(
         took <= Duration::from_secs(3),
