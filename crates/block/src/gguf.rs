@@ -109,6 +109,8 @@ pub struct GgufVocab {
     pub add_eos: Option<bool>,
     /// Whether SentencePiece text gets a leading space.
     pub add_space_prefix: Option<bool>,
+    /// Whether SentencePiece drops leading, trailing and repeated spaces.
+    pub remove_extra_whitespaces: Option<bool>,
 }
 
 /// Runs Candle's parser, turning a panic inside it into an error (the panic hook is
@@ -237,7 +239,9 @@ impl Gguf {
     /// Every tensor's byte range lies inside the file, clear of the others.
     fn check_tensors(&self, file_len: u64) -> Result<()> {
         let start = self.content.tensor_data_offset;
-        if start > file_len {
+        // A file of metadata alone (llama.cpp's `--vocab-only` files) has no tensor data: its
+        // aligned start may lie past the end.
+        if start > file_len && !self.content.tensor_infos.is_empty() {
             bail!("the tensor data would start at byte {start}, past the end ({file_len})")
         }
         let mut ranges = Vec::with_capacity(self.content.tensor_infos.len());
@@ -600,6 +604,7 @@ impl Gguf {
             add_bos: self.boolean("tokenizer.ggml.add_bos_token")?,
             add_eos: self.boolean("tokenizer.ggml.add_eos_token")?,
             add_space_prefix: self.boolean("tokenizer.ggml.add_space_prefix")?,
+            remove_extra_whitespaces: self.boolean("tokenizer.ggml.remove_extra_whitespaces")?,
             tokens,
         })
     }
@@ -1489,6 +1494,7 @@ fn vocab_metadata(v: &GgufVocab) -> Result<Vec<(String, Value)>> {
         ("add_bos_token", v.add_bos),
         ("add_eos_token", v.add_eos),
         ("add_space_prefix", v.add_space_prefix),
+        ("remove_extra_whitespaces", v.remove_extra_whitespaces),
     ];
     for (name, flag) in flags {
         if let Some(b) = flag {
