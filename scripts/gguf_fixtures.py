@@ -39,14 +39,9 @@ The byte-level BPE tokenizers are trained here and have no hub hash for the conv
 pre-tokenizer detection; they split text as GPT-2 does, so the converter is told "gpt-2".
 
 tokenizer_corpus.json: 1,200 strings (Unicode, emoji, runs of spaces and newlines, digits,
-special tokens) that the tokenizer built from GGUF metadata must encode and decode exactly as
-NAME.tokenizer.json does.
+special tokens), part of the larger corpus of scripts/sentencepiece_fixtures.py.
 
-crates/cli/tests/fixtures/chat/: real chat templates (Llama 3.2, Qwen2.5, SmolLM3 from
-llama.cpp's models/templates; Zephyr/TinyLlama and SmolLM2, whose hub configs llama.cpp's
-tree does not carry, as published in their tokenizer_config.json) and expected.json: for each
-template and conversation, transformers' apply_chat_template(tokenize=False,
-add_generation_prompt=True).
+(The chat template fixtures are scripts/chat_template_fixtures.py's.)
 """
 
 import json
@@ -64,7 +59,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "..", "crates", "block", "tests", "fixtures", "gguf")
-CHAT_OUT = os.path.join(HERE, "..", "crates", "cli", "tests", "fixtures", "chat")
 LLAMA_CPP = os.environ.get("LLAMA_CPP", "/tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp")
 SAMPLE = "ROMEO: But soft, what light through yonder window breaks? It is the east, and 42."
 PROMPT = 8  # ids of the sample the greedy continuations start from
@@ -320,57 +314,6 @@ ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{
           "'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n{% endif "
           "%}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif "
           "%}\n{% endfor %}")
-SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' "
-           "%}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
-           "Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
-           "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt "
-           "%}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def chat_templates():
-    os.makedirs(CHAT_OUT, exist_ok=True)
-    real = os.path.join(LLAMA_CPP, "models", "templates")
-    templates = {
-        "llama3": (open(os.path.join(real, "meta-llama-Llama-3.2-3B-Instruct.jinja")).read(),
-                   "<|begin_of_text|>", "<|eot_id|>"),
-        "qwen2": (open(os.path.join(real, "Qwen-Qwen2.5-7B-Instruct.jinja")).read(),
-                  None, "<|im_end|>"),
-        "smollm3": (open(os.path.join(real, "HuggingFaceTB-SmolLM3-3B.jinja")).read(),
-                    None, "<|im_end|>"),
-        "zephyr": (ZEPHYR, "<s>", "</s>"),
-        "smollm2": (SMOLLM2, None, "<|im_end|>"),
-    }
-    conversations = [
-        [{"role": "user", "content": "Hello!"}],
-        [{"role": "system", "content": "You are a terse assistant."},
-         {"role": "user", "content": "What is 2+2?"},
-         {"role": "assistant", "content": "4."},
-         {"role": "user", "content": "And 3+3?"}],
-        [{"role": "system", "content": "Réponds en français, s'il te plaît. 🙂"},
-         {"role": "user", "content": "Où est la gare ?  Ça va\nbien ?"},
-         {"role": "assistant", "content": "  La gare est à gauche.  "},
-         {"role": "user", "content": "日本語でも？"}],
-    ]
-    # A tokenizer only to carry the template and the special tokens' text.
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
-    expected = []
-    for name, (template, bos, eos) in templates.items():
-        with open(os.path.join(CHAT_OUT, f"{name}.jinja"), "w") as f:
-            f.write(template)
-        tok.bos_token, tok.eos_token = bos, eos
-        for i, conv in enumerate(conversations):
-            text = tok.apply_chat_template(conv, chat_template=template, tokenize=False,
-                                           add_generation_prompt=True,
-                                           date_string="26 Jul 2024")
-            expected.append({"template": name, "bos_token": bos, "eos_token": eos,
-                             "conversation": i, "messages": conv, "rendered": text})
-    with open(os.path.join(CHAT_OUT, "expected.json"), "w") as f:
-        json.dump(expected, f, ensure_ascii=False, indent=1)
-
 
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["gguf", "chat"]
-    if "chat" in what:
-        chat_templates()
-    if "gguf" in what:
-        gguf_models()
+    gguf_models()

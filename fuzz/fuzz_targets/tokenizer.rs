@@ -4,7 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 
-#[path = "../../crates/cli/src/tokenizer.rs"]
+#[path = "../../crates/cli/src/text/tokenizer_json.rs"]
 #[allow(dead_code)]
 mod tokenizer;
 
@@ -12,7 +12,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(tok) = tokenizer::parse(data) else {
         return;
     };
-    if let Ok(ids) = tokenizer::encode(&tok, "ROMEO: But soft, what light? \u{e9}\u{1F600}\n") {
+    if let Ok(ids) = tokenizer::encode_with(&tok, "ROMEO: But soft, what light? \u{e9}\u{1F600}\n", true) {
         let _ = tokenizer::decode(&tok, &ids);
     }
     for id in [0u32, 1, 255, 50256, u32::MAX] {

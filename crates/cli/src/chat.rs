@@ -10,9 +10,9 @@ use anyhow::{bail, Result};
 use clap::Args;
 use gpt_blocks::{GenerateOptions, SamplingParams};
 
-use crate::chat_template::Message;
 use crate::common::{self, Loaded, ModelArgs};
 use crate::generate::{visible, SamplingArgs};
+use crate::text::chat_template::{message, Conversation};
 
 /// Options of `gpt chat`.
 #[derive(Debug, Clone, Args)]
@@ -77,7 +77,7 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
         catch_interrupts();
     }
     let mut system = a.system.clone();
-    let mut history: Vec<Message> = Vec::new();
+    let mut history: Vec<serde_json::Value> = Vec::new();
     let mut turn = 0u64;
     let mut stdout = std::io::stdout().lock();
     let mut lines = std::io::stdin().lock().lines();
@@ -114,15 +114,15 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
             }
             _ => {}
         }
-        history.push(Message::new("user", line));
+        history.push(message("user", line));
         // The oldest turns go first when the conversation outgrows the context.
         let prompt = loop {
-            let messages: Vec<Message> = system
+            let messages = system
                 .iter()
-                .map(|s| Message::new("system", s))
+                .map(|s| message("system", s))
                 .chain(history.iter().cloned())
                 .collect();
-            let ids = chat.prompt_ids(tok, &messages);
+            let ids = chat.prompt_ids(tok, &Conversation::new(messages));
             match ids {
                 Ok(ids) if ids.len() + a.max_new_tokens > n_ctx && history.len() > 1 => {
                     history.drain(..history.len().min(2));
@@ -196,7 +196,7 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
             reply = text;
         }
         writeln!(stdout)?;
-        history.push(Message::new("assistant", reply.trim()));
+        history.push(message("assistant", reply.trim()));
     }
     Ok(())
 }

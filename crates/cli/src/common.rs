@@ -6,10 +6,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device};
 use clap::{Args, ValueEnum};
 use gpt_blocks::Gpt;
-use tokenizers::Tokenizer;
 
-use crate::chat_template::ChatTemplate;
-use crate::{gguf_tokenizer, tokenizer};
+use crate::text::chat_template::ChatTemplate;
+use crate::text::tokenizer::Tokenizer;
+use crate::text::{gguf_tokenizer, tokenizer_json};
 
 /// The small model built into the binary (see `crates/cli/models/default/README.md`).
 /// Its weights are `model.q5_0.gguf`, `gpt convert --type q5_0` of the directory's f16
@@ -205,18 +205,23 @@ fn tokenizer_file(path: &Path) -> Result<Option<Tokenizer>> {
 
 /// Reads and parses a `tokenizer.json`, refusing files too large to be one before reading.
 pub fn read_tokenizer(path: &Path) -> Result<Tokenizer> {
+    read_tokenizer_json(path).map(Tokenizer::from)
+}
+
+/// As [`read_tokenizer`], the `tokenizers` crate's tokenizer itself.
+pub fn read_tokenizer_json(path: &Path) -> Result<tokenizers::Tokenizer> {
     let len = std::fs::metadata(path)
         .with_context(|| path.display().to_string())?
         .len();
-    if len > tokenizer::MAX_TOKENIZER_BYTES as u64 {
+    if len > tokenizer_json::MAX_TOKENIZER_BYTES as u64 {
         bail!(
             "{}: {len} bytes is larger than any tokenizer.json ({} MB at most)",
             path.display(),
-            tokenizer::MAX_TOKENIZER_BYTES >> 20
+            tokenizer_json::MAX_TOKENIZER_BYTES >> 20
         )
     }
     let bytes = std::fs::read(path).with_context(|| path.display().to_string())?;
-    tokenizer::parse(&bytes)
+    tokenizer_json::parse(&bytes)
         .map_err(|e| anyhow!("{}: not a valid tokenizer.json: {e}", path.display()))
 }
 
@@ -274,7 +279,8 @@ fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs, fuse: bool) -> 
         let gguf = gpt_blocks::Gguf::from_bytes("built-in model", embedded::GGUF)?;
         let model = gguf_model(&gguf, args.dtype.map(Into::into), &dev, fuse)
             .context("the built-in model")?;
-        let tokenizer = tokenizer::parse(embedded::TOKENIZER)
+        let tokenizer = tokenizer_json::parse(embedded::TOKENIZER)
+            .map(Tokenizer::from)
             .map_err(|e| anyhow!("the built-in tokenizer: {e}"))?;
         return Ok(Loaded {
             model,
@@ -322,14 +328,8 @@ fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs, fuse: bool) -> 
         bail!("{spec}: expected a model directory, a .gguf file, a .safetensors file or a nanoGPT .pt checkpoint")
     }
     // Not a local path: a hub id such as `gpt2` or `openai-community/gpt2`.
-    if spec.starts_with('.')
-        || spec.starts_with('/')
-        || spec.matches('/').count() > 1
-        || spec.contains('\\')
-    {
-        bail!("{spec}: no such file or directory")
-    }
-    let dir = hub_download(spec)?;
+    check_hub_id(spec)?;
+    let dir = hub_download(spec, true)?;
     let model = match fuse {
         true => gpt_blocks::load_dir_fused(&dir, load_as, &dev)?,
         false => gpt_blocks::load_dir(&dir, load_as, &dev)?,
@@ -349,18 +349,7 @@ fn load_gguf(
     fuse: bool,
 ) -> Result<(Gpt, Option<Tokenizer>, ChatTemplate)> {
     let mut gguf = gpt_blocks::Gguf::open(path)?;
-    let name =
-        |id: Option<u32>, tokens: &[String]| id.and_then(|i| tokens.get(i as usize).cloned());
-    let vocab = match gguf.vocab() {
-        Ok(v) => {
-            let tok = gguf_tokenizer::from_vocab(&v)
-                .with_context(|| format!("{}: its tokenizer", path.display()));
-            tok.map(|tok| (Some(tok), name(v.bos, &v.tokens), name(v.eos, &v.tokens)))
-        }
-        // A file without tokenizer metadata still runs on token ids.
-        Err(_) if !gguf.metadata().contains_key("tokenizer.ggml.model") => Ok((None, None, None)),
-        Err(e) => Err(e).with_context(|| path.display().to_string()),
-    };
+    let text = gguf_text(&gguf, path);
     // The weights come after the tokenizer, whose building raised GPT-2's resident memory
     // by 33 MiB, 9 of which the tokenizer keeps: the parsed vocabulary and the rest are
     // returned to the OS first (`gpt` keeps freed memory otherwise, for training), so
@@ -370,11 +359,80 @@ fn load_gguf(
     // SAFETY: a plain call into mimalloc: return the pages freed so far to the OS.
     unsafe { libmimalloc_sys::mi_collect(true) };
     let model = gguf_model(&gguf, dtype, dev, fuse).with_context(|| path.display().to_string())?;
-    let (tokenizer, bos, eos) = vocab?;
+    let (tokenizer, chat) = text?;
+    Ok((model, tokenizer, chat))
+}
+
+/// The tokenizer a GGUF file's metadata describes (none when it carries no tokenizer) and
+/// its chat template.
+fn gguf_text(gguf: &gpt_blocks::Gguf, path: &Path) -> Result<(Option<Tokenizer>, ChatTemplate)> {
+    let name =
+        |id: Option<u32>, tokens: &[String]| id.and_then(|i| tokens.get(i as usize).cloned());
+    let (tokenizer, bos, eos) = match gguf.vocab() {
+        Ok(v) => {
+            let tok = gguf_tokenizer::from_vocab(&v)
+                .with_context(|| format!("{}: its tokenizer", path.display()))?;
+            (Some(tok), name(v.bos, &v.tokens), name(v.eos, &v.tokens))
+        }
+        // A file without tokenizer metadata still runs on token ids.
+        Err(_) if !gguf.metadata().contains_key("tokenizer.ggml.model") => (None, None, None),
+        Err(e) => return Err(e).with_context(|| path.display().to_string()),
+    };
     let template = gguf
         .chat_template()
         .with_context(|| path.display().to_string())?;
-    Ok((model, tokenizer, ChatTemplate::new(template, bos, eos)))
+    Ok((tokenizer, ChatTemplate::new(template, bos, eos)))
+}
+
+/// What `--model` names, for text alone: its tokenizer and chat template, and where they
+/// came from; no weights are read (a GGUF file of metadata alone will do).
+pub fn load_text(args: &ModelArgs) -> Result<(Option<Tokenizer>, ChatTemplate, String)> {
+    let plain = || ChatTemplate::new(None, None, None);
+    let Some(spec) = &args.model else {
+        let tokenizer = tokenizer_json::parse(embedded::TOKENIZER)
+            .map(Tokenizer::from)
+            .map_err(|e| anyhow!("the built-in tokenizer: {e}"))?;
+        return Ok((Some(tokenizer), plain(), "built-in model".into()));
+    };
+    let path = PathBuf::from(spec);
+    let dir_text = |dir: &Path| -> Result<(Option<Tokenizer>, ChatTemplate, String)> {
+        let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
+        Ok((tokenizer, ChatTemplate::from_dir(dir)?, spec.clone()))
+    };
+    if path.is_dir() {
+        return dir_text(&path);
+    }
+    if path.is_file() {
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        return match (ext, path.parent()) {
+            ("gguf", _) => {
+                let gguf = gpt_blocks::Gguf::open(&path)?;
+                let (tokenizer, chat) = gguf_text(&gguf, &path)?;
+                Ok((tokenizer, chat, spec.clone()))
+            }
+            ("pt", _) => Ok((
+                tokenizer_file(&path.with_file_name("tokenizer.json"))?,
+                plain(),
+                spec.clone(),
+            )),
+            ("safetensors", Some(dir)) => dir_text(dir),
+            _ => bail!("{spec}: expected a model directory, a .gguf file, a .safetensors file or a nanoGPT .pt checkpoint"),
+        };
+    }
+    check_hub_id(spec)?;
+    dir_text(&hub_download(spec, false)?)
+}
+
+/// Refuses what cannot be a hub id (a path that does not exist).
+fn check_hub_id(spec: &str) -> Result<()> {
+    if spec.starts_with('.')
+        || spec.starts_with('/')
+        || spec.matches('/').count() > 1
+        || spec.contains('\\')
+    {
+        bail!("{spec}: no such file or directory")
+    }
+    Ok(())
 }
 
 /// A GGUF file's model (see [`load_gguf`] for `dtype`).
@@ -395,9 +453,10 @@ fn gguf_model(
     }
 }
 
-/// Fetches a model's files from the Hugging Face hub into its cache; returns the directory.
+/// Fetches a model's files from the Hugging Face hub into its cache (its weights only with
+/// `weights`); returns the directory.
 #[cfg(feature = "hub")]
-fn hub_download(id: &str) -> Result<PathBuf> {
+fn hub_download(id: &str, weights: bool) -> Result<PathBuf> {
     let offline = |e: &dyn std::fmt::Display| {
         anyhow!(
             "could not fetch {id:?} from the Hugging Face hub ({e}); \
@@ -418,7 +477,7 @@ fn hub_download(id: &str) -> Result<PathBuf> {
         .parent()
         .ok_or_else(|| anyhow!("hub cache path without a parent"))?
         .to_path_buf();
-    if repo.get("model.safetensors").is_err() {
+    if weights && repo.get("model.safetensors").is_err() {
         let index = repo
             .get("model.safetensors.index.json")
             .map_err(|e| offline(&e))?;
@@ -447,7 +506,7 @@ fn hub_download(id: &str) -> Result<PathBuf> {
 }
 
 #[cfg(not(feature = "hub"))]
-fn hub_download(id: &str) -> Result<PathBuf> {
+fn hub_download(id: &str, _weights: bool) -> Result<PathBuf> {
     bail!("{id}: no such directory, and this gpt was built without hub support (feature `hub`)")
 }
 
@@ -492,15 +551,15 @@ pub fn read_text(path: &Path) -> Result<String> {
 /// Encodes text, or says why it cannot.
 pub fn encode(tokenizer: Option<&Tokenizer>, text: &str) -> Result<Vec<u32>> {
     let tok = tokenizer.ok_or_else(|| {
-        anyhow!("this model has no tokenizer.json, so it cannot read text; pass token ids instead (--prompt-ids / --ids)")
+        anyhow!("this model has no tokenizer, so it cannot read text; pass token ids instead (--prompt-ids / --ids)")
     })?;
-    tokenizer::encode(tok, text)
+    tok.encode(text, true)
 }
 
 /// Decodes ids, or shows them when there is no tokenizer.
 pub fn decode(tokenizer: Option<&Tokenizer>, ids: &[u32]) -> Result<String> {
     match tokenizer {
-        Some(t) => tokenizer::decode(t, ids),
+        Some(t) => t.decode(ids),
         None => Ok(ids.iter().map(|i| format!("<{i}>")).collect()),
     }
 }
@@ -508,12 +567,10 @@ pub fn decode(tokenizer: Option<&Tokenizer>, ids: &[u32]) -> Result<String> {
 /// Each token's text, for labels.
 pub fn token_texts(tokenizer: Option<&Tokenizer>, ids: &[u32]) -> Vec<String> {
     ids.iter()
-        .map(
-            |&i| match tokenizer.and_then(|t| tokenizer::decode(t, &[i]).ok()) {
-                Some(s) => s.replace('\n', "\\n"),
-                None => format!("<{i}>"),
-            },
-        )
+        .map(|&i| match tokenizer.and_then(|t| t.decode(&[i]).ok()) {
+            Some(s) => s.replace('\n', "\\n"),
+            None => format!("<{i}>"),
+        })
         .collect()
 }
 

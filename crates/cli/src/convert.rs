@@ -11,7 +11,7 @@ use clap::builder::PossibleValue;
 use clap::{Args, ValueEnum};
 
 use crate::common::{self, Loaded, ModelArgs, QuantizeArg};
-use crate::gguf_tokenizer;
+use crate::text::gguf_tokenizer;
 
 /// The formats written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

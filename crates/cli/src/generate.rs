@@ -3,19 +3,18 @@
 use std::io::Write;
 use std::time::Instant;
 
+use crate::common::{self, Format, Loaded, ModelArgs, Truncate};
+use crate::text::chat_template::{message, Conversation};
+use crate::text::tokenizer::Tokenizer;
 use anyhow::{bail, Result};
 use clap::Args;
 use gpt_blocks::{GenerateOptions, SamplingParams};
-use tokenizers::Tokenizer;
-
-use crate::chat_template::Message;
-use crate::common::{self, Format, Loaded, ModelArgs, Truncate};
 
 /// Options of `gpt generate`.
 #[derive(Debug, Clone, Args)]
 pub struct GenerateArgs {
     /// Prompt text; give it several times to run a padded batch.
-    #[arg(long, action = clap::ArgAction::Append, required_unless_present_any = ["prompt_ids", "prompt_file"])]
+    #[arg(long, action = clap::ArgAction::Append, required_unless_present_any = ["prompt_ids", "prompt_file", "messages"])]
     pub prompt: Vec<String>,
     /// Prompt as token ids, e.g. 464,3290,318.
     #[arg(long, conflicts_with_all = ["prompt", "prompt_file"])]
@@ -44,6 +43,12 @@ pub struct GenerateArgs {
     /// A system message before the user's (with --chat).
     #[arg(long, requires = "chat")]
     pub system: Option<String>,
+    /// A whole conversation from a JSON file (with --chat): OpenAI's list of messages
+    /// (`role`, `content`, `tool_calls`, `tool_call_id`, ...), or an object with
+    /// `messages` and optionally `tools`, `documents` and `chat_template_kwargs`
+    /// (`{"enable_thinking": false}`), passed to the template as transformers passes them.
+    #[arg(long, requires = "chat", conflicts_with_all = ["prompt", "prompt_file", "system"])]
+    pub messages: Option<std::path::PathBuf>,
 }
 
 /// How tokens are picked (`gpt generate`, `gpt chat`).
@@ -134,18 +139,25 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
         Some(f) => vec![common::read_text(f)?],
         None => a.prompt.clone(),
     };
-    let prompts: Vec<Vec<u32>> = match &a.prompt_ids {
-        Some(ids) => vec![common::parse_ids(ids)?],
-        None if a.chat => texts
+    let prompts: Vec<Vec<u32>> = match (&a.prompt_ids, &a.messages) {
+        (Some(ids), _) => vec![common::parse_ids(ids)?],
+        (None, Some(file)) => {
+            let text = common::read_text(file)?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| anyhow::anyhow!("{}: not JSON: {e}", file.display()))?;
+            let conv = Conversation::from_json(&json)
+                .map_err(|e| anyhow::anyhow!("{}: {e:#}", file.display()))?;
+            vec![chat.prompt_ids(tok, &conv)?]
+        }
+        (None, None) if a.chat => texts
             .iter()
             .map(|t| {
-                let mut messages: Vec<Message> =
-                    a.system.iter().map(|s| Message::new("system", s)).collect();
-                messages.push(Message::new("user", t));
-                chat.prompt_ids(tok, &messages)
+                let mut messages: Vec<_> = a.system.iter().map(|s| message("system", s)).collect();
+                messages.push(message("user", t));
+                chat.prompt_ids(tok, &Conversation::new(messages))
             })
             .collect::<Result<_>>()?,
-        None => texts
+        (None, None) => texts
             .iter()
             .map(|p| common::encode(tok, p))
             .collect::<Result<_>>()?,

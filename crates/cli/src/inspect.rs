@@ -98,7 +98,7 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
                 "source": source,
                 "config": cfg,
                 "parts": parts_of(cfg),
-                "tokenizer": tokenizer.as_ref().map(|t| t.get_vocab_size(true)),
+                "tokenizer": tokenizer.as_ref().map(|t| t.vocab_size()),
                 "chat_template": chat.is_own(),
                 "quantized": model.is_quantized(),
                 "tensors": tensors.iter().map(|(n, t)| serde_json::json!({
@@ -145,7 +145,7 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
                 parts["residual"].as_str().unwrap_or_default(),
             );
             match &tokenizer {
-                Some(t) => println!("tokenizer: {} tokens", t.get_vocab_size(true)),
+                Some(t) => println!("tokenizer: {} tokens", t.vocab_size()),
                 None => println!("tokenizer: none (token ids only)"),
             }
             match chat.is_own() {

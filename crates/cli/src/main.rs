@@ -3,16 +3,15 @@
 mod attention;
 mod bench;
 mod chat;
-mod chat_template;
 mod common;
 mod convert;
 mod generate;
-mod gguf_tokenizer;
 mod inspect;
 mod plot;
 mod score;
 mod serve;
-mod tokenizer;
+mod text;
+mod tokenize;
 mod trace;
 mod train;
 
@@ -64,6 +63,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Write the model as a GGUF file for llama.cpp (f32, f16, q8_0, q4_0).
     Convert(convert::ConvertArgs),
+    /// Text to token ids and pieces with the model's tokenizer, or ids back to text.
+    Tokenize(tokenize::TokenizeArgs),
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -79,6 +80,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(a) => train::run(a, m),
         Command::Convert(a) => convert::run(a, m),
         Command::Serve(a) => serve::run(a, m),
+        Command::Tokenize(a) => tokenize::run(a, m),
     }
 }
 
@@ -186,6 +188,9 @@ fn main() -> ExitCode {
     // panics (inside the hook: an abort) when stderr is a closed pipe.
     std::panic::set_hook(Box::new(|info| {
         use std::io::Write;
+        if text::tokenizer_json::guarded() {
+            return; // a malformed tokenizer: the caller reports it as an error
+        }
         let _ = writeln!(std::io::stderr(), "error: internal error: {info}");
     }));
     let cli = match Cli::try_parse() {

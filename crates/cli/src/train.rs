@@ -18,6 +18,7 @@ use tokenizers::Tokenizer;
 
 use crate::common::{self, DtypeArg, ModelArgs};
 use crate::plot;
+use crate::text::gguf_tokenizer;
 
 /// The architecture `gpt train` builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum, Serialize, Deserialize)]
@@ -421,16 +422,19 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
         }
         _ => None,
     };
+    // A model's tokenizer is trained with and saved as a `tokenizer.json`, so that the
+    // directory written is the model as trained (a GGUF file's SentencePiece vocabulary
+    // becomes the `tokenizer.json` transformers writes for it).
     let tokenizer = match (&base, &a.tokenizer, &resume) {
-        (Some((_, t)), _, _) => t.clone(),
-        (None, Some(p), _) => common::read_tokenizer(p)?,
+        (Some((_, t)), _, _) => gguf_tokenizer::json_tokenizer(t)?,
+        (None, Some(p), _) => common::read_tokenizer_json(p)?,
         (None, None, Some(_)) => {
             let p = a
                 .resume
                 .as_ref()
                 .map(|r| r.join("tokenizer.json"))
                 .unwrap_or_default();
-            common::read_tokenizer(&p)?
+            common::read_tokenizer_json(&p)?
         }
         (None, None, None) => train_tokenizer(&a.data, a.vocab_size)?,
     };

@@ -524,7 +524,7 @@ fn bad_inputs_give_one_clear_line() {
     );
     fails(
         &["generate", "--model", tiny, "--prompt", "hello"],
-        "no tokenizer.json",
+        "has no tokenizer",
     );
     fails(
         &["generate", "--model", tiny, "--prompt-ids", "1,96"],
@@ -1274,4 +1274,178 @@ fn every_subcommand_runs_on_every_family() {
         let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
         assert_eq!(v["new_ids"].as_array().unwrap().len(), 5, "{name}: {out}");
     }
+}
+
+/// `gpt tokenize` gives the references' ids: the `tokenizers` crate on the built-in
+/// `tokenizer.json`, and SentencePiece itself on a SentencePiece vocabulary from a GGUF file
+/// of metadata alone (tests/fixtures/tokenizers, scripts/sentencepiece_fixtures.py). Its
+/// pieces put together are the text; `--ids` turns ids back into it.
+#[test]
+fn tokenize_gives_the_references_ids_and_pieces() {
+    let text = "ROMEO: But soft!  what light\n\tthrough yonder — 🦙";
+    let out: serde_json::Value =
+        serde_json::from_str(&ok(&["tokenize", "--text", text, "--format", "json"])).unwrap();
+    let ids: Vec<u32> = serde_json::from_value(out["ids"].clone()).unwrap();
+    let builtin = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/default/tokenizer.json");
+    let reference = tokenizers::Tokenizer::from_file(builtin).unwrap();
+    assert_eq!(ids, reference.encode(text, true).unwrap().get_ids());
+    let mut bytes = Vec::new();
+    for p in out["pieces"].as_array().unwrap() {
+        match p {
+            serde_json::Value::String(s) => bytes.extend(s.as_bytes()),
+            v => bytes.extend(serde_json::from_value::<Vec<u8>>(v.clone()).unwrap()),
+        }
+    }
+    assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let back: serde_json::Value = serde_json::from_str(&ok(&[
+        "tokenize",
+        "--ids",
+        &list.join(","),
+        "--format",
+        "json",
+    ]))
+    .unwrap();
+    assert_eq!(back["text"], text);
+
+    let spm = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers");
+    let corpus: Vec<String> =
+        serde_json::from_str(&std::fs::read_to_string(spm.join("corpus.json")).unwrap()).unwrap();
+    let want: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(spm.join("spm_llama.json")).unwrap())
+            .unwrap();
+    let model = spm.join("spm_llama.gguf").display().to_string();
+    for text in [" Hello", "    Hello\n    Hello", "a<sep>b", "<s>Hello</s>"] {
+        let i = corpus.iter().position(|t| t == text).unwrap();
+        let sp: Vec<u32> = want["ids"][i]
+            .as_str()
+            .unwrap()
+            .split_whitespace()
+            .map(|x| x.parse().unwrap())
+            .collect();
+        let run = |extra: &[&str]| -> Vec<u32> {
+            let mut args = vec![
+                "--model", &model, "tokenize", "--text", text, "--format", "json",
+            ];
+            args.extend(extra);
+            let v: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
+            serde_json::from_value(v["ids"].clone()).unwrap()
+        };
+        assert_eq!(run(&["--no-special", "--no-parse-special"]), sp, "{text:?}");
+        // The file asks for BOS (llama.cpp's default for SentencePiece vocabularies).
+        let with_bos = run(&["--no-parse-special"]);
+        assert_eq!((with_bos[0], &with_bos[1..]), (1, &sp[..]), "{text:?}");
+    }
+    // Parsed, `<s>` in the text is the token itself.
+    let out = ok(&[
+        "--model",
+        &model,
+        "tokenize",
+        "--text",
+        "<s>Hi",
+        "--no-special",
+    ]);
+    assert!(out.starts_with("1\t\"<s>\"\n"), "{out}");
+    fails(&["tokenize", "--ids", "1,99999"], "outside");
+    fails(&["tokenize"], "give --text, --file or --ids");
+}
+
+/// `generate --chat --messages FILE`: the conversation of the file (tools, a tool call, its
+/// result, null content) is what transformers' `apply_chat_template` renders for the
+/// model's template (tests/fixtures/chat/expected.json: Qwen2.5's template on conversation 3),
+/// encoded without added special tokens; a system and a user message give what `--system`
+/// and `--prompt` give.
+#[test]
+fn chat_messages_from_a_file_render_as_transformers_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture("families/llama_tokenizer");
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    // Room for the conversation: the fixture's positions are rotary, so a longer context
+    // is the same model.
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["max_position_embeddings"] = serde_json::json!(4096);
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let chat = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    let template =
+        std::fs::read_to_string(chat.join("templates/Qwen-Qwen2.5-7B-Instruct.jinja")).unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": template, "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"})
+            .to_string(),
+    )
+    .unwrap();
+    let conversations: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(chat.join("conversations.json")).unwrap())
+            .unwrap();
+    let expected: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(chat.join("expected.json")).unwrap())
+            .unwrap();
+    let case = expected
+        .iter()
+        .find(|c| {
+            c["template"] == "Qwen-Qwen2.5-7B-Instruct"
+                && c["conversation"] == 3
+                && c["add_generation_prompt"] == true
+        })
+        .unwrap();
+    let file = dir.path().join("conversation.json");
+    std::fs::write(&file, conversations[3].to_string()).unwrap();
+    let model = dir.path().display().to_string();
+    let prompt_ids = |args: &[&str]| -> Vec<u32> {
+        let mut all = vec![
+            "--model",
+            &model,
+            "generate",
+            "--chat",
+            "--max-new-tokens",
+            "1",
+        ];
+        all.extend(["--temperature", "0", "--format", "json"]);
+        all.extend(args);
+        let v: serde_json::Value = serde_json::from_str(ok(&all).trim()).unwrap();
+        serde_json::from_value(v["prompt_ids"].clone()).unwrap()
+    };
+    let tok = tokenizers::Tokenizer::from_file(dir.path().join("tokenizer.json")).unwrap();
+    let want = tok
+        .encode(case["text"].as_str().unwrap(), false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    assert_eq!(prompt_ids(&["--messages", file.to_str().unwrap()]), want);
+    let plain = serde_json::json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello there!"}
+    ]);
+    std::fs::write(&file, plain.to_string()).unwrap();
+    assert_eq!(
+        prompt_ids(&["--messages", file.to_str().unwrap()]),
+        prompt_ids(&["--system", "Be brief.", "--prompt", "Hello there!"])
+    );
+    std::fs::write(&file, "[{\"content\": \"no role\"}]").unwrap();
+    fails(
+        &[
+            "--model",
+            &model,
+            "generate",
+            "--chat",
+            "--messages",
+            file.to_str().unwrap(),
+        ],
+        "needs a string `role`",
+    );
+    std::fs::write(&file, "{not json").unwrap();
+    fails(
+        &[
+            "--model",
+            &model,
+            "generate",
+            "--chat",
+            "--messages",
+            file.to_str().unwrap(),
+        ],
+        "not JSON",
+    );
 }

@@ -212,15 +212,23 @@ fn resets_and_disconnect_storms_never_end_the_server() {
     assert_eq!(greedy(&server, PROMPT, 12), before);
     // Near its level before: what a leak of the departed requests' caches or buffers would
     // add is far more (each stream held up to 120 tokens of 8 layers' keys and values).
-    let rss_after = server.rss_kib();
-    assert!(
-        rss_after <= rss_before + rss_before / 5 + 8 * 1024,
-        "RSS grew from {rss_before} to {rss_after} KiB"
-    );
-    assert!(
-        server.metric("gpt_open_connections") <= 1.0,
-        "connections left open"
-    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let rss_after = server.rss_kib();
+        if rss_after <= rss_before + rss_before / 5 + 8 * 1024 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "RSS grew from {rss_before} to {rss_after} KiB"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The storm's connections close (the one asking for /metrics stays).
+    while server.metric("gpt_open_connections") > 1.0 {
+        assert!(Instant::now() < deadline, "connections left open");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Idle connections, half-sent headers, half-sent bodies and clients that shut down their

@@ -510,3 +510,54 @@ fn openai_python() -> Option<PathBuf> {
     }
     Some(bin)
 }
+
+/// `/tokenize` and `/detokenize` in llama-server's shapes: ids as the `tokenizers` crate
+/// gives them for the built-in tokenizer.json, pieces that make up the text, mixed content
+/// (text and ids), ids back to text, and bad fields as 400s naming them.
+#[test]
+fn tokenize_and_detokenize_endpoints() {
+    let server = Server::start(&[]);
+    let text = "ROMEO: But soft!  — 🦙";
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/default/tokenizer.json");
+    let reference = tokenizers::Tokenizer::from_file(path).unwrap();
+    let want: Vec<u32> = reference.encode(text, false).unwrap().get_ids().to_vec();
+    let (status, v) = server.post("/tokenize", &json!({"content": text}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["tokens"], json!(want));
+    let (_, v) = server.post("/tokenize", &json!({"content": text, "with_pieces": true}));
+    let mut bytes = Vec::new();
+    for t in v["tokens"].as_array().unwrap() {
+        match &t["piece"] {
+            Value::String(s) => bytes.extend(s.as_bytes()),
+            p => bytes.extend(serde_json::from_value::<Vec<u8>>(p.clone()).unwrap()),
+        }
+    }
+    assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    let (_, v) = server.post("/tokenize", &json!({"content": ["ROMEO:", 7, " hi"]}));
+    let mut mixed = reference
+        .encode("ROMEO:", false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    mixed.push(7);
+    mixed.extend(reference.encode(" hi", false).unwrap().get_ids());
+    assert_eq!(v["tokens"], json!(mixed));
+    let (status, v) = server.post("/detokenize", &json!({"tokens": want}));
+    assert_eq!((status, v["content"].as_str()), (200, Some(text)));
+    for (path, body, param) in [
+        ("/tokenize", r#"{"content": 5}"#, "content"),
+        ("/tokenize", r#"{"content": ["a", 99999999]}"#, "content"),
+        (
+            "/tokenize",
+            r#"{"content": "a", "with_pieces": "yes"}"#,
+            "with_pieces",
+        ),
+        ("/detokenize", r#"{"tokens": [-1]}"#, "tokens"),
+        ("/detokenize", r#"{"tokens": [1, 1e400]}"#, "tokens"),
+    ] {
+        let (status, text) = server.call("POST", path, Some(body), None);
+        assert_eq!(status, 400, "{path} {body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["param"], param, "{path} {body}: {text}");
+    }
+}

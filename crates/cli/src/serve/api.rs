@@ -1,14 +1,14 @@
 //! The OpenAI request bodies, read field by field so that every mistake is a 4xx that
 //! names the parameter, and the error shape OpenAI's clients expect.
 
+use crate::text::tokenizer::Tokenizer;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use gpt_blocks::SamplingParams;
 use serde_json::{json, Map, Value};
-use tokenizers::Tokenizer;
 
-use crate::chat_template::{ChatTemplate, Message};
 use crate::common;
+use crate::text::chat_template::{message, ChatTemplate, Conversation};
 
 /// Most prompts in one completions request (each becomes a choice).
 pub const MAX_PROMPTS: usize = 16;
@@ -110,7 +110,8 @@ pub struct Plan {
     pub include_usage: bool,
 }
 
-type Obj = Map<String, Value>;
+/// A request body's fields.
+pub type Obj = Map<String, Value>;
 
 fn opt<'a>(o: &'a Obj, name: &str) -> Option<&'a Value> {
     o.get(name).filter(|v| !v.is_null())
@@ -561,7 +562,7 @@ pub fn chat(o: &Obj, info: &ModelInfo) -> Result<Plan, ApiError> {
     let messages = messages(o)?;
     let ids = info
         .chat
-        .prompt_ids(info.tokenizer, &messages)
+        .prompt_ids(info.tokenizer, &Conversation::new(messages))
         .map_err(|e| ApiError::invalid(Some("messages"), format!("{e:#}")))?;
     plan.prompts = vec![ids];
     plan.stop_ids = info.chat.stop_ids(info.tokenizer, info.eos);
@@ -597,7 +598,7 @@ pub fn chat(o: &Obj, info: &ModelInfo) -> Result<Plan, ApiError> {
 
 /// `messages`: roles `system` (`developer` is its newer name), `user`, `assistant`;
 /// content a string or a list of text parts.
-fn messages(o: &Obj) -> Result<Vec<Message>, ApiError> {
+fn messages(o: &Obj) -> Result<Vec<serde_json::Value>, ApiError> {
     let bad = |m: String| ApiError::invalid(Some("messages"), m);
     let items = match opt(o, "messages") {
         Some(Value::Array(items)) if !items.is_empty() => items,
@@ -648,7 +649,7 @@ fn messages(o: &Obj) -> Result<Vec<Message>, ApiError> {
                     )))
                 }
             };
-            Ok(Message::new(role, &content))
+            Ok(message(role, &content))
         })
         .collect()
 }

@@ -119,7 +119,14 @@ impl Seq {
 pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize) {
     let metrics = &shared.metrics;
     let mut active: Vec<Seq> = Vec::new();
+    let mut busy = false;
     loop {
+        // Idle again after work: the finished sequences' caches go back to the OS, not to
+        // the next burst's peak.
+        if busy && active.is_empty() {
+            crate::release_freed_memory();
+        }
+        busy = !active.is_empty();
         if let Some(deadline) = shared.deadline() {
             // Nothing new starts; what waits in the queue is told so.
             for job in queue.close() {

@@ -13,21 +13,22 @@ mod engine;
 mod metrics;
 mod queue;
 mod routes;
+mod tokenize;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::text::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use tokenizers::Tokenizer;
 
-use crate::chat_template::ChatTemplate;
 use crate::common::{self, Loaded, ModelArgs};
+use crate::text::chat_template::ChatTemplate;
 use api::ModelInfo;
 use conns::Conns;
 use metrics::Metrics;

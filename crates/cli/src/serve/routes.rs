@@ -33,6 +33,8 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/tokenize", post(super::tokenize::tokenize))
+        .route("/detokenize", post(super::tokenize::detokenize))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(shared)
@@ -124,7 +126,7 @@ async fn not_found() -> Response {
         StatusCode::NOT_FOUND,
         "invalid_request_error",
         None,
-        "no such endpoint; this server has /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics",
+        "no such endpoint; this server has /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics",
     )
     .into_response()
 }
@@ -140,7 +142,7 @@ async fn method_not_allowed() -> Response {
 }
 
 /// With `--api-key`, requests must carry `Authorization: Bearer KEY`.
-fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+pub(super) fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &s.api_key else {
         return Ok(());
     };

@@ -1,9 +1,10 @@
 //! Conversations rendered with the model's own chat template, as transformers'
-//! `apply_chat_template` renders them: Jinja through `minijinja` with Hugging Face's
-//! settings (`trim_blocks`, `lstrip_blocks`, loop controls) and the helpers its templates
-//! call (`raise_exception`, `strftime_now`, a `tojson` that writes what Python's
-//! `json.dumps` writes, Python's string methods). `gpt chat`, `gpt generate --chat` and
-//! (later) the server's chat endpoint share this one path.
+//! `apply_chat_template` renders them: the messages as OpenAI's API and transformers take
+//! them (JSON objects: `role`, `content` as text, `null` or parts, `tool_calls`,
+//! `tool_call_id`, `reasoning_content`, ...), the `tools` and `documents`, further variables
+//! (`enable_thinking`, `date_string`), the special tokens' texts, and `strftime_now`;
+//! rendered with Jinja2's semantics ([`super::jinja`]). `gpt chat`, `gpt generate --chat`
+//! and the server's chat endpoint share this one path.
 //!
 //! Where the template comes from: `tokenizer_config.json`'s `chat_template` (a string, or
 //! the list of named templates, of which `default` is used), a `chat_template.jinja` beside
@@ -13,10 +14,12 @@
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
-use minijinja::value::{Kwargs, Serde, Value};
-use minijinja::{Environment, Error, ErrorKind};
-use serde::{Deserialize, Serialize};
-use tokenizers::Tokenizer;
+use minijinja::value::Value;
+use minijinja::Error;
+use serde_json::{json, Map, Value as Json};
+
+use super::jinja;
+use super::tokenizer::Tokenizer;
 
 /// The format of models without a chat template: `System: …`, `User: …` and
 /// `Assistant: …` lines, and `Assistant:` to prompt the reply.
@@ -35,26 +38,75 @@ const END_OF_TURN: [&str; 8] = [
     "</s>",
 ];
 
-/// Work a template may do per rendering (minijinja's fuel): a hostile template that loops
-/// for ever ends with an error instead.
-const FUEL: u64 = 50_000_000;
+/// Where a message's reasoning may be, under the names templates read it by
+/// (transformers' `_REASONING_FIELDS`).
+const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
 
-/// One message of a conversation.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Message {
-    /// `system`, `user` or `assistant`.
-    pub role: String,
-    /// The text.
-    pub content: String,
+/// A message `{"role": role, "content": content}`.
+pub fn message(role: &str, content: &str) -> Json {
+    json!({"role": role, "content": content})
 }
 
-impl Message {
-    /// A message from `role`.
-    pub fn new(role: &str, content: &str) -> Self {
+/// A conversation as OpenAI's API and transformers' `apply_chat_template` take it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Conversation {
+    /// The messages, each a JSON object with a `role`.
+    pub messages: Vec<Json>,
+    /// The tools' JSON schemas (`{"type": "function", "function": {...}}`), or none.
+    pub tools: Option<Vec<Json>>,
+    /// Documents for retrieval-augmented templates (`{"title", "text"}`), or none.
+    pub documents: Option<Vec<Json>>,
+    /// Further variables the template reads (`enable_thinking`, `date_string`, ...).
+    pub extra: Map<String, Json>,
+}
+
+impl Conversation {
+    /// A conversation of `messages` alone.
+    pub fn new(messages: Vec<Json>) -> Self {
         Self {
-            role: role.into(),
-            content: content.into(),
+            messages,
+            ..Self::default()
         }
+    }
+
+    /// A conversation from JSON: a list of messages, or an object with `messages` and
+    /// optionally `tools`, `documents` and further variables (as `chat_template_kwargs` or
+    /// at the top level), as an OpenAI request body has them.
+    pub fn from_json(v: &Json) -> Result<Self> {
+        let (messages, rest) = match v {
+            Json::Array(m) => (m.clone(), Map::new()),
+            Json::Object(o) => match o.get("messages") {
+                Some(Json::Array(m)) => (m.clone(), o.clone()),
+                _ => bail!("a conversation needs `messages`, a list of messages"),
+            },
+            _ => bail!("a conversation is a list of messages or an object with `messages`"),
+        };
+        for (i, m) in messages.iter().enumerate() {
+            match m.get("role") {
+                Some(Json::String(_)) => {}
+                _ => bail!("messages[{i}] needs a string `role`"),
+            }
+        }
+        let list = |key: &str| -> Result<Option<Vec<Json>>> {
+            match rest.get(key) {
+                None | Some(Json::Null) => Ok(None),
+                Some(Json::Array(items)) => Ok(Some(items.clone())),
+                Some(_) => bail!("`{key}` must be a list"),
+            }
+        };
+        let mut extra = Map::new();
+        if let Some(kw) = rest.get("chat_template_kwargs") {
+            match kw {
+                Json::Object(kw) => extra.extend(kw.clone()),
+                _ => bail!("`chat_template_kwargs` must be an object"),
+            }
+        }
+        Ok(Self {
+            tools: list("tools")?,
+            documents: list("documents")?,
+            messages,
+            extra,
+        })
     }
 }
 
@@ -122,45 +174,61 @@ impl ChatTemplate {
         self.own
     }
 
-    /// `messages` as the template writes them; with `add_generation_prompt`, followed by
-    /// what opens the assistant's reply. `extra` adds variables (`date_string`, say).
-    pub fn render(
+    /// The conversation as the template writes it; with `add_generation_prompt`, followed
+    /// by what opens the assistant's reply.
+    pub fn render(&self, conv: &Conversation, add_generation_prompt: bool) -> Result<String> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        self.render_at(conv, add_generation_prompt, now)
+    }
+
+    /// [`ChatTemplate::render`] with the clock `strftime_now` reads set to `now` (seconds
+    /// since 1970, UTC).
+    pub fn render_at(
         &self,
-        messages: &[Message],
+        conv: &Conversation,
         add_generation_prompt: bool,
-        extra: &[(&str, Value)],
+        now: u64,
     ) -> Result<String> {
-        let mut env = Environment::new();
-        let syntax = minijinja::syntax::SyntaxConfig::builder()
-            .trim_blocks(true)
-            .lstrip_blocks(true)
-            .build()?;
-        env.set_syntax(syntax);
-        env.set_fuel(Some(FUEL));
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", raise_exception);
-        env.add_function("strftime_now", strftime_now);
-        env.add_filter("tojson", tojson);
-        env.add_template("chat", &self.source)
-            .map_err(|e| anyhow!("the chat template does not parse: {e}"))?;
-        let mut ctx = vec![
-            ("messages", Value::from(Serde(messages))),
-            ("add_generation_prompt", Value::from(add_generation_prompt)),
-            (
-                "bos_token",
-                Value::from(self.bos.clone().unwrap_or_default()),
-            ),
-            (
-                "eos_token",
-                Value::from(self.eos.clone().unwrap_or_default()),
-            ),
-            ("tools", Value::from(())),
-            ("documents", Value::from(())),
-        ];
-        ctx.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
-        let ctx: std::collections::BTreeMap<&str, Value> = ctx.into_iter().collect();
-        let tmpl = env.get_template("chat")?;
-        tmpl.render(ctx)
+        let mut env = jinja::environment()?;
+        env.add_function("strftime_now", move |format: String| {
+            Ok::<_, Error>(Value::from(strftime(&format, now)))
+        });
+        let source = jinja::rewrite_generation(&self.source);
+        let tmpl = jinja::compile(&source)
+            .map_err(|e| anyhow!("the chat template does not parse: {}", describe(&e)))?;
+        let list = |items: &Option<Vec<Json>>| match items {
+            Some(items) => jinja::from_json(&Json::Array(items.clone())),
+            None => jinja::from_json(&Json::Null),
+        };
+        let messages: Vec<Json> = conv
+            .messages
+            .iter()
+            .map(|m| alias_reasoning(&drop_nulls(m)))
+            .collect();
+        // As transformers: the special tokens, then the caller's variables over them, then
+        // the conversation's own.
+        let mut ctx: Vec<(String, Value)> = Vec::new();
+        for (name, text) in [("bos_token", &self.bos), ("eos_token", &self.eos)] {
+            if let Some(t) = text {
+                ctx.push((name.into(), Value::from(t.as_str())));
+            }
+        }
+        ctx.extend(
+            conv.extra
+                .iter()
+                .map(|(k, v)| (k.clone(), jinja::from_json(v))),
+        );
+        ctx.push(("messages".into(), jinja::from_json(&Json::Array(messages))));
+        ctx.push(("tools".into(), list(&conv.tools)));
+        ctx.push(("documents".into(), list(&conv.documents)));
+        ctx.push((
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        ));
+        let ctx: std::collections::BTreeMap<String, Value> = ctx.into_iter().collect();
+        jinja::render(&env, &tmpl, Value::from(ctx))
             .map_err(|e| anyhow!("the chat template failed: {}", describe(&e)))
     }
 
@@ -182,19 +250,19 @@ impl ChatTemplate {
         ids
     }
 
-    /// The ids of `messages` rendered with the prompt for the reply: the template writes
-    /// the special tokens itself, so the tokenizer adds none (as `apply_chat_template`
-    /// encodes); the plain format is encoded like any text.
+    /// The ids of the conversation rendered with the prompt for the reply: the template
+    /// writes the special tokens itself, so the tokenizer adds none (as
+    /// `apply_chat_template` encodes); the plain format is encoded like any text.
     pub fn prompt_ids(
         &self,
         tokenizer: Option<&Tokenizer>,
-        messages: &[Message],
+        conv: &Conversation,
     ) -> Result<Vec<u32>> {
         let Some(tok) = tokenizer else {
             bail!("chat needs a tokenizer, and this model has none")
         };
-        let text = self.render(messages, true, &[])?;
-        crate::tokenizer::encode_with(tok, &text, !self.own)
+        let text = self.render(conv, true)?;
+        tok.encode(&text, !self.own)
     }
 
     /// Texts that end the reply: in the plain format, the next turn's label.
@@ -217,19 +285,41 @@ fn describe(e: &Error) -> String {
     out
 }
 
-/// `raise_exception(message)`: templates refuse a conversation they cannot render.
-fn raise_exception(message: String) -> Result<Value, Error> {
-    Err(Error::new(ErrorKind::InvalidOperation, message))
+/// transformers' `_normalize_chat_messages`: a message's keys whose value is `null` are
+/// dropped (OpenAI's clients send `"content": null` beside `tool_calls`; templates handle
+/// the key missing, not `None`). Only the message's own keys: nested nulls stay.
+fn drop_nulls(m: &Json) -> Json {
+    match m {
+        Json::Object(map) => Json::Object(
+            map.iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
 }
 
-/// `strftime_now(format)`: the current UTC date and time, in Python's `strftime` format
-/// (`%d %b %Y` in Llama 3's templates).
-fn strftime_now(format: String) -> Result<Value, Error> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?
-        .as_secs();
-    Ok(Value::from(strftime(&format, secs)))
+/// transformers' `_alias_reasoning_fields`: a message with reasoning under any of its names
+/// gets it as `thinking` (first, unless there) and as `reasoning_content` (gpt-oss's
+/// templates read one, others the other).
+fn alias_reasoning(m: &Json) -> Json {
+    let Json::Object(map) = m else {
+        return m.clone();
+    };
+    let reasoning = REASONING_FIELDS
+        .iter()
+        .find_map(|k| map.get(*k).filter(|v| !v.is_null()));
+    let Some(r) = reasoning else {
+        return m.clone();
+    };
+    let mut out = Map::new();
+    out.insert("thinking".into(), r.clone());
+    for (k, v) in map {
+        out.insert(k.clone(), v.clone());
+    }
+    out.insert("reasoning_content".into(), r.clone());
+    Json::Object(out)
 }
 
 /// Python's `strftime` for the common fields, from seconds since 1970 (UTC).
@@ -301,101 +391,15 @@ fn strftime(format: &str, secs: u64) -> String {
     out
 }
 
-/// `tojson`, as transformers defines it: `json.dumps(value, ensure_ascii=False,
-/// indent=indent, sort_keys=sort_keys)` (`", "` and `": "` between items without an indent,
-/// `","` with one), not minijinja's HTML-safe compact form.
-fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
-    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
-    kwargs.assert_all_used()?;
-    let json = serde_json::to_value(&value)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
-    let mut out = String::new();
-    write_json(&mut out, &json, indent, 0, sort_keys.unwrap_or(false));
-    Ok(Value::from_safe_string(out))
-}
-
-fn write_json(
-    out: &mut String,
-    v: &serde_json::Value,
-    indent: Option<usize>,
-    level: usize,
-    sort: bool,
-) {
-    use serde_json::Value as J;
-    let newline = |out: &mut String, level: usize| {
-        if let Some(n) = indent {
-            out.push('\n');
-            out.push_str(&" ".repeat(n * level));
-        }
-    };
-    let sep = if indent.is_some() { "," } else { ", " };
-    match v {
-        J::Null => out.push_str("null"),
-        J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        J::Number(n) => out.push_str(&n.to_string()),
-        J::String(s) => write_json_string(out, s),
-        J::Array(items) if items.is_empty() => out.push_str("[]"),
-        J::Array(items) => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(sep);
-                }
-                newline(out, level + 1);
-                write_json(out, item, indent, level + 1, sort);
-            }
-            newline(out, level);
-            out.push(']');
-        }
-        J::Object(map) if map.is_empty() => out.push_str("{}"),
-        J::Object(map) => {
-            let mut entries: Vec<_> = map.iter().collect();
-            if sort {
-                entries.sort_by(|a, b| a.0.cmp(b.0));
-            }
-            out.push('{');
-            for (i, (k, item)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push_str(sep);
-                }
-                newline(out, level + 1);
-                write_json_string(out, k);
-                out.push_str(": ");
-                write_json(out, item, indent, level + 1, sort);
-            }
-            newline(out, level);
-            out.push('}');
-        }
-    }
-}
-
-/// A JSON string as Python writes it with `ensure_ascii=False`.
-fn write_json_string(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{08}' => out.push_str("\\b"),
-            '\u{0c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-}
-
 #[cfg(test)]
 mod tests {
-    //! Real chat templates (Llama 3.2, Qwen2.5, SmolLM3 from llama.cpp's models/templates;
-    //! Zephyr/TinyLlama and SmolLM2 as their tokenizer_config.json publish them) rendered
-    //! here and by transformers' `apply_chat_template(tokenize=False,
-    //! add_generation_prompt=True)` (scripts/gguf_fixtures.py): equal, byte for byte, over
-    //! conversations with a system message, several turns and non-ASCII text.
+    //! The differential test against transformers: 72 real chat templates (llama.cpp's
+    //! models/templates, Zephyr's and SmolLM2's) × 10 conversations (system, several turns,
+    //! tool calls with mapping and string arguments and their results, null content,
+    //! non-ASCII, an assistant turn last, reasoning, documents, text parts) × both settings
+    //! of `add_generation_prompt`, rendered by transformers' `apply_chat_template`
+    //! (scripts/chat_template_fixtures.py; the clock fixed at 2024-07-26 12:00 UTC): the
+    //! same text byte for byte, or both refuse.
     use std::path::PathBuf;
 
     use super::*;
@@ -404,48 +408,97 @@ mod tests {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat")
     }
 
+    /// 2024-07-26 12:00:00 UTC.
+    const FIXED_NOW: u64 = 1_721_995_200;
+
     #[test]
     fn real_templates_render_as_transformers_renders_them() {
-        let cases: Vec<serde_json::Value> = serde_json::from_str(
-            &std::fs::read_to_string(fixtures().join("expected.json")).unwrap(),
-        )
-        .unwrap();
-        let mut templates = std::collections::BTreeSet::new();
-        for case in &cases {
+        let read = |f: &str| -> Json {
+            serde_json::from_str(&std::fs::read_to_string(fixtures().join(f)).unwrap()).unwrap()
+        };
+        let conversations = read("conversations.json");
+        let cases = read("expected.json");
+        let cases = cases.as_array().unwrap();
+        let mut templates = std::collections::BTreeMap::new();
+        let mut failures = Vec::new();
+        let (mut same, mut refused) = (0, 0);
+        for case in cases {
             let name = case["template"].as_str().unwrap();
-            templates.insert(name);
-            let source = std::fs::read_to_string(fixtures().join(format!("{name}.jinja"))).unwrap();
+            let source = templates.entry(name.to_string()).or_insert_with(|| {
+                std::fs::read_to_string(fixtures().join(format!("templates/{name}.jinja"))).unwrap()
+            });
             let chat = ChatTemplate::new(
-                Some(source),
+                Some(source.clone()),
                 case["bos_token"].as_str().map(str::to_string),
                 case["eos_token"].as_str().map(str::to_string),
             );
-            let messages: Vec<Message> = serde_json::from_value(case["messages"].clone()).unwrap();
-            let got = chat
-                .render(
-                    &messages,
-                    true,
-                    &[("date_string", Value::from("26 Jul 2024"))],
-                )
-                .unwrap();
-            assert_eq!(
-                got,
-                case["rendered"].as_str().unwrap(),
-                "{name}: {messages:?}"
-            );
+            let c = &conversations[case["conversation"].as_u64().unwrap() as usize];
+            let mut conv = Conversation::from_json(c).unwrap();
+            conv.extra = c["extra"].as_object().cloned().unwrap_or_default();
+            let agp = case["add_generation_prompt"].as_bool().unwrap();
+            let ours = chat.render_at(&conv, agp, FIXED_NOW);
+            let what = format!("{name} conversation {} agp {agp}", case["conversation"]);
+            match (ours, case["text"].as_str(), case["error"].as_str()) {
+                (Ok(a), Some(b), _) if a == b => same += 1,
+                (Err(_), None, Some(_)) => refused += 1,
+                (Ok(a), Some(b), _) => {
+                    let at = a.chars().zip(b.chars()).take_while(|(x, y)| x == y).count();
+                    let tail = |s: &str| {
+                        s.chars()
+                            .skip(at.saturating_sub(20))
+                            .take(60)
+                            .collect::<String>()
+                    };
+                    failures.push(format!(
+                        "{what}: differs at char {at}: ours {:?} theirs {:?}",
+                        tail(&a),
+                        tail(b)
+                    ));
+                }
+                (Ok(_), None, Some(e)) => {
+                    failures.push(format!("{what}: we render, transformers refuses ({e})"))
+                }
+                (Err(e), Some(_), _) => {
+                    failures.push(format!("{what}: we refuse ({e:#}), transformers renders"))
+                }
+                (_, None, None) => failures.push(format!("{what}: bad fixture")),
+            }
         }
-        assert!(templates.len() >= 4, "{templates:?}");
+        assert!(
+            templates.len() >= 40 && cases.len() >= 40 * 10,
+            "{}",
+            templates.len()
+        );
+        // The one difference we cannot remove: functionary v3.1 prints tools with
+        // `"…"|safe + t["function"] | tojson()`, and Python's `Markup.__add__` HTML-escapes
+        // the JSON it is added to (`&#34;` for each quote) whatever the environment says;
+        // minijinja's `+` never escapes and cannot be hooked. Listed exactly, so that any
+        // other difference fails, and so does this one disappearing.
+        let known = |f: &String| {
+            f.starts_with("meetkai-functionary-medium-v3.1 conversation 3 ")
+                || f.starts_with("meetkai-functionary-medium-v3.1 conversation 4 ")
+        };
+        let known_count = failures.iter().filter(|f| known(f)).count();
+        assert_eq!(
+            known_count, 4,
+            "the Markup difference changed: {failures:#?}"
+        );
+        failures.retain(|f| !known(f));
+        assert!(
+            failures.is_empty(),
+            "{} of {} renderings differ from transformers ({same} equal, {refused} refused by both); the first:\n{}",
+            failures.len(),
+            cases.len(),
+            failures[..failures.len().min(12)].join("\n")
+        );
     }
 
     #[test]
     fn plain_format_and_helpers() {
         let chat = ChatTemplate::new(None, None, None);
-        let msgs = [
-            Message::new("system", "Be brief."),
-            Message::new("user", "Hi"),
-        ];
+        let conv = Conversation::new(vec![message("system", "Be brief."), message("user", "Hi")]);
         assert_eq!(
-            chat.render(&msgs, true, &[]).unwrap(),
+            chat.render(&conv, true).unwrap(),
             "System: Be brief.\nUser: Hi\nAssistant:"
         );
         assert_eq!(chat.stop_texts(), ["\nUser:", "\nSystem:"]);
@@ -459,17 +512,9 @@ mod tests {
             None,
             None,
         );
-        let e = refuse.render(&msgs, true, &[]).unwrap_err().to_string();
+        let e = refuse.render(&conv, true).unwrap_err().to_string();
         assert!(e.contains("no system role"), "{e}");
-        let json = ChatTemplate::new(
-            Some("{{ {'a': [1, 'é\"'], 'b': none} | tojson }}".into()),
-            None,
-            None,
-        );
-        assert_eq!(
-            json.render(&[], false, &[]).unwrap(),
-            r#"{"a": [1, "é\""], "b": null}"#
-        );
+        let empty = Conversation::default();
         let forever = ChatTemplate::new(
             Some(
                 "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
@@ -478,12 +523,32 @@ mod tests {
             None,
             None,
         );
-        assert!(forever.render(&[], false, &[]).is_err());
+        assert!(forever.render(&empty, false).is_err());
         let broken = ChatTemplate::new(Some("{% for %}".into()), None, None);
         assert!(broken
-            .render(&[], false, &[])
+            .render(&empty, false)
             .unwrap_err()
             .to_string()
             .contains("does not parse"));
+    }
+
+    /// Reasoning under any of its names reaches templates under both, as transformers gives it.
+    #[test]
+    fn reasoning_is_aliased_as_transformers_does() {
+        let m = json!({"role": "assistant", "reasoning": "r", "content": "c"});
+        assert_eq!(
+            serde_json::to_string(&alias_reasoning(&m)).unwrap(),
+            r#"{"thinking":"r","role":"assistant","reasoning":"r","content":"c","reasoning_content":"r"}"#
+        );
+        let conv = Conversation::from_json(&json!({
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function"}],
+            "chat_template_kwargs": {"enable_thinking": false}
+        }))
+        .unwrap();
+        assert_eq!(conv.tools.as_ref().map(Vec::len), Some(1));
+        assert_eq!(conv.extra["enable_thinking"], json!(false));
+        assert!(Conversation::from_json(&json!([{"content": "x"}])).is_err());
+        assert!(Conversation::from_json(&json!({"messages": [], "tools": 3})).is_err());
     }
 }

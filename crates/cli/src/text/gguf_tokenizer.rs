@@ -1,50 +1,196 @@
-//! A `tokenizers` tokenizer from a GGUF file's `tokenizer.ggml.*` metadata, written as the
-//! `tokenizer.json` that transformers would write for the same vocabulary and parsed like
-//! any other (so the one guarded parser reads both):
-//! - `gpt2`: byte-level BPE with the file's merges, and the pre-tokenizer llama.cpp names in
-//!   `tokenizer.ggml.pre` (GPT-2's, Llama 3's, Qwen2's, SmolLM's);
-//! - `llama`: SentencePiece-style BPE with byte fallback, whose merges are rebuilt from the
-//!   vocabulary as transformers' converter does (every split of a token into two tokens,
-//!   ranked by the token's id, then by the pieces' lengths: for SentencePiece vocabularies
-//!   ids follow the scores that llama.cpp ranks by).
+//! A GGUF file's tokenizer, from its `tokenizer.ggml.*` metadata:
+//! - `gpt2`: byte-level BPE with the file's merges and the pre-tokenizer that llama.cpp names
+//!   in `tokenizer.ggml.pre` ([`PRE_TOKENIZERS`]: each name's split patterns as the model's own
+//!   `tokenizer.json` writes them), built as that `tokenizer.json` and parsed like any other.
+//!   A name outside the table is refused, never replaced by another pattern; a file with no
+//!   name gets llama.cpp's `default` patterns, as llama.cpp gives it.
+//! - `llama`: SentencePiece BPE computed as SentencePiece computes it ([`SentencePiece`]).
 //!
-//! Control and user-defined tokens become added tokens, as in transformers' files.
+//! And back: [`to_vocab`] writes a tokenizer as GGUF metadata, for `gpt convert`.
 
 use std::collections::HashMap;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use gpt_blocks::GgufVocab;
 use serde_json::{json, Value};
-use tokenizers::Tokenizer;
 
-use crate::tokenizer;
+use super::sentencepiece::{PieceKind, SentencePiece};
+use super::tokenizer::{SentencePieceTokenizer, Tokenizer};
+use super::tokenizer_json;
 
 /// llama.cpp's token types.
 const UNKNOWN: i32 = 2;
 const CONTROL: i32 = 3;
 const USER_DEFINED: i32 = 4;
 
-/// The split patterns of the pre-tokenizers named by `tokenizer.ggml.pre` (as in the
-/// models' own tokenizer.json files).
-const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Llama 3's `tokenizer.json` pattern (llama.cpp's LLAMA3 group).
+const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's (and Qwen3's).
+const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen3.5's: marks join their letters.
+const QWEN35: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Mistral's Tekken (Mistral Nemo).
+const TEKKEN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// GPT-4o's (o200k: Phi-4-mini, Llama 4).
+const GPT4O: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// llama.cpp's `default`: four patterns applied one after the other.
+const DEFAULT: [&str; 4] = [
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+];
+
+/// How a byte-level vocabulary splits text before its merges.
+#[derive(Debug, Clone, Copy)]
+enum Pre {
+    /// GPT-2's `ByteLevel` pre-tokenizer (its own pattern).
+    ByteLevel,
+    /// Each digit alone, then GPT-2's (StarCoder, SmolLM, Cohere).
+    DigitsThenByteLevel,
+    /// These patterns in turn (each splits what the one before left), then bytes.
+    Split(&'static [&'static str]),
+}
+
+/// The pre-tokenizers by llama.cpp's `tokenizer.ggml.pre` names (src/llama-vocab.cpp of
+/// October 2026: each name its group's patterns), and whether the vocabulary takes a word
+/// that is a token whole before merging (`ignore_merges`, as llama.cpp sets it).
+pub const PRE_TOKENIZERS: &[(&[&str], &str)] = &[
+    (
+        &[
+            "gpt-2",
+            "gpt2",
+            "phi-2",
+            "mpt",
+            "olmo",
+            "jais",
+            "trillion",
+            "gigachat",
+            "a.x-4.0",
+            "mellum",
+            "granite-docling",
+        ],
+        "gpt2",
+    ),
+    (
+        &[
+            "llama-bpe",
+            "llama3",
+            "llama-v3",
+            "dbrx",
+            "smaug-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "lfm2",
+            "midm-2.0",
+            "jina-v5-nano",
+        ],
+        "llama3",
+    ),
+    (
+        &[
+            "qwen2",
+            "deepseek-r1-qwen",
+            "stablelm2",
+            "kormo",
+            "f2llmv2",
+            "hunyuan",
+            "solar-open",
+        ],
+        "qwen2",
+    ),
+    (&["qwen35"], "qwen35"),
+    (
+        &[
+            "smollm",
+            "starcoder",
+            "refact",
+            "command-r",
+            "codeshell",
+            "exaone",
+            "minerva-7b",
+            "mellum2",
+        ],
+        "digits",
+    ),
+    (&["tekken"], "tekken"),
+    (
+        &["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"],
+        "gpt4o",
+    ),
+    (&["default"], "default"),
+];
+
+/// The pre-tokenizer and `ignore_merges` of a group of [`PRE_TOKENIZERS`].
+fn group(name: &str) -> Option<(Pre, bool)> {
+    Some(match name {
+        "gpt2" => (Pre::ByteLevel, false),
+        "llama3" => (Pre::Split(&[LLAMA3]), true),
+        "qwen2" => (Pre::Split(&[QWEN2]), false),
+        "qwen35" => (Pre::Split(&[QWEN35]), false),
+        "digits" => (Pre::DigitsThenByteLevel, false),
+        "tekken" => (Pre::Split(&[TEKKEN]), true),
+        "gpt4o" => (Pre::Split(&[GPT4O]), false),
+        "default" => (Pre::Split(&DEFAULT), false),
+        _ => return None,
+    })
+}
 
 /// The tokenizer the file's metadata describes.
 pub fn from_vocab(v: &GgufVocab) -> Result<Tokenizer> {
-    let json = match v.model.as_str() {
-        "gpt2" => byte_level(v)?,
-        "llama" => sentencepiece(v)?,
+    match v.model.as_str() {
+        "gpt2" => {
+            let json = byte_level(v)?;
+            let bytes = serde_json::to_vec(&json)?;
+            let tok = tokenizer_json::parse(&bytes)
+                .map_err(|e| anyhow::anyhow!("building the GGUF tokenizer: {e}"))?;
+            Ok(tok.into())
+        }
+        "llama" => Ok(Tokenizer::SentencePiece(Box::new(SentencePieceTokenizer {
+            sp: sentencepiece(v)?,
+            bos: v.bos,
+            eos: v.eos,
+            // llama.cpp's defaults for SentencePiece vocabularies.
+            add_bos: v.add_bos.unwrap_or(true) && v.bos.is_some(),
+            add_eos: v.add_eos.unwrap_or(false) && v.eos.is_some(),
+        }))),
         other => bail!(
             "GGUF tokenizer model {other:?} is not supported (gpt2 and llama are); pass token ids with --prompt-ids"
         ),
+    }
+}
+
+/// The SentencePiece vocabulary of a `llama` tokenizer.
+pub fn sentencepiece(v: &GgufVocab) -> Result<SentencePiece> {
+    let n = v.tokens.len();
+    let Some(scores) = &v.scores else {
+        bail!("GGUF tokenizer: a llama (SentencePiece) vocabulary needs tokenizer.ggml.scores")
     };
-    let bytes = serde_json::to_vec(&json)?;
-    tokenizer::parse(&bytes).map_err(|e| anyhow::anyhow!("building the GGUF tokenizer: {e}"))
+    let kinds = match &v.token_types {
+        Some(t) => t
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                PieceKind::from_gguf(t).with_context(|| format!("GGUF tokenizer: token {i}"))
+            })
+            .collect::<Result<Vec<_>>>()?,
+        None => vec![PieceKind::Normal; n],
+    };
+    SentencePiece::new(
+        v.tokens.clone(),
+        scores.clone(),
+        kinds,
+        v.unk,
+        v.add_space_prefix.unwrap_or(true),
+        v.remove_extra_whitespaces.unwrap_or(false),
+    )
+    .context("GGUF tokenizer")
 }
 
 /// Control, unknown and user-defined tokens, as transformers lists them.
-fn added_tokens(v: &GgufVocab) -> Vec<Value> {
-    let Some(types) = &v.token_types else {
+fn added_tokens(types: Option<&[i32]>, tokens: &[String]) -> Vec<Value> {
+    let Some(types) = types else {
         return Vec::new();
     };
     types
@@ -52,20 +198,18 @@ fn added_tokens(v: &GgufVocab) -> Vec<Value> {
         .enumerate()
         .filter(|(_, t)| [UNKNOWN, CONTROL, USER_DEFINED].contains(t))
         .map(|(id, &t)| {
-            json!({"id": id, "content": v.tokens[id], "single_word": false, "lstrip": false,
+            json!({"id": id, "content": tokens[id], "single_word": false, "lstrip": false,
                    "rstrip": false, "normalized": false, "special": t != USER_DEFINED})
         })
         .collect()
 }
 
-/// BOS (and EOS) around the text when the file asks for them.
-fn template(v: &GgufVocab, default_bos: bool) -> Option<Value> {
-    let bos = v.bos.filter(|_| v.add_bos.unwrap_or(default_bos));
-    let eos = v.eos.filter(|_| v.add_eos.unwrap_or(false));
+/// BOS (and EOS) around the text when asked for.
+fn template(tokens: &[String], bos: Option<u32>, eos: Option<u32>) -> Option<Value> {
     if bos.is_none() && eos.is_none() {
         return None;
     }
-    let special = |id: u32| json!({"SpecialToken": {"id": v.tokens[id as usize], "type_id": 0}});
+    let special = |id: u32| json!({"SpecialToken": {"id": tokens[id as usize], "type_id": 0}});
     let mut single: Vec<Value> = bos.map(special).into_iter().collect();
     single.push(json!({"Sequence": {"id": "A", "type_id": 0}}));
     single.extend(eos.map(special));
@@ -73,7 +217,7 @@ fn template(v: &GgufVocab, default_bos: bool) -> Option<Value> {
         .into_iter()
         .chain(eos)
         .map(|id| {
-            let t = &v.tokens[id as usize];
+            let t = &tokens[id as usize];
             (t.clone(), json!({"id": t, "ids": [id], "tokens": [t]}))
         })
         .collect();
@@ -83,12 +227,28 @@ fn template(v: &GgufVocab, default_bos: bool) -> Option<Value> {
     )
 }
 
-fn vocab_map(v: &GgufVocab) -> serde_json::Map<String, Value> {
-    v.tokens
+fn vocab_map(tokens: &[String]) -> serde_json::Map<String, Value> {
+    tokens
         .iter()
         .enumerate()
         .map(|(i, t)| (t.clone(), json!(i)))
         .collect()
+}
+
+/// The pre-tokenizer llama.cpp uses for `pre` (absent: its `default`).
+fn pre_tokenizer(pre: Option<&str>) -> Result<(Pre, bool)> {
+    let name = pre.unwrap_or("default");
+    PRE_TOKENIZERS
+        .iter()
+        .find(|(names, _)| names.contains(&name))
+        .and_then(|(_, g)| group(g))
+        .ok_or_else(|| {
+            let groups: Vec<&str> = PRE_TOKENIZERS.iter().map(|(n, _)| n[0]).collect();
+            anyhow::anyhow!(
+                "GGUF pre-tokenizer {name:?} is not supported (supported: {} and their aliases in llama.cpp); pass token ids with --prompt-ids",
+                groups.join(", ")
+            )
+        })
 }
 
 fn byte_level(v: &GgufVocab) -> Result<Value> {
@@ -115,33 +275,26 @@ fn byte_level(v: &GgufVocab) -> Result<Value> {
         json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
                "invert": false})
     };
-    let pre = v.pre.as_deref().unwrap_or("default");
-    let (pre_tokenizer, ignore_merges) = match pre {
-        "default" | "gpt-2" | "gpt2" => (byte_level(true), false),
-        "llama-bpe" | "llama3" | "llama-v3" => (
-            json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_SPLIT), byte_level(false)]}),
-            true,
-        ),
-        "qwen2" => (
-            json!({"type": "Sequence", "pretokenizers": [split(QWEN2_SPLIT), byte_level(false)]}),
-            false,
-        ),
-        "smollm" => (
-            json!({"type": "Sequence", "pretokenizers": [
-                {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
-            false,
-        ),
-        other => bail!(
-            "GGUF pre-tokenizer {other:?} is not supported (gpt-2, llama-bpe, qwen2, smollm); pass token ids with --prompt-ids"
-        ),
+    let (pre, ignore_merges) = pre_tokenizer(v.pre.as_deref())?;
+    let pre_tokenizer = match pre {
+        Pre::ByteLevel => byte_level(true),
+        Pre::DigitsThenByteLevel => json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+        Pre::Split(patterns) => {
+            let mut steps: Vec<Value> = patterns.iter().map(|p| split(p)).collect();
+            steps.push(byte_level(false));
+            json!({"type": "Sequence", "pretokenizers": steps})
+        }
     };
-    let post = template(v, false).unwrap_or_else(|| {
+    let bos = v.bos.filter(|_| v.add_bos.unwrap_or(false));
+    let eos = v.eos.filter(|_| v.add_eos.unwrap_or(false));
+    let post = template(&v.tokens, bos, eos).unwrap_or_else(|| {
         json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false,
                "use_regex": true})
     });
     Ok(json!({
         "version": "1.0", "truncation": null, "padding": null,
-        "added_tokens": added_tokens(v),
+        "added_tokens": added_tokens(v.token_types.as_deref(), &v.tokens),
         "normalizer": null,
         "pre_tokenizer": pre_tokenizer,
         "post_processor": post,
@@ -150,7 +303,7 @@ fn byte_level(v: &GgufVocab) -> Result<Value> {
         "model": {"type": "BPE", "dropout": null, "unk_token": null,
                   "continuing_subword_prefix": null, "end_of_word_suffix": null,
                   "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges,
-                  "vocab": vocab_map(v), "merges": merges},
+                  "vocab": vocab_map(&v.tokens), "merges": merges},
     }))
 }
 
@@ -183,49 +336,140 @@ fn sentencepiece_merges(tokens: &[String]) -> Vec<(String, String)> {
         .collect()
 }
 
-fn sentencepiece(v: &GgufVocab) -> Result<Value> {
-    let merges: Vec<Value> = sentencepiece_merges(&v.tokens)
+/// The `tokenizer.json` transformers' converter writes for a SentencePiece BPE vocabulary
+/// (`LlamaConverter`): a merge list rebuilt from the pieces, in id order. It is what a Hugging
+/// Face directory of the model carries, so it is what `gpt train` saves beside a fine-tuned
+/// model; it can tokenize some texts differently from SentencePiece (see [`SentencePiece`]),
+/// as transformers' own files of these models do.
+pub fn sentencepiece_json(t: &SentencePieceTokenizer) -> Value {
+    let sp = &t.sp;
+    let tokens: Vec<String> = (0..sp.len() as u32)
+        .map(|i| sp.piece(i).unwrap_or_default().to_string())
+        .collect();
+    let types: Vec<i32> = (0..sp.len() as u32)
+        .map(|i| match sp.kind(i) {
+            Some(PieceKind::Unknown) => UNKNOWN,
+            Some(PieceKind::Control) => CONTROL,
+            Some(PieceKind::UserDefined) => USER_DEFINED,
+            _ => 1,
+        })
+        .collect();
+    let merges: Vec<Value> = sentencepiece_merges(&tokens)
         .into_iter()
         .map(|(l, r)| json!([l, r]))
         .collect();
-    let byte_fallback = v.tokens.iter().any(|t| t == "<0x00>");
-    let prepend = match v.add_space_prefix.unwrap_or(true) {
+    let prepend = match sp.add_dummy_prefix() {
         true => "always",
         false => "never",
     };
-    let unk = match (byte_fallback, v.unk) {
-        (false, Some(id)) => json!(v.tokens[id as usize]),
-        _ => Value::Null,
+    let unk = match sp.byte_fallback() {
+        false => json!(tokens[sp.unk() as usize]),
+        true => Value::Null,
     };
-    Ok(json!({
+    let bos = t.bos.filter(|_| t.add_bos);
+    let eos = t.eos.filter(|_| t.add_eos);
+    json!({
         "version": "1.0", "truncation": null, "padding": null,
-        "added_tokens": added_tokens(v),
+        "added_tokens": added_tokens(Some(&types), &tokens),
         "normalizer": null,
         "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}",
                           "prepend_scheme": prepend, "split": false},
-        "post_processor": template(v, true),
+        "post_processor": template(&tokens, bos, eos),
         "decoder": {"type": "Sequence", "decoders": [
             {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
             {"type": "ByteFallback"}, {"type": "Fuse"},
             {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
         "model": {"type": "BPE", "dropout": null, "unk_token": unk,
                   "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                  "fuse_unk": true, "byte_fallback": byte_fallback, "ignore_merges": false,
-                  "vocab": vocab_map(v), "merges": merges},
-    }))
+                  "fuse_unk": true, "byte_fallback": sp.byte_fallback(), "ignore_merges": false,
+                  "vocab": vocab_map(&tokens), "merges": merges},
+    })
+}
+
+/// The tokenizer as a `tokenizers` tokenizer: itself, or for a SentencePiece vocabulary
+/// the `tokenizer.json` transformers writes for it ([`sentencepiece_json`]).
+pub fn json_tokenizer(tok: &Tokenizer) -> Result<tokenizers::Tokenizer> {
+    match (tok, tok.json()) {
+        (_, Some(json)) => Ok(json.clone()),
+        (Tokenizer::SentencePiece(t), None) => {
+            let bytes = serde_json::to_vec(&sentencepiece_json(t))?;
+            tokenizer_json::parse(&bytes)
+        }
+        (Tokenizer::Json(_), None) => bail!("no tokenizer.json"),
+    }
 }
 
 /// The `tokenizer.ggml.*` metadata of a tokenizer, for writing a GGUF file: byte-level
-/// BPE (GPT-2's pre-tokenizer) as `gpt2`, and SentencePiece-style BPE (Metaspace with byte
-/// fallback) as `llama` with scores that rank merges as [`sentencepiece_merges`] does.
-/// `vocab_size` is the model's: tokens past the tokenizer's are written as unused padding.
+/// BPE (GPT-2's pre-tokenizer) as `gpt2`; a SentencePiece vocabulary as `llama` with its
+/// own pieces, scores and types; a `tokenizer.json` of SentencePiece-style BPE (Metaspace
+/// with byte fallback) as `llama` with scores that rank merges as [`sentencepiece_merges`]
+/// does. `vocab_size` is the model's: tokens past the tokenizer's are written as unused
+/// padding.
 pub fn to_vocab(
     tok: &Tokenizer,
     vocab_size: usize,
     bos: Option<u32>,
     eos: Option<u32>,
 ) -> Result<GgufVocab> {
+    match tok {
+        Tokenizer::SentencePiece(t) => sentencepiece_vocab(t, vocab_size),
+        Tokenizer::Json(_) => match tok.json() {
+            Some(json) => json_vocab(json, vocab_size, bos, eos),
+            None => bail!("no tokenizer.json to write"),
+        },
+    }
+}
+
+fn sentencepiece_vocab(t: &SentencePieceTokenizer, vocab_size: usize) -> Result<GgufVocab> {
+    let sp = &t.sp;
+    if sp.len() > vocab_size {
+        bail!(
+            "the tokenizer has {} tokens, the model {vocab_size}",
+            sp.len()
+        )
+    }
+    let mut tokens: Vec<String> = (0..vocab_size).map(|i| format!("[PAD{i}]")).collect();
+    let mut scores = vec![-1000.0f32; vocab_size];
+    let mut types = vec![5i32; vocab_size];
+    for id in 0..sp.len() as u32 {
+        let i = id as usize;
+        tokens[i] = sp.piece(id).unwrap_or_default().to_string();
+        scores[i] = sp.score(id).unwrap_or(0.0);
+        types[i] = match sp.kind(id) {
+            Some(PieceKind::Normal) | None => 1,
+            Some(PieceKind::Unknown) => UNKNOWN,
+            Some(PieceKind::Control) => CONTROL,
+            Some(PieceKind::UserDefined) => USER_DEFINED,
+            Some(PieceKind::Unused) => 5,
+            Some(PieceKind::Byte) => 6,
+        };
+    }
+    Ok(GgufVocab {
+        model: "llama".into(),
+        pre: Some("default".into()),
+        tokens,
+        scores: Some(scores),
+        token_types: Some(types),
+        merges: None,
+        bos: t.bos,
+        eos: t.eos,
+        unk: Some(sp.unk()),
+        pad: None,
+        add_bos: Some(t.add_bos),
+        add_eos: Some(t.add_eos),
+        add_space_prefix: Some(sp.add_dummy_prefix()),
+        remove_extra_whitespaces: Some(sp.remove_extra_whitespaces()),
+    })
+}
+
+fn json_vocab(
+    tok: &tokenizers::Tokenizer,
+    vocab_size: usize,
+    bos: Option<u32>,
+    eos: Option<u32>,
+) -> Result<GgufVocab> {
     let json = serde_json::to_value(tok)?;
+
     let model = &json["model"];
     if model["type"] != "BPE" {
         bail!(
@@ -263,8 +507,8 @@ pub fn to_vocab(
         }
     }
     // Whether encoding puts BOS first: ask the tokenizer itself.
-    let with = tokenizer::encode_with(tok, "a", true)?;
-    let without = tokenizer::encode_with(tok, "a", false)?;
+    let with = tokenizer_json::encode_with(tok, "a", true)?;
+    let without = tokenizer_json::encode_with(tok, "a", false)?;
     let add_bos = bos.is_some() && with.len() > without.len() && with.first() == bos.as_ref();
     let merges = match model["merges"].as_array() {
         Some(m) if kind == "gpt2" => Some(
@@ -304,15 +548,17 @@ pub fn to_vocab(
         add_bos: Some(add_bos),
         add_eos: Some(false),
         add_space_prefix,
+        remove_extra_whitespaces: None,
     })
 }
 
 #[cfg(test)]
 mod tests {
-    //! The tokenizer built from each fixture GGUF's metadata against the tokenizer.json of
-    //! the same model (as transformers wrote it; scripts/gguf_fixtures.py), over a committed
-    //! corpus of 1,200 strings: Unicode, emoji, runs of spaces and newlines, digits and
-    //! special tokens. Ids (with the special tokens each adds) and decoded text must be equal.
+    //! The tokenizer built from each byte-level fixture GGUF's metadata against transformers'
+    //! AutoTokenizer on the tokenizer.json of the same model (scripts/sentencepiece_fixtures.py),
+    //! over 5,057 strings: Unicode of many scripts, emoji, runs of spaces, tabs and newlines,
+    //! digits and special tokens. Ids (with the special tokens each adds) and decoded text
+    //! must be equal.
     use std::path::PathBuf;
 
     use super::*;
@@ -322,26 +568,40 @@ mod tests {
     }
 
     #[test]
-    fn gguf_tokenizers_encode_and_decode_as_their_tokenizer_json() {
-        let corpus: Vec<String> = serde_json::from_str(
-            &std::fs::read_to_string(fixtures().join("tokenizer_corpus.json")).unwrap(),
-        )
-        .unwrap();
-        assert!(corpus.len() >= 1000);
-        for name in ["gpt2", "llama", "qwen2"] {
+    fn gguf_tokenizers_encode_and_decode_as_transformers() {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers");
+        let read = |f: &str| -> serde_json::Value {
+            serde_json::from_str(&std::fs::read_to_string(dir.join(f)).unwrap()).unwrap()
+        };
+        let corpus = read("corpus.json");
+        let corpus = corpus.as_array().unwrap();
+        assert!(corpus.len() >= 5000);
+        // The byte-level vocabularies: a SentencePiece one is checked against SentencePiece
+        // itself (text::sentencepiece), from which transformers' tokenizer.json differs.
+        for name in ["gpt2", "qwen2"] {
             let gguf =
                 gpt_blocks::Gguf::open(&fixtures().join(format!("{name}.q8_0.gguf"))).unwrap();
             let ours = from_vocab(&gguf.vocab().unwrap()).unwrap();
-            let path = fixtures().join(format!("{name}.tokenizer.json"));
-            let reference = Tokenizer::from_file(path).unwrap();
-            for text in &corpus {
-                let a = ours.encode(text.as_str(), true).unwrap();
-                let b = reference.encode(text.as_str(), true).unwrap();
-                assert_eq!(a.get_ids(), b.get_ids(), "{name}: encoding {text:?}");
-                let ids = b.get_ids();
+            let want = read(&format!("bytelevel_{name}.json"));
+            for (i, text) in corpus.iter().enumerate() {
+                let text = text.as_str().unwrap();
+                let ids: Vec<u32> = want["ids"][i]
+                    .as_str()
+                    .unwrap()
+                    .split_whitespace()
+                    .map(|x| x.parse().unwrap())
+                    .collect();
                 assert_eq!(
-                    ours.decode(ids, false).unwrap(),
-                    reference.decode(ids, false).unwrap(),
+                    ours.encode(text, true).unwrap(),
+                    ids,
+                    "{name}: encoding {text:?}"
+                );
+                let back = want["decoded_where_different"][i.to_string()]
+                    .as_str()
+                    .unwrap_or(text);
+                assert_eq!(
+                    ours.decode(&ids).unwrap(),
+                    back,
                     "{name}: decoding {text:?}"
                 );
             }
@@ -356,20 +616,60 @@ mod tests {
             &std::fs::read_to_string(fixtures().join("tokenizer_corpus.json")).unwrap(),
         )
         .unwrap();
-        let builtin =
-            crate::tokenizer::parse(include_bytes!("../models/default/tokenizer.json")).unwrap();
+        let builtin: Tokenizer =
+            tokenizer_json::parse(include_bytes!("../../models/default/tokenizer.json"))
+                .unwrap()
+                .into();
         let gguf = gpt_blocks::Gguf::open(&fixtures().join("llama.q8_0.gguf")).unwrap();
         let llama = from_vocab(&gguf.vocab().unwrap()).unwrap();
         for (name, tok, bos) in [("built-in", builtin, Some(0)), ("llama", llama, Some(1))] {
-            let size = tok.get_vocab_size(true);
+            let size = tok.vocab_size();
             let vocab = to_vocab(&tok, size, bos, bos.map(|b| b + 1)).unwrap();
             let again = from_vocab(&vocab).unwrap();
             for text in &corpus {
                 let a = again.encode(text.as_str(), true).unwrap();
                 let b = tok.encode(text.as_str(), true).unwrap();
-                assert_eq!(a.get_ids(), b.get_ids(), "{name}: {text:?}");
+                assert_eq!(a, b, "{name}: {text:?}");
             }
         }
+    }
+
+    /// A byte-level vocabulary whose file names no pre-tokenizer gets llama.cpp's `default`
+    /// patterns (numbers split in threes, punctuation runs apart), not GPT-2's: with merges
+    /// that make "12345" one token, GPT-2's split gives it whole, the default "123" + "45".
+    #[test]
+    fn a_vocabulary_without_a_pre_tokenizer_gets_llama_cpps_default() {
+        let tokens: Vec<String> = ["1", "2", "3", "4", "5", "12", "123", "1234", "12345", "45"]
+            .map(String::from)
+            .into();
+        let merges: Vec<String> = ["1 2", "12 3", "123 4", "1234 5", "4 5"]
+            .map(String::from)
+            .into();
+        let v = |pre: Option<&str>| GgufVocab {
+            model: "gpt2".into(),
+            pre: pre.map(String::from),
+            tokens: tokens.clone(),
+            scores: None,
+            token_types: None,
+            merges: Some(merges.clone()),
+            bos: None,
+            eos: None,
+            unk: None,
+            pad: None,
+            add_bos: None,
+            add_eos: None,
+            add_space_prefix: None,
+            remove_extra_whitespaces: None,
+        };
+        let ids = |pre: Option<&str>| from_vocab(&v(pre)).unwrap().encode("12345", false).unwrap();
+        assert_eq!(ids(Some("gpt-2")), [8]);
+        assert_eq!(ids(None), [6, 9]);
+        assert_eq!(ids(Some("default")), [6, 9]);
+        let e = from_vocab(&v(Some("falcon"))).unwrap_err().to_string();
+        assert!(
+            e.contains("\"falcon\" is not supported (supported: gpt-2, llama-bpe"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -388,6 +688,7 @@ mod tests {
             add_bos: None,
             add_eos: None,
             add_space_prefix: None,
+            remove_extra_whitespaces: None,
         };
         let e = from_vocab(&v).unwrap_err().to_string();
         assert!(e.contains("\"made-up\" is not supported"), "{e}");

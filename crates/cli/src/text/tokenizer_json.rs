@@ -24,14 +24,6 @@ pub fn parse(bytes: &[u8]) -> Result<Tokenizer> {
     guard(|| Tokenizer::from_bytes(bytes))?.map_err(|e| anyhow!("{e}"))
 }
 
-/// Encodes `text` as transformers 5's `tokenizer(text)` does: with the special tokens that
-/// the tokenizer's own post-processor adds (Llama's template puts BOS first; GPT-2's adds
-/// nothing). transformers 5 ignores `tokenizer_config.json`'s `add_bos_token` (checked with
-/// 5.23), so it is not read here either.
-pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
-    encode_with(tok, text, true)
-}
-
 /// Encodes `text`, with the post-processor's special tokens or without them (a rendered
 /// chat template writes its own, as `apply_chat_template` encodes it).
 pub fn encode_with(tok: &Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
@@ -45,13 +37,23 @@ pub fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String> {
     guard(|| tok.decode(ids, false))?.map_err(|e| anyhow!("decoding: {e}"))
 }
 
-/// Runs `f`, turning a panic inside the tokenizers crate into an error. The panic hook is
-/// silenced meanwhile so that the one line the user sees is the error.
+thread_local! {
+    /// Set while [`guard`] runs on this thread.
+    static GUARDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside [`guard`]: a panic hook that prints should stay quiet then,
+/// since the panic becomes an error (the `gpt` binary's hook asks). A flag per thread, not a
+/// swapped hook: the hook is the whole process's, and the server tokenizes on many threads.
+pub fn guarded() -> bool {
+    GUARDED.with(|g| g.get())
+}
+
+/// Runs `f`, turning a panic inside the tokenizers crate into an error.
 fn guard<T>(f: impl FnOnce() -> T) -> Result<T> {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
+    let before = GUARDED.with(|g| g.replace(true));
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-    std::panic::set_hook(hook);
+    GUARDED.with(|g| g.set(before));
     result.map_err(|panic| {
         let msg = panic
             .downcast_ref::<&str>()
