@@ -1,8 +1,9 @@
 """PyTorch references for the gradients of `mha`'s fused training ops: the attention
 kernel (`mha::kernel::flash_attn_cpu_train`) and LayerNorm, RMSNorm, linear, tanh GELU
-and next-token cross-entropy (`mha::ops`, `mha::kernel::gelu_tanh`).
+and next-token cross-entropy (`gpt_kernels::ops`, `gpt_kernels::act::gelu_tanh`).
 
-Writes crates/mha/tests/fixtures/attention_grads.safetensors and op_grads.safetensors,
+Writes crates/mha/tests/fixtures/attention_grads.safetensors and
+crates/kernels/tests/fixtures/op_grads.safetensors,
 read by crates/mha/tests/torch_reference.rs.
 
     /tmp/ref/bin/python scripts/grad_fixtures.py
@@ -121,5 +122,6 @@ x, weight = leaf(37, 48), leaf(48)
 out = F.rms_norm(x, (48,), weight, eps=1e-6)
 record("rms_norm", out, torch.randn(37, 48, dtype=torch.float64), {"x": x, "weight": weight})
 
-save_file(ops, os.path.join(FIXTURES, "op_grads.safetensors"))
-print("wrote op_grads.safetensors", os.path.getsize(os.path.join(FIXTURES, "op_grads.safetensors")), "bytes")
+OPS = os.path.join(os.path.dirname(__file__), "..", "crates", "kernels", "tests", "fixtures", "op_grads.safetensors")
+save_file(ops, OPS)
+print("wrote", OPS, os.path.getsize(OPS), "bytes")

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use candle_core::{bail, Result, Tensor};
 
 /// The blocks' float matrices of a model loaded for inference, read side by side into one
-/// buffer per precision (a [`mha::memory::weight_vec`]), each matrix a view into it: q, k
+/// buffer per precision (a [`gpt_kernels::memory::weight_vec`]), each matrix a view into it: q, k
 /// and v of a block next to each other, then its output projection, gate and up next to
 /// each other, then down. Read into buffers of their own (0.2–4.5 MiB each), the matrices
 /// had the two huge pages at their ends collapsed with whatever shared them (the

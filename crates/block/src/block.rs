@@ -210,7 +210,7 @@ impl Block {
         train: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let drop = |t: Tensor| self.resid_drop.forward(&t, train);
-        let add = mha::ops::add;
+        let add = gpt_kernels::ops::add;
         match (self.placement, self.parallel) {
             (NormPlacement::Pre, false) => {
                 let (a, weights) = attend(&self.ln_1.forward(xs)?)?;

@@ -28,7 +28,7 @@ impl Activation {
     pub fn apply(self, xs: &candle_core::Tensor) -> Result<candle_core::Tensor> {
         match self {
             // A vectorised kernel on the CPU in inference; Candle's gelu otherwise.
-            Activation::GeluNew => mha::kernel::gelu_tanh(xs),
+            Activation::GeluNew => gpt_kernels::act::gelu_tanh(xs),
             Activation::Gelu => xs.gelu_erf(),
             Activation::Relu => xs.relu(),
             Activation::Silu => xs.silu(),

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, DType, Device, Result, Shape, Tensor};
-use mha::qpacked::Packed;
+use gpt_kernels::quant::Packed;
 use safetensors::tensor::{Metadata, TensorInfo};
 
 use crate::load::path_err;
@@ -43,7 +43,7 @@ pub(crate) fn model_dtype(name: &str, stored: safetensors::Dtype) -> Result<DTyp
 
 /// A CPU tensor of `shape` in `dtype` whose elements, stored as `stored` (f32, f16, bf16 or
 /// f64), are read from `file`'s position straight into the vector the tensor keeps (a
-/// [`mha::memory::weight_vec`]), converted on the way when the two differ: no buffer of
+/// [`gpt_kernels::memory::weight_vec`]), converted on the way when the two differ: no buffer of
 /// bytes beside it, which Candle's `from_raw_buffer` would copy (a moment at twice the
 /// tensor, and memory the allocator keeps), nor a tensor in the stored type.
 pub(crate) fn read_floats(
@@ -72,7 +72,7 @@ fn read_floats_into(
     ) -> Result<Tensor> {
         let (len, zero) = (shape.iter().product(), T::from_f64(0.0));
         let mut data = match weights {
-            true => mha::memory::weight_vec(len, zero),
+            true => gpt_kernels::memory::weight_vec(len, zero),
             false => vec![zero; len],
         };
         read_stored(file, stored, &mut data)?;
@@ -234,7 +234,7 @@ impl FileTensors {
             parts: &[(&str, [usize; 2])],
         ) -> Result<Tensor> {
             let total = parts.iter().map(|(_, [r, c])| r * c).sum();
-            let mut data = mha::memory::weight_vec(total, T::from_f64(0.0));
+            let mut data = gpt_kernels::memory::weight_vec(total, T::from_f64(0.0));
             let mut at = 0;
             for &(name, [rows, cols]) in parts {
                 let slot = &mut data[at..at + rows * cols];

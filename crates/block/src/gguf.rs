@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{bail, DType, Device, Result, Tensor};
-use mha::qpacked::Packed;
+use gpt_kernels::quant::Packed;
 use mha::{MultiHeadAttention, Proj, QkvProj, RopeConfig, RopeScaling};
 
 use crate::arena::FloatArena;
@@ -1063,7 +1063,7 @@ impl Gguf {
         parts: &[(&str, [usize; 2], usize)],
     ) -> Result<Tensor> {
         let total = parts.iter().map(|(_, [r, c], _)| r * c).sum();
-        let mut data = mha::memory::weight_vec(total, T::zero());
+        let mut data = gpt_kernels::memory::weight_vec(total, T::zero());
         let mut at = 0;
         for &(name, [rows, cols], heads) in parts {
             let slot = &mut data[at..at + rows * cols];

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, DType, Device, ModuleT, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
-use mha::qpacked::Packed;
+use gpt_kernels::quant::Packed;
 use mha::{neox_to_fused, Dropout, KvCache, Mask, Proj, RopeTables};
 
 use crate::family::TensorNames;
@@ -441,7 +441,7 @@ impl Gpt {
 
     /// The model with its matrices as they are and everything else (norms, position table)
     /// in f32, computing in f32: a half-precision model as llama.cpp runs one on the CPU.
-    /// The products widen f16/bf16 weights as they read them (`mha::matvec`), or widen
+    /// The products widen f16/bf16 weights as they read them (`gpt_kernels::dense`), or widen
     /// slabs of a weight for the f32 GEMM when there are many rows; the token table stays
     /// half precision (shared with a tied head) and its rows are widened on lookup.
     /// Elementwise work in f32 instead of f16 is also what makes this fast: Candle's CPU
@@ -1004,7 +1004,7 @@ fn all_finite(t: &Tensor) -> Result<bool> {
     if t.device().is_cpu() {
         // Branch-free within a chunk, so the compiler vectorizes it.
         let finite = |c: &[f32]| c.iter().fold(true, |ok, v| ok & v.is_finite());
-        return mha::matvec::with_f32_values(t, |x| Ok(x.chunks(1024).all(finite)));
+        return gpt_kernels::dense::with_f32_values(t, |x| Ok(x.chunks(1024).all(finite)));
     }
     all_finite_on_device(t)
 }
@@ -1040,7 +1040,7 @@ pub fn next_token_loss(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
     check_targets(ids, b, t, v)?;
     if logits.device().is_cpu() && logits.dtype() == DType::F32 {
         // Fused: no copy of the logits, and a backward pass of one sweep.
-        return mha::ops::next_token_cross_entropy(logits, ids);
+        return gpt_kernels::ops::next_token_cross_entropy(logits, ids);
     }
     let inputs = logits.narrow(1, 0, t - 1)?.reshape((b * (t - 1), v))?;
     let targets = ids

@@ -272,10 +272,10 @@ impl Mlp {
         self.down.forward(&hs)
     }
 
-    /// `act(g)·u`; SwiGLU's in one pass where [`mha::kernel::silu_mul`] applies.
+    /// `act(g)·u`; SwiGLU's in one pass where [`gpt_kernels::act::silu_mul`] applies.
     fn gated(&self, g: &Tensor, u: &Tensor) -> Result<Tensor> {
         match self.act {
-            Activation::Silu => mha::kernel::silu_mul(g, u),
+            Activation::Silu => gpt_kernels::act::silu_mul(g, u),
             _ => self.act.apply(g)? * u,
         }
     }

@@ -8,7 +8,7 @@ use crate::NormKind;
 /// LayerNorm over the last dimension, with `weight` and `bias` named as in checkpoints.
 ///
 /// Candle's fused `layer_norm` has no backward pass, so it runs only when nothing needs a
-/// gradient; training on the CPU in f32 takes [`mha::ops::layer_norm`], which has one, and
+/// gradient; training on the CPU in f32 takes [`gpt_kernels::ops::layer_norm`], which has one, and
 /// other devices and dtypes the same formula built from differentiable ops.
 #[derive(Debug, Clone)]
 pub struct LayerNorm {
@@ -42,7 +42,7 @@ impl LayerNorm {
         let needs_grad = xs.track_op() || self.weight.track_op() || self.bias.track_op();
         if needs_grad && xs.device().is_cpu() && xs.dtype() == DType::F32 {
             // One fused op whose backward recomputes the row statistics (training).
-            return mha::ops::layer_norm(xs, &self.weight, &self.bias, self.eps);
+            return gpt_kernels::ops::layer_norm(xs, &self.weight, &self.bias, self.eps);
         }
         if needs_grad || !xs.is_contiguous() {
             candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, self.eps as f32)
@@ -56,7 +56,7 @@ impl LayerNorm {
 /// weight`, the statistics in f32 whatever the input's dtype (as transformers computes it).
 ///
 /// Candle's fused `rms_norm` has no backward pass, so it runs only when nothing needs a
-/// gradient; training on the CPU in f32 takes [`mha::ops::rms_norm`], and other devices
+/// gradient; training on the CPU in f32 takes [`gpt_kernels::ops::rms_norm`], and other devices
 /// and dtypes the formula built from differentiable ops.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
@@ -87,7 +87,7 @@ impl RmsNorm {
             // takes it too: its sum of squares is vectorised, where Candle's `rms_norm`
             // adds one value at a time (11% of the calling thread's serial work between
             // SmolLM-135M's decoding products went to norms).
-            return mha::ops::rms_norm(xs, &self.weight, self.eps);
+            return gpt_kernels::ops::rms_norm(xs, &self.weight, self.eps);
         }
         if !needs_grad && xs.is_contiguous() && xs.dtype() == DType::F32 {
             return candle_nn::ops::rms_norm(xs, &self.weight, self.eps as f32);

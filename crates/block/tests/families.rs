@@ -10,7 +10,7 @@
 //! configs are one-line errors that name the field, and training through every family but
 //! GPT-NeoX has the gradients finite differences give.
 
-#[path = "../../mha/tests/common/mod.rs"]
+#[path = "../../kernels/tests/common/mod.rs"]
 mod common;
 mod reference;
 

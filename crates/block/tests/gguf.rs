@@ -12,7 +12,7 @@
 //! - the metadata is read as the checkpoint's config, and cached decoding equals the full
 //!   pass.
 
-#[path = "../../mha/tests/common/mod.rs"]
+#[path = "../../kernels/tests/common/mod.rs"]
 mod common;
 
 use std::collections::HashMap;
@@ -81,7 +81,7 @@ fn f32_files_give_transformers_logits() {
 
 /// Our logits on a file against llama.cpp's on the same file.
 ///
-/// Quantized matrices go through our packed kernels (`mha::qpacked`; Candle's on CPUs
+/// Quantized matrices go through our packed kernels (`gpt_kernels::quant`; Candle's on CPUs
 /// without AVX-512 VNNI), which, like ggml's, round the activations to 8 bits (per 32
 /// values, per 256 for the k-quants): Llama and Qwen2 then often agree with llama.cpp to
 /// rounding (q8_0, q4_0 5e-7; q2_K, q3_K_M, q4_K_M 1.7–2.4e-6); elsewhere an activation
@@ -297,7 +297,7 @@ fn cached_decoding_equals_the_full_pass() {
 /// are.
 #[test]
 fn fused_loading_computes_what_the_separate_projections_do() {
-    let packs = mha::qpacked::Packed::packs_here;
+    let packs = gpt_kernels::quant::Packed::packs_here;
     let dir = tempfile::tempdir().unwrap();
     let f16 = dir.path().join("qwen2.f16.gguf");
     gpt_blocks::save_gguf(&load("qwen2.f32.gguf"), &f16, GgmlDType::F16, None, None).unwrap();

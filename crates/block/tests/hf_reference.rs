@@ -5,7 +5,7 @@
 //! comes (no `transformer.` prefix, sharded, saved by us) and bad checkpoints.
 
 // The tolerance helpers live with the mha tests.
-#[path = "../../mha/tests/common/mod.rs"]
+#[path = "../../kernels/tests/common/mod.rs"]
 mod common;
 mod reference;
 

@@ -2,7 +2,7 @@
 //! gradients, post-norm blocks, sampling, and bad inputs.
 
 // The tolerance helpers live with the mha tests.
-#[path = "../../mha/tests/common/mod.rs"]
+#[path = "../../kernels/tests/common/mod.rs"]
 mod common;
 
 use candle_core::{DType, Device, ModuleT, Result, Tensor};

@@ -94,7 +94,7 @@ const MI_OPTION_ARENA_EAGER_COMMIT: libmimalloc_sys::mi_option_t = 4;
 /// 2 MiB region the heap touches then takes 2 MiB of memory. Measured (alternating runs,
 /// medians of 5–8; 2 threads): `gpt --help` 13.1 → 7.5 MiB, GPT-2 124M q8_0 decoding
 /// 187 → 162 MiB and prefill 270 → 249 MiB, f16 decoding 310 → 279 MiB, speed unchanged
-/// once the weights ask for huge pages themselves (`mha::memory::weight_vec`). Runs from
+/// once the weights ask for huge pages themselves (`gpt_kernels::memory::weight_vec`). Runs from
 /// `.init_array`, before Rust's runtime allocates anything: the first arena is reserved
 /// by the first allocation, with the setting of that moment.
 /// MIMALLOC_ARENA_EAGER_COMMIT in the environment still wins.

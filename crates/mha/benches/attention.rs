@@ -94,7 +94,7 @@ fn bench_gelu(c: &mut Criterion) {
     group.sample_size(20);
     let xs = Tensor::randn(0f32, 1.0, (512, 3072), &Device::Cpu).unwrap();
     group.bench_function("simd_tanh", |b| {
-        b.iter(|| mha::kernel::gelu_tanh(&xs).unwrap())
+        b.iter(|| gpt_kernels::act::gelu_tanh(&xs).unwrap())
     });
     group.bench_function("candle_tanh", |b| b.iter(|| xs.gelu().unwrap()));
     group.bench_function("candle_erf", |b| b.iter(|| xs.gelu_erf().unwrap()));

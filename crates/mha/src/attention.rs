@@ -4,7 +4,8 @@ use candle_core::{bail, DType, Result, Tensor, D};
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
-use crate::layout::{self, Proj, Projections, QkvProj, WeightLayout};
+use crate::layout::{self, Projections, QkvProj, WeightLayout};
+use gpt_kernels::Proj;
 use crate::{kernel, step, Dropout, KvCache, Mask, MhaConfig, Rope, RopeTables};
 
 /// How to run [`sdpa`] beyond its tensors and mask.

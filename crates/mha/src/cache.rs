@@ -184,7 +184,7 @@ fn to_dtype(t: &Tensor, dtype: DType) -> Result<Tensor> {
     if dtype != DType::F16 || t.dtype() != DType::F32 || !t.device().is_cpu() {
         return t.to_dtype(dtype);
     }
-    crate::matvec::with_f32_values(t, |x| {
+    gpt_kernels::dense::with_f32_values(t, |x| {
         let mut h = vec![half::f16::ZERO; x.len()];
         half::slice::HalfFloatSliceExt::convert_from_f32_slice(h.as_mut_slice(), x);
         Tensor::from_vec(h, t.shape(), t.device())

@@ -13,7 +13,7 @@
 //! (flash-decoding).
 
 use crate::kernel::{FlashAttn, KvPtr, KvRows, Rows};
-use crate::simd;
+use gpt_kernels::simd;
 
 /// Keys per block of the online softmax (the weighted values are rescaled once a block).
 const BLOCK: usize = 128;
@@ -111,7 +111,7 @@ pub(crate) fn run(
         call.group_range(g / h_kv, g % h_kv, start..end)
     };
     let partials: Vec<Partial> = match parallel && groups * ranges > 1 {
-        true => crate::team::map(groups * ranges, task),
+        true => gpt_kernels::team::map(groups * ranges, task),
         false => (0..groups * ranges).map(task).collect(),
     };
     // Merge each row's ranges: weights exp(m_r - m) bring them to the common maximum.
@@ -398,7 +398,7 @@ unsafe fn add_weighted(
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use crate::simd::avx512::Load;
+    use gpt_kernels::simd::avx512::Load;
 
     /// Rows `0..n` at `p` (`st` apart, `width` values each, a multiple of 16) as f32 rows of
     /// `buf`, `width` apart.

@@ -17,7 +17,7 @@ use candle_core::{bail, Layout, Result, Storage, Tensor};
 use rayon::prelude::*;
 
 use crate::kernel::{FlashAttn, Rows, BC, BR};
-use crate::simd;
+use gpt_kernels::simd;
 
 /// `(dq, dk, dv)` of the fused attention for the gradient `grad_out` of its output `out`.
 pub(crate) fn backward(

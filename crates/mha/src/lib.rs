@@ -15,7 +15,7 @@
 //!   Conv1D, PyTorch's `in_proj_weight` ([`WeightLayout`]);
 //! - fused CPU kernels for inference and for training (a flash-attention backward pass
 //!   that keeps no `q_len × kv_len` matrix), held to the plain differentiable path and to
-//!   PyTorch; [`ops`] adds fused LayerNorm, RMSNorm, linear and cross-entropy for training.
+//!   PyTorch (the CPU products under it are the `gpt-kernels` crate's).
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -79,15 +79,8 @@ mod flash_backward;
 pub mod kernel;
 mod layout;
 mod mask;
-pub mod matvec;
-pub mod memory;
-pub mod ops;
-pub mod qmatvec;
-pub mod qpacked;
 mod rope;
-mod simd;
 mod step;
-mod team;
 
 pub use attention::{
     masked_softmax, repeat_kv, sdpa, sdpa_reference, AttnWeights, ForwardArgs, MultiHeadAttention,
@@ -96,9 +89,10 @@ pub use attention::{
 pub use cache::KvCache;
 pub use config::MhaConfig;
 pub use dropout::Dropout;
-pub use layout::{neox_to_fused, Proj, QkvProj, WeightLayout};
+// The linear layer of the projections (the kernels crate's), for the callers that build them.
+pub use gpt_kernels::{OutputAct, Proj};
+pub use layout::{neox_to_fused, QkvProj, WeightLayout};
 pub use mask::{KeyPadding, Mask};
-pub use matvec::OutputAct;
 pub use rope::{Rope, RopeConfig, RopeScaling, RopeTables};
 
 // The crate README's examples run as doctests.

@@ -10,7 +10,7 @@
 use candle_core::{bail, DType, Device, Result, Tensor, D};
 use serde::{Deserialize, Serialize};
 
-use crate::ops::with_values;
+use gpt_kernels::storage::with_values;
 
 /// How the frequencies are stretched for contexts longer than the model was trained on
 /// (`rope_scaling` / `rope_parameters.rope_type` in `config.json`).
@@ -312,7 +312,7 @@ impl candle_core::CustomOp1 for RopeTrain {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let xs = crate::ops::values(storage, layout, "rope")?;
+        let xs = gpt_kernels::storage::values(storage, layout, "rope")?;
         let ys = self.rotate(xs, layout.shape(), false)?;
         Ok((candle_core::CpuStorage::F32(ys), layout.shape().clone()))
     }

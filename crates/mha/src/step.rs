@@ -16,7 +16,7 @@ use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Storage, 
 use half::slice::HalfFloatSliceExt;
 
 use crate::kernel::{FlashAttn, KvRows, Rows, DIRECT_ROWS};
-use crate::ops::{values, with_values};
+use gpt_kernels::storage::{values, with_values};
 use crate::rope::rotate_pairs;
 use crate::{decode, KvCache, Mask, Rope, RopeTables};
 

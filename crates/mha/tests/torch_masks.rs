@@ -2,6 +2,7 @@
 //! `torch.save`, against `nn.MultiheadAttention(16, 4, batch_first=True)` (torch 2.15):
 //! fixtures from `scripts/mha_torch_masks.py`, compared within 1e-5.
 
+#[path = "../../kernels/tests/common/mod.rs"]
 mod common;
 
 use std::collections::HashMap;

@@ -39,7 +39,7 @@ const MAX_TASKS: usize = 1 << 16;
 
 /// `f(i)` for `i` in `0..n`, the results in order: on the team when it is free, else on
 /// rayon's pool. Runs here when `n` is 1.
-pub(crate) fn map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+pub fn map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
     // A caller inside a one-thread pool asked for no parallelism.
     if n <= 1 || rayon::current_num_threads() == 1 {
         return (0..n).map(f).collect();

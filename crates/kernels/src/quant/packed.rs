@@ -5,7 +5,7 @@
 //! A q8_0 matrix `[n, k]` is stored by GGUF (and Candle) row after row of blocks (an f16
 //! scale and 32 signed bytes). A product with that layout must reduce each block's sums
 //! across lanes before scaling them, about eight instructions per 32 products
-//! ([`crate::qmatvec`]). Here the same bytes are regrouped in tiles of 16 rows × one block:
+//! ([`crate::quant::stored`]). Here the same bytes are regrouped in tiles of 16 rows × one block:
 //! the 16 scales, then the 32 values of each row in groups of four, so that one 64-byte
 //! load holds four values of each of the 16 rows, and one `vpdpbusd` multiplies them by
 //! four values of `x` broadcast to every lane, adding into one lane per row. A tile's 512
@@ -32,7 +32,7 @@
 //! Sums are exact integers per block (per super-block for the k-quants) and f32 across
 //! blocks, as in ggml. The kernels use AVX-512 VNNI, and for every format but q8_0 AVX2 (`vpmaddubsw` on each half of a tile, rows 0–7 and 8–15, in place of `vpdpbusd`);
 //! [`Packed::new`] packs only where the CPU has kernels for the format (elsewhere a matrix
-//! stays a `QTensor` on [`crate::qmatvec`] or Candle's kernels), and a
+//! stays a `QTensor` on [`crate::quant::stored`] or Candle's kernels), and a
 //! scalar version of the same arithmetic is the tests' reference for the packing and the
 //! kernels, beside Candle's dequantized weights and products.
 
@@ -41,8 +41,8 @@ use candle_core::{bail, Result};
 use half::f16;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use crate::matvec::{map_ranges, ranges};
-use crate::qmatvec::{abs_max, level, quantize_in_parts, saturate_i8, Level, QRows};
+use crate::dense::{map_ranges, ranges};
+use crate::quant::stored::{abs_max, level, quantize_in_parts, saturate_i8, Level, QRows};
 use crate::team::Streams;
 
 /// Rows per tile.
@@ -3101,7 +3101,7 @@ mod tests {
     #[test]
     fn vector_super_quantizer_equals_the_scalar_code() {
         // As `qmatvec`'s test of the q8_0 quantizer, for q8_K's super-blocks.
-        crate::qmatvec::tests::assert_same_quantization(
+        crate::quant::stored::tests::assert_same_quantization(
             QK_K,
             QK_K / 16,
             quantize_super,
@@ -3218,7 +3218,7 @@ mod tests {
             }
             // Every level of kernels this CPU runs that has them for the format.
             for level in [Level::Avx2, Level::Avx512Vnni] {
-                if level > crate::qmatvec::level() || !p.format.kernels(level) {
+                if level > crate::quant::stored::level() || !p.format.kernels(level) {
                     continue;
                 }
                 let simd = p.product(&xq, m, cols.clone(), level);
@@ -3303,7 +3303,7 @@ mod tests {
                 let xq = XRows::new(p.format, &vec![1.0; m * k], k);
                 let scalar = p.product(&xq, m, 0..n, Level::Scalar);
                 for level in [Level::Avx2, Level::Avx512Vnni] {
-                    if level > crate::qmatvec::level() || !p.format.kernels(level) {
+                    if level > crate::quant::stored::level() || !p.format.kernels(level) {
                         continue;
                     }
                     let simd = p.product(&xq, m, 0..n, level);

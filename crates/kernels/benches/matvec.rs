@@ -1,4 +1,4 @@
-//! Decoding-sized products (1 to 8 rows) at GPT-2 small geometry: `mha::matvec` against
+//! Decoding-sized products (1 to 8 rows) at GPT-2 small geometry: `gpt_kernels::dense` against
 //! Candle's `matmul` (the `gemm` crate). Each iteration runs the product over twelve
 //! copies of the weight, as a 12-layer model does, so the weights come from memory and
 //! not from the 32 MiB cache.
@@ -10,9 +10,9 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::Module;
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use mha::matvec::few_rows_matmul;
-use mha::qmatvec::qmatmul;
-use mha::qpacked::Packed;
+use gpt_kernels::dense::few_rows_matmul;
+use gpt_kernels::quant::stored::qmatmul;
+use gpt_kernels::quant::Packed;
 use std::sync::Arc;
 
 fn randn(shape: (usize, usize)) -> Tensor {
@@ -65,8 +65,8 @@ fn bench_matvec(c: &mut Criterion) {
 }
 
 /// The same products with block-quantized weights (`[out, in]`, as GGUF stores them):
-/// `mha::qpacked` (the repacked tiles `Proj` uses where the CPU has AVX-512 VNNI) and
-/// `mha::qmatvec` (the stored layout, used elsewhere) against Candle's `QMatMul` (which
+/// `gpt_kernels::quant` (the repacked tiles `Proj` uses where the CPU has AVX-512 VNNI) and
+/// `gpt_kernels::quant::stored` (the stored layout, used elsewhere) against Candle's `QMatMul` (which
 /// repacks q8_0 matrices whose input width is a multiple of 256 for its own AVX-512 VNNI
 /// kernel, keeping the copy). Throughput is in weight bytes read per second. Run it on the
 /// pool (`Proj` is called from a worker in `gpt`): calls from outside pay a wake-up each.
@@ -120,7 +120,7 @@ fn bench_qmatvec(c: &mut Criterion) {
                         })
                     });
                 }
-                if mha::qmatvec::supported(&ws[0]) {
+                if gpt_kernels::quant::stored::supported(&ws[0]) {
                     group.bench_function(BenchmarkId::new("qmatvec", &id), |bench| {
                         bench.iter(|| {
                             pool.install(|| {
@@ -179,7 +179,7 @@ fn bench_prefill(c: &mut Criterion) {
             }
             group.bench_function(BenchmarkId::new("dequantized", &id), |bench| {
                 bench.iter(|| {
-                    pool.install(|| mha::qmatvec::prefill_dequantized(&xs, &w, 0..d_out).unwrap())
+                    pool.install(|| gpt_kernels::quant::stored::prefill_dequantized(&xs, &w, 0..d_out).unwrap())
                 })
             });
             let qm = QMatMul::from_qtensor(

@@ -13,7 +13,7 @@
 //!
 //! ```
 //! use candle_core::{Device, Tensor, Var};
-//! use mha::ops::{layer_norm, linear, next_token_cross_entropy};
+//! use gpt_kernels::ops::{layer_norm, linear, next_token_cross_entropy};
 //!
 //! let dev = Device::Cpu;
 //! let ids = Tensor::new(&[[1u32, 4, 2, 3]], &dev)?; // [b, t]
@@ -36,6 +36,7 @@ use candle_core::{
 use rayon::prelude::*;
 
 use crate::simd;
+use crate::storage::{cpu, values, with_values};
 
 /// Rows per task.
 const ROWS: usize = 32;
@@ -61,27 +62,6 @@ pub fn layer_norm(xs: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resu
 
 struct LayerNorm {
     eps: f32,
-}
-
-/// The f32 values of a contiguous CPU tensor.
-pub(crate) fn values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
-        _ => bail!("{what}: expected a contiguous f32 CPU tensor"),
-    }
-}
-
-/// `f` of the f32 values of a contiguous CPU tensor, read in place.
-pub(crate) fn with_values<R>(
-    t: &Tensor,
-    what: &str,
-    f: impl FnOnce(&[f32]) -> Result<R>,
-) -> Result<R> {
-    let (s, l) = t.storage_and_layout();
-    match &*s {
-        Storage::Cpu(s) => f(values(s, l, what)?),
-        _ => bail!("{what}: expected a CPU tensor"),
-    }
 }
 
 /// `ys` computed row by row from `xs` (rows of `dim`), `ROWS` rows per task.
@@ -537,14 +517,6 @@ unsafe fn matmul(
         false,
         gemm::Parallelism::Rayon(rayon::current_num_threads()),
     )
-}
-
-/// The CPU storage of a tensor.
-pub(crate) fn cpu<'a>(s: &'a Storage, what: &str) -> Result<&'a CpuStorage> {
-    match s {
-        Storage::Cpu(s) => Ok(s),
-        _ => bail!("{what}: expected a CPU tensor"),
-    }
 }
 
 impl CustomOp3 for Linear {

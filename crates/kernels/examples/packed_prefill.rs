@@ -1,15 +1,15 @@
-//! A prefill's packed products (`mha::qpacked::Packed::matmul`) on GPT-2 124M's shapes,
+//! A prefill's packed products (`gpt_kernels::quant::Packed::matmul`) on GPT-2 124M's shapes,
 //! the fastest of 15 runs each: the kernel-level check behind docs/PERFORMANCE.md's
 //! prefill numbers, steadier than whole prefills on a shared machine. To compare two
 //! builds, copy each binary aside and alternate them.
 //!
-//! `cargo run --release -p mha --example packed_prefill -- [q8_0|q4_0|q5_0|q4k|q5k|q6k|q3k|q2k] [rows]`
+//! `cargo run --release -p gpt-kernels --example packed_prefill -- [q8_0|q4_0|q5_0|q4k|q5k|q6k|q3k|q2k] [rows]`
 //! (threads from `T`, default 2).
 
 use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use mha::qpacked::Packed;
+use gpt_kernels::quant::Packed;
 use std::time::Instant;
 
 fn main() -> Result<()> {

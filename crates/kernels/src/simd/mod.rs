@@ -311,8 +311,10 @@ fn dot4_bf16_impl(x: &[f32], w: [&[half::bf16]; 4]) -> [f32; 4] {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 
+/// The AVX-512 kernels, for the fused attention of `mha` as well (its decoding step widens
+/// half-precision caches with [`avx512::Load`]).
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod avx512 {
+pub mod avx512 {
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -348,6 +350,7 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// `y += Σ_j a[j] · w[j]` over four rows at once.
     #[target_feature(enable = "avx512f")]
     pub fn axpy4<W: Load>(y: &mut [f32], a: [f32; 4], w: [&[W]; 4]) {
         let n = y.len();
@@ -553,6 +556,7 @@ pub(crate) mod avx512 {
         sums
     }
 
+    /// `x · w[j]` for four rows at once.
     #[target_feature(enable = "avx512f")]
     pub fn dot4<W: Load>(x: &[f32], w: [&[W]; 4]) -> [f32; 4] {
         let n = x.len();

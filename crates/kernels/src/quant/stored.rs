@@ -1,6 +1,6 @@
 //! Products of a few rows with a block-quantized weight (ggml's q8_0, q4_0 and q5_0) on
 //! the CPU, reading each weight block once from where it is stored: no dequantized or
-//! repacked copy. (Where [`crate::qpacked`] has kernels for the format, the model holds the
+//! repacked copy. (Where [`crate::quant::packed`] has kernels for the format, the model holds the
 //! matrix packed instead: every format with AVX-512 VNNI, q4_0 and q5_0 with AVX2.)
 //!
 //! As in ggml, each row of `x` is first quantized to 8 bits in blocks of 32 (q8_0: one
@@ -27,7 +27,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, Result, Tensor};
 use half::f16;
 
-use crate::matvec::{map_ranges, ranges};
+use crate::dense::{map_ranges, ranges};
 use rayon::prelude::*;
 
 /// Values per block, in both formats and in the quantized rows of `x`.
@@ -102,7 +102,7 @@ pub fn qmatmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Te
             w.dtype()
         )
     }
-    let x = crate::matvec::with_f32_values(xs, |x| Ok(QRows::new(x, k)))?;
+    let x = crate::dense::with_f32_values(xs, |x| Ok(QRows::new(x, k)))?;
     let weights = &data[rows.start * row_bytes..rows.end * row_bytes];
     let ys = product(level(), format, weights, row_bytes, &x);
     Tensor::from_vec(ys, (m, rows.len()), xs.device()).map(Some)
@@ -134,7 +134,7 @@ pub fn kquant_matmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Opt
 }
 
 /// `xs [m, in] · wᵀ` over output rows `rows` of a block-quantized `w` (`[out, in]`) for
-/// many rows of `x` (a prefill): each GEMM task of [`crate::matvec::prefill_rows`]
+/// many rows of `x` (a prefill): each GEMM task of [`crate::dense::prefill_rows`]
 /// dequantizes its span of rows (Candle's `to_float`) into its thread's buffer and
 /// multiplies it there. `None` for a format this does not read.
 pub fn prefill_dequantized(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Tensor>> {
@@ -143,7 +143,7 @@ pub fn prefill_dequantized(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Resu
         fn run<T: GgmlType>(&self, x: &[f32], m: usize, k: usize, w: &[T]) -> Result<Vec<f32>> {
             let nb = k / T::BLCK_SIZE;
             let row = |o: usize, dst: &mut [f32]| T::to_float(&w[o * nb..][..nb], dst);
-            Ok(crate::matvec::prefill_rows(x, m, k, w.len() / nb, &row))
+            Ok(crate::dense::prefill_rows(x, m, k, w.len() / nb, &row))
         }
     }
     with_blocks(xs, w, rows, Dequantized)
@@ -194,7 +194,7 @@ fn with_blocks(
         bail!("quantized product: rows {rows:?} of a weight with {d_out}")
     }
     let data = w.data()?;
-    let ys = crate::matvec::with_f32_values(xs, |x| {
+    let ys = crate::dense::with_f32_values(xs, |x| {
         let (x, r, mk) = (x, rows.clone(), (m, k));
         match w.dtype() {
             GgmlDType::Q4_0 => run::<BlockQ4_0>(&p, x, mk, &data, r),

@@ -6,7 +6,7 @@
 //! latency does not bound them. Then the prefill kernel's own pattern, with and without its
 //! scaling after each 32 values. docs/PERFORMANCE.md has what an Ice Lake Xeon gave.
 //!
-//! `cargo run --release -p mha --example vnni_rate`
+//! `cargo run --release -p gpt-kernels --example vnni_rate`
 
 #[cfg(target_arch = "x86_64")]
 mod rates {
