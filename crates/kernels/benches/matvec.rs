@@ -179,7 +179,9 @@ fn bench_prefill(c: &mut Criterion) {
             }
             group.bench_function(BenchmarkId::new("dequantized", &id), |bench| {
                 bench.iter(|| {
-                    pool.install(|| gpt_kernels::quant::stored::prefill_dequantized(&xs, &w, 0..d_out).unwrap())
+                    pool.install(|| {
+                        gpt_kernels::quant::stored::prefill_dequantized(&xs, &w, 0..d_out).unwrap()
+                    })
                 })
             });
             let qm = QMatMul::from_qtensor(

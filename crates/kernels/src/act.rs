@@ -7,8 +7,8 @@ use half::slice::HalfFloatSliceExt;
 
 use rayon::prelude::*;
 
-use crate::storage::{cpu, values};
 use crate::simd;
+use crate::storage::{cpu, values};
 
 /// SwiGLU's product `silu(gate)·up`: on f32 CPU tensors whose rows (the last dimension)
 /// have unit stride, views into one `[.., 2·inner]` gate-and-up product included, one

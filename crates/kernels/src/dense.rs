@@ -24,6 +24,7 @@ use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::shared::SharedOut;
 use crate::simd::{self, Widen};
 
 /// The most rows this path takes, for weights seen transposed (`[out, in]` stored): the
@@ -605,22 +606,6 @@ pub fn prefill_rows(
         false => spans.iter().for_each(task),
     }
     ys
-}
-
-/// The output of a product that tasks write in disjoint columns.
-pub(crate) struct SharedOut(pub(crate) *mut f32);
-// SAFETY: each task writes its own columns (see `slab_products`), and the vector outlives
-// them (the parallel loop returns when they are done).
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// Element `i` (a method, so closures capture the whole `Sync` struct).
-    ///
-    /// # Safety
-    /// `i` must lie inside the vector.
-    pub(crate) unsafe fn at(&self, i: usize) -> *mut f32 {
-        self.0.add(i)
-    }
 }
 
 /// `ys += x · w` with `w` the `[in, out]` view at `start` with `stride` into `data`;

@@ -34,6 +34,7 @@ pub mod memory;
 pub mod ops;
 mod proj;
 pub mod quant;
+mod shared;
 pub mod simd;
 pub mod storage;
 pub mod team;

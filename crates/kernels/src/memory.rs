@@ -2,22 +2,15 @@
 
 /// A vector of `len` copies of `value`, for a large buffer that lives as long as the model
 /// and is read whole for every token (a weight matrix). On Linux its memory is marked for
-/// transparent huge pages (`madvise(MADV_HUGEPAGE)`, before the first write, so the pages
-/// are 2 MiB from the start where the system allows it): streaming a matrix through
-/// 4 KiB pages misses the TLB every page. The rest of the process stays on small pages,
-/// where a huge page would be mostly empty. Measured on GPT-2 124M f16 decoding (2 threads,
-/// alternating runs, medians of 8): the same speed as an allocator that puts the whole
-/// heap on huge pages, 4–7% above small pages, at 31 MiB less peak memory than the former.
+/// transparent huge pages (`madvise(MADV_HUGEPAGE)`) before the first write, so that its
+/// pages are 2 MiB where the system allows: streaming a matrix through 4 KiB pages misses
+/// the TLB on every page. The rest of the process stays on small pages, where a huge page
+/// would be mostly empty.
 ///
-/// A matrix of 256 KiB or more also has the huge pages at its two ends made of whatever is
-/// there (`MADV_COLLAPSE`, Linux 6.1 on; elsewhere nothing happens; not for quantized
-/// tiles: [`packed_weight_vec`]): a matrix smaller than a
-/// huge page holds no whole one, and SmolLM-135M's 0.66–1.8 MiB matrices left all but
-/// 80 MiB of its 290 on small pages (231 MiB huge with the collapse). Measured (2 threads,
-/// alternating, by round): SmolLM-135M f16 decoding 72–78 → 77–81 tok/s, q8_0 133–154 →
-/// 145–165, after a 512-token prefill f16 60–80 → 72–78 and GPT-2 124M f16 59–72 → 69–78;
-/// peak memory +5–24 MiB (a neighbour's unused part of an end page becomes resident).
-/// The built-in model's 0.4–0.5 MiB matrices sit in the cache either way.
+/// A matrix of 256 KiB or more also has the huge pages at its two ends made whole
+/// (`MADV_COLLAPSE`, Linux 6.1 on; elsewhere nothing happens): a matrix smaller than a huge
+/// page holds no whole one of its own. Quantized tiles take [`packed_weight_vec`] instead.
+/// (Measured in docs/PERFORMANCE.md, "Memory".)
 pub fn weight_vec<T: Copy>(len: usize, value: T) -> Vec<T> {
     let v = packed_weight_vec(len, value);
     let bytes = std::mem::size_of_val(v.as_slice());

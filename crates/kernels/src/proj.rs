@@ -393,8 +393,7 @@ impl Proj {
             if d == d_in {
                 let xs2 = xs.reshape((xs.elem_count() / d_in, d_in))?;
                 if !crate::dense::preferred(&xs2, w_t) {
-                    let fused =
-                        crate::dense::prefill_fused(&xs2, w_t, self.b.as_ref(), Some(act))?;
+                    let fused = crate::dense::prefill_fused(&xs2, w_t, self.b.as_ref(), Some(act))?;
                     if let Some(ys) = fused {
                         return ys.reshape(out_dims(xs.dims(), ys.dim(1)?));
                     }
@@ -492,7 +491,9 @@ impl Proj {
                     QMatMul::QTensor(q) if rows < DENSE_ROWS => {
                         match crate::quant::stored::qmatmul(&xs2, q, start..start + len)? {
                             Some(ys) => Some(ys),
-                            None => crate::quant::stored::kquant_matmul(&xs2, q, start..start + len)?,
+                            None => {
+                                crate::quant::stored::kquant_matmul(&xs2, q, start..start + len)?
+                            }
                         }
                     }
                     // A prefill where Candle has no repacked kernel: each GEMM task

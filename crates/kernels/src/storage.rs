@@ -11,11 +11,7 @@ pub fn values<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]
 }
 
 /// `f` of the f32 values of a contiguous CPU tensor, read in place.
-pub fn with_values<R>(
-    t: &Tensor,
-    what: &str,
-    f: impl FnOnce(&[f32]) -> Result<R>,
-) -> Result<R> {
+pub fn with_values<R>(t: &Tensor, what: &str, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
     let (s, l) = t.storage_and_layout();
     match &*s {
         Storage::Cpu(s) => f(values(s, l, what)?),

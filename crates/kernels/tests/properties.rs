@@ -415,9 +415,12 @@ fn half_case(xs: &Tensor, w_t: &Tensor, linear: &Tensor, b: &Tensor, half: DType
         let what = format!("{name} {half:?}, {rows} rows");
         assert_close(&got, &want, 1e-3, 8e-3, &what);
         // The kernel itself, whatever the weight's size.
-        let direct =
-            gpt_kernels::dense::few_rows_matmul(&xh.reshape((rows, d_in))?, &dense, Some(&cast(b)?))?
-                .expect("the few-rows path takes f16 and bf16 here");
+        let direct = gpt_kernels::dense::few_rows_matmul(
+            &xh.reshape((rows, d_in))?,
+            &dense,
+            Some(&cast(b)?),
+        )?
+        .expect("the few-rows path takes f16 and bf16 here");
         let what = format!("{what}, matvec");
         assert_close(&direct.reshape((rows, 1, d_out))?, &want, 1e-3, 8e-3, &what);
     }

@@ -5,8 +5,8 @@ use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
 use crate::layout::{self, Projections, QkvProj, WeightLayout};
-use gpt_kernels::Proj;
 use crate::{kernel, step, Dropout, KvCache, Mask, MhaConfig, Rope, RopeTables};
+use gpt_kernels::Proj;
 
 /// How to run [`sdpa`] beyond its tensors and mask.
 #[derive(Debug, Clone, Copy)]

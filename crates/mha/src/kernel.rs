@@ -12,16 +12,14 @@
 
 use std::sync::Mutex;
 
-use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor,
-};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::dropout::DropMask;
-use gpt_kernels::storage::{values, with_values};
 use crate::{decode, Dropout, Mask, Rope, RopeTables};
 use gpt_kernels::simd;
+use gpt_kernels::storage::{values, with_values};
 
 /// Query rows per block.
 pub(crate) const BR: usize = 64;

@@ -5,8 +5,6 @@
 //! tensor and q/k/v are views into it. That keeps one matrix product for self-attention,
 //! and in training the optimiser updates the very storage the views read.
 
-
-
 use candle_core::quantized::GgmlDType;
 use candle_core::{bail, Result, Tensor};
 use candle_nn::{Init, VarBuilder};

@@ -16,9 +16,9 @@ use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Storage, 
 use half::slice::HalfFloatSliceExt;
 
 use crate::kernel::{FlashAttn, KvRows, Rows, DIRECT_ROWS};
-use gpt_kernels::storage::{values, with_values};
 use crate::rope::rotate_pairs;
 use crate::{decode, KvCache, Mask, Rope, RopeTables};
+use gpt_kernels::storage::{values, with_values};
 
 /// The rotation angles of the step's positions: `[b·t, half]` cosines and sines.
 pub(crate) struct Angles {

@@ -20,15 +20,15 @@
 //! dequantized weight; the tests hold the kernels to both and to the scalar code.
 
 use std::ops::Range;
-use std::sync::OnceLock;
 
 use candle_core::quantized::k_quants::GgmlType;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, Result, Tensor};
 use half::f16;
 
+use super::input::QRows;
+use super::level::{level, Level};
 use crate::dense::{map_ranges, ranges};
-use rayon::prelude::*;
 
 /// Values per block, in both formats and in the quantized rows of `x`.
 pub(crate) const QK: usize = 32;
@@ -214,143 +214,6 @@ fn with_blocks(
         .transpose()
 }
 
-/// Rows of `x` quantized as ggml's q8_0 (the scale rounded to f16, as the block stores it).
-pub(crate) struct QRows {
-    /// `[m, k]`.
-    q: Vec<i8>,
-    /// `[m, k / 32]` scales.
-    d: Vec<f32>,
-    /// `[m, k / 32]`: `Σ q` per block. The kernels that multiply unsigned weight bytes
-    /// `u = w + c` (q4_0's `c = 8`; q8_0's `c = 128` where it is offset) take `c · Σ q`
-    /// off the block's sum.
-    sum: Vec<i32>,
-    k: usize,
-}
-
-impl QRows {
-    pub(crate) fn new(x: &[f32], k: usize) -> Self {
-        let (q, d, sum) = quantize_in_parts(x, QK, 1, quantize_blocks);
-        Self { q, d, sum, k }
-    }
-
-    /// Row `r`: its values, scales and block sums.
-    pub(crate) fn row(&self, r: usize) -> (&[i8], &[f32], &[i32]) {
-        let nb = self.k / QK;
-        (
-            &self.q[r * self.k..][..self.k],
-            &self.d[r * nb..][..nb],
-            &self.sum[r * nb..][..nb],
-        )
-    }
-
-    pub(crate) fn rows(&self) -> usize {
-        self.q.len() / self.k.max(1)
-    }
-}
-
-/// `x` quantized in blocks of `block` values by `f`, which writes each block's values, its
-/// scale and `sums` sums: one call for a few rows, a part per thread for a prefill's (512
-/// × 576 values for SmolLM; one thread quantizing GPT-2's 512 × 3072 MLP outputs as q8_K
-/// took 12% of a q5_K_M prefill's profile, beside 30% for the products).
-pub(crate) fn quantize_in_parts(
-    x: &[f32],
-    block: usize,
-    sums: usize,
-    f: impl Fn(&[f32], &mut [i8], &mut [f32], &mut [i32]) + Sync,
-) -> (Vec<i8>, Vec<f32>, Vec<i32>) {
-    let blocks = x.len() / block;
-    let mut q = vec![0i8; x.len()];
-    let (mut d, mut sum) = (vec![0f32; blocks], vec![0i32; blocks * sums]);
-    if x.len() < 1 << 16 {
-        f(x, &mut q, &mut d, &mut sum);
-    } else {
-        let per = (blocks / rayon::current_num_threads()).max(1);
-        x.par_chunks(per * block)
-            .zip(q.par_chunks_mut(per * block))
-            .zip(d.par_chunks_mut(per).zip(sum.par_chunks_mut(per * sums)))
-            .for_each(|((x, q), (d, sum))| f(x, q, d, sum));
-    }
-    (q, d, sum)
-}
-
-crate::simd::dispatch!(
-    /// Blocks of 32 values of `x` quantized as ggml's q8_0: values `q`, scales `d` (rounded
-    /// to f16), and each block's sum of `q`. Compiled for the vector width the CPU has:
-    /// built for baseline x86-64 it ran one value at a time, 3.4% of a SmolLM-135M q4_0
-    /// token on the calling thread while the pool waited.
-    pub(crate) quantize_blocks, quantize_blocks_impl,
-    (x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) -> ()
-);
-
-#[inline(always)]
-fn quantize_blocks_impl(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) {
-    for (((xb, qb), d), s) in x
-        .chunks_exact(QK)
-        .zip(q.chunks_exact_mut(QK))
-        .zip(d)
-        .zip(sum)
-    {
-        let amax = abs_max(xb);
-        let scale = amax / 127.0;
-        let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
-        let mut total = 0i32;
-        for (q, &v) in qb.iter_mut().zip(xb) {
-            // `round` (half away from zero, as ggml's `roundf`) without the call to libm's
-            // `roundf` that `f32::round` compiles to on baseline x86-64: it stopped this
-            // loop from vectorising, and quantizing a prefill's rows took longer than
-            // multiplying them (SmolLM q4_0, 16% of the profile). Adding the float just
-            // below ½ with the value's sign and truncating is exact: it is the expansion
-            // LLVM itself uses where it has no rounding instruction.
-            let r = v * inv;
-            *q = saturate_i8(r + 0.49999997f32.copysign(r));
-            total += *q as i32;
-        }
-        *d = f16::from_f32(scale).to_f32();
-        *s = total;
-    }
-}
-
-/// The largest magnitude in `xs` (0 for an empty slice), NaN ignored as `f32::max`
-/// ignores it. Sixteen running maxima taken with `>`, which the compiler turns into vector
-/// instructions, where `f32::max`'s rule for NaN kept each step scalar.
-#[inline(always)]
-pub(crate) fn abs_max(xs: &[f32]) -> f32 {
-    let mut m = [0f32; 16];
-    let mut chunks = xs.chunks_exact(16);
-    for c in &mut chunks {
-        for i in 0..16 {
-            let v = c[i].abs();
-            m[i] = if v > m[i] { v } else { m[i] };
-        }
-    }
-    // The sixteen maxima folded in halves, with `>` as above: a fold with `f32::max` was
-    // sixteen dependent scalar steps, each with its NaN test, and took most of the time of
-    // quantizing a decoding step's rows (1.6% of SmolLM-135M q8_0 decoding).
-    let mut w = 16;
-    while w > 1 {
-        w /= 2;
-        for i in 0..w {
-            m[i] = if m[i + w] > m[i] { m[i + w] } else { m[i] };
-        }
-    }
-    let rest = chunks.remainder().iter().fold(0f32, |a, &v| a.max(v.abs()));
-    if m[0] > rest {
-        m[0]
-    } else {
-        rest
-    }
-}
-
-/// `v as i8` (truncated, saturating, NaN to 0) in a form the compiler vectorises: its
-/// saturating conversion to bytes or words stays one value at a time, with branches.
-#[inline(always)]
-pub(crate) fn saturate_i8(v: f32) -> i8 {
-    let c = v.clamp(-128.0, 127.0);
-    let c = if c.is_nan() { 0.0 } else { c };
-    // SAFETY: `c` is finite and within i32's range.
-    unsafe { c.to_int_unchecked::<i32>() as i8 }
-}
-
 /// `[m, n]`: every row of `x` against the `n` weight rows of `row_bytes` bytes in `w`.
 fn product(level: Level, format: Format, w: &[u8], row_bytes: usize, x: &QRows) -> Vec<f32> {
     let (m, n) = (x.rows(), w.len() / row_bytes.max(1));
@@ -392,34 +255,6 @@ fn product(level: Level, format: Format, w: &[u8], row_bytes: usize, x: &QRows) 
         }
     }
     ys
-}
-
-/// The instruction sets the kernels (here and in `qpacked`) use, best last.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Level {
-    Scalar,
-    /// AVX2, FMA and F16C (`vpmaddubsw`, `vpmaddwd`).
-    Avx2,
-    /// AVX-512 with VNNI and byte operations (`vpdpbusd`).
-    Avx512Vnni,
-}
-
-/// This CPU's level (looked up once: every product asks).
-pub(crate) fn level() -> Level {
-    static LEVEL: OnceLock<Level> = OnceLock::new();
-    *LEVEL.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("f16c") {
-                return Level::Avx512Vnni;
-            }
-            if has!("avx2") && has!("fma") && has!("f16c") {
-                return Level::Avx2;
-            }
-        }
-        Level::Scalar
-    })
 }
 
 /// One weight row (`w`, whole blocks) against one quantized row of `x`, with the kernels
@@ -862,6 +697,7 @@ mod x86 {
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use super::super::input::*;
     use super::*;
     use candle_core::quantized::QMatMul;
     use candle_core::{DType, Device, Module};
