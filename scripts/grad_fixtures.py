@@ -1,5 +1,5 @@
 """PyTorch references for the gradients of `mha`'s fused training ops: the attention
-kernel (`mha::kernel::flash_attn_cpu_train`) and LayerNorm, RMSNorm, linear, tanh GELU
+kernel (`mha::flash::flash_attn_cpu_train`) and LayerNorm, RMSNorm, linear, tanh GELU
 and next-token cross-entropy (`gpt_kernels::ops`, `gpt_kernels::act::gelu_tanh`).
 
 Writes crates/mha/tests/fixtures/attention_grads.safetensors and

@@ -1,195 +1,15 @@
-//! Scaled dot-product attention and the multi-head attention module.
+//! The multi-head attention module: projections, rotary embeddings, cache and mask around
+//! [`crate::sdpa`].
 
-use candle_core::{bail, DType, Result, Tensor, D};
+use candle_core::{bail, DType, Result, Tensor};
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
+use crate::flash::{self, step};
 use crate::layout::{self, Projections, QkvProj, WeightLayout};
-use crate::{kernel, step, Dropout, KvCache, Mask, MhaConfig, Rope, RopeTables};
+use crate::sdpa::{sdpa, SdpaParams};
+use crate::{Dropout, KvCache, Mask, MhaConfig, Rope, RopeTables};
 use gpt_kernels::Proj;
-
-/// How to run [`sdpa`] beyond its tensors and mask.
-#[derive(Debug, Clone, Copy)]
-pub struct SdpaParams<'a> {
-    /// Factor applied to `q·k`, usually `1/sqrt(head_dim)`.
-    pub scale: f64,
-    /// Dropout on the attention weights, applied only when `train` is true.
-    pub dropout: Option<&'a Dropout>,
-    /// Training mode: dropout on, and the fast inference kernels off.
-    pub train: bool,
-    /// Return the attention weights `[batch, n_heads, q_len, kv_len]` (after dropout, as
-    /// PyTorch does).
-    pub need_weights: bool,
-}
-
-impl SdpaParams<'_> {
-    /// Inference with the given scale: no dropout, no weights returned.
-    pub fn inference(scale: f64) -> Self {
-        SdpaParams {
-            scale,
-            dropout: None,
-            train: false,
-            need_weights: false,
-        }
-    }
-}
-
-/// Checks `q [b, h, tq, d]`, `k [b, h_kv, tk, d]`, `v [b, h_kv, tk, dv]`.
-fn check_heads(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(usize, usize, usize, usize)> {
-    let dims = |t: &Tensor, name: &str| match t.dims() {
-        &[a, b, c, d] => Ok((a, b, c, d)),
-        s => bail!("attention: {name} must be [batch, heads, seq, head_dim], got {s:?}"),
-    };
-    let (b, h, tq, d) = dims(q, "query")?;
-    let (kb, hkv, tk, kd) = dims(k, "key")?;
-    let (vb, vh, vt, _) = dims(v, "value")?;
-    if kb != b || vb != b || kd != d || (vh, vt) != (hkv, tk) {
-        bail!(
-            "attention: query {:?}, key {:?} and value {:?} disagree (batch, heads, key length or head_dim)",
-            q.dims(),
-            k.dims(),
-            v.dims()
-        )
-    }
-    if hkv == 0 || h % hkv != 0 {
-        bail!("attention: {hkv} key/value heads do not divide {h} query heads")
-    }
-    // Keys and values may be kept in half precision beside f32 queries (a half-precision
-    // KV cache, [`crate::KvCache::with_dtype`]); otherwise one dtype.
-    let half = |t: &Tensor| matches!(t.dtype(), DType::F16 | DType::BF16);
-    let kv_ok = |t: &Tensor| t.dtype() == q.dtype() || (q.dtype() == DType::F32 && half(t));
-    if !kv_ok(k) || !kv_ok(v) {
-        bail!(
-            "attention: query, key and value dtypes differ: {:?}, {:?}, {:?}",
-            q.dtype(),
-            k.dtype(),
-            v.dtype()
-        )
-    }
-    Ok((b, h, tq, tk))
-}
-
-/// Scaled dot-product attention on heads: `softmax(q·kᵀ·scale + mask)·v`.
-///
-/// Picks a fused CPU kernel when it computes the same thing (f32 on CPU, no additive mask,
-/// no weights asked for): [`kernel::flash_attn_cpu`] for inference, and
-/// [`kernel::flash_attn_cpu_train`] when a gradient is needed or dropout is on (it keeps no
-/// `q_len × kv_len` matrix for the backward pass). Otherwise the reference path
-/// [`sdpa_reference`]. Keys and values may have fewer heads than queries
-/// (grouped-query attention): query head `i` reads key/value head `i / (h / h_kv)`.
-///
-/// # Shapes
-/// - `q`: `[batch, n_heads, q_len, head_dim]`
-/// - `k`: `[batch, n_kv_heads, kv_len, head_dim]`
-/// - `v`: `[batch, n_kv_heads, kv_len, v_head_dim]`
-/// - returns `[batch, n_heads, q_len, v_head_dim]`, and the weights
-///   `[batch, n_heads, q_len, kv_len]` when asked for.
-pub fn sdpa(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &Mask,
-    p: &SdpaParams,
-) -> Result<(Tensor, Option<Tensor>)> {
-    let (b, h, tq, tk) = check_heads(q, k, v)?;
-    let dropout = p.dropout.filter(|d| d.is_active(p.train));
-    let fused = ![b, h, tq, tk].contains(&0)
-        && q.device().is_cpu()
-        && q.dtype() == DType::F32
-        && mask.is_structural()
-        && !p.need_weights;
-    let grad = q.track_op() || k.track_op() || v.track_op();
-    let mixed = k.dtype() != q.dtype() || v.dtype() != q.dtype();
-    if fused && !(mixed && (grad || dropout.is_some())) {
-        let ys = if grad || dropout.is_some() {
-            kernel::flash_attn_cpu_train(q, k, v, mask, p.scale, dropout)?
-        } else {
-            kernel::flash_attn_cpu(q, k, v, mask, p.scale)?
-        };
-        return Ok((ys, None));
-    }
-    sdpa_reference(q, k, v, mask, p)
-}
-
-/// The plain path: materialise the scores, mask, softmax, multiply. Differentiable, any
-/// device and dtype (scores and softmax in f32). Every faster path is tested against it.
-///
-/// Shapes as in [`sdpa`].
-pub fn sdpa_reference(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &Mask,
-    p: &SdpaParams,
-) -> Result<(Tensor, Option<Tensor>)> {
-    let (b, h, tq, tk) = check_heads(q, k, v)?;
-    if [b, h, tq, tk].contains(&0) {
-        // Nothing to attend with or to: queries with no keys attend to nothing (zeros, as
-        // for fully masked rows). The mask is still checked against the shapes.
-        mask.to_bias((b, h, tq, tk), q.device())?;
-        let ys = Tensor::zeros((b, h, tq, v.dim(3)?), q.dtype(), q.device())?;
-        let weights = match p.need_weights {
-            true => Some(Tensor::zeros((b, h, tq, tk), DType::F32, q.device())?),
-            false => None,
-        };
-        return Ok((ys, weights));
-    }
-    let n_rep = h / k.dim(1)?;
-    // Half-precision keys and values beside f32 queries (a half-precision cache).
-    let k = repeat_kv(&k.to_dtype(q.dtype())?, n_rep)?;
-    let v = repeat_kv(&v.to_dtype(q.dtype())?, n_rep)?;
-    // Scores in f32 at least (f64 stays f64, for gradient checks).
-    let compute = match q.dtype() {
-        DType::F64 => DType::F64,
-        _ => DType::F32,
-    };
-    let qc = q.to_dtype(compute)?.contiguous()?;
-    let kc = k.to_dtype(compute)?.contiguous()?;
-    // (b, h, tq, tk)
-    let scores = (qc.matmul(&kc.t()?)? * p.scale)?;
-    let scores = match mask.to_bias((b, h, tq, tk), q.device())? {
-        Some(bias) => scores.broadcast_add(&bias.to_dtype(compute)?)?,
-        None => scores,
-    };
-    let weights = masked_softmax(&scores)?;
-    let weights = match p.dropout {
-        Some(d) => d.forward(&weights, p.train)?,
-        None => weights,
-    };
-    // (b, h, tq, dv)
-    let ys = weights.to_dtype(v.dtype())?.matmul(&v.contiguous()?)?;
-    Ok((ys, p.need_weights.then_some(weights)))
-}
-
-/// `[b, h_kv, t, d]` to `[b, h_kv·n_rep, t, d]`, each kv head repeated `n_rep` times in
-/// place (PyTorch's `repeat_interleave`, as in `enable_gqa=True`).
-pub fn repeat_kv(xs: &Tensor, n_rep: usize) -> Result<Tensor> {
-    if n_rep == 1 {
-        return Ok(xs.clone());
-    }
-    let (b, h_kv, t, d) = xs.dims4()?;
-    xs.unsqueeze(2)?
-        .broadcast_as((b, h_kv, n_rep, t, d))?
-        .reshape((b, h_kv * n_rep, t, d))
-}
-
-/// Softmax over the last dimension where `-inf` entries get weight 0 and a row that is all
-/// `-inf` gets all zeros instead of NaN. Built from differentiable ops (Candle's fused
-/// `softmax_last_dim` has no backward).
-pub fn masked_softmax(scores: &Tensor) -> Result<Tensor> {
-    // Softmax is invariant to the shift, so the max needs no gradient; clamping it keeps
-    // `-inf - -inf` (a fully masked row) out of the computation.
-    let max = scores
-        .max_keepdim(D::Minus1)?
-        .detach()
-        .maximum(f32::MIN as f64)?;
-    let e = scores.broadcast_sub(&max)?.exp()?;
-    // A row with any visible key sums to at least 1; only empty rows hit the clamp.
-    let sum = e
-        .sum_keepdim(D::Minus1)?
-        .maximum(f32::MIN_POSITIVE as f64)?;
-    e.broadcast_div(&sum)
-}
 
 /// Attention weights returned by [`MultiHeadAttention::forward_with_weights`].
 #[derive(Debug, Clone)]
@@ -563,7 +383,7 @@ impl MultiHeadAttention {
     }
 
     /// Whether a cached call takes [`Self::step`]: f32 self-attention decoding on the CPU
-    /// (at most [`kernel::DIRECT_ROWS`] new positions) through a fused q/k/v projection,
+    /// (at most [`flash::DIRECT_ROWS`] new positions) through a fused q/k/v projection,
     /// nothing appended to the keys, no weights or dropout asked for.
     fn steps(
         &self,
@@ -579,7 +399,7 @@ impl MultiHeadAttention {
         self.proj.qkv.is_some()
             && query.id() == key.id()
             && key.id() == value.id()
-            && (1..=kernel::DIRECT_ROWS).contains(&query.dim(1).unwrap_or(0))
+            && (1..=flash::DIRECT_ROWS).contains(&query.dim(1).unwrap_or(0))
             && query.device().is_cpu()
             && query.dtype() == DType::F32
             && !query.track_op()
@@ -592,7 +412,7 @@ impl MultiHeadAttention {
             && cfg.kv_width() == h_kv * hd
     }
 
-    /// A decoding step of self-attention ([`crate::step`]): the fused projection's output
+    /// A decoding step of self-attention ([`step`]): the fused projection's output
     /// rotated, its keys and values written into `cache` in place, the heads' outputs
     /// `[b, t, d_model]` before the output projection.
     fn step(
@@ -637,7 +457,7 @@ impl MultiHeadAttention {
 
     /// Training self-attention on the CPU in f32: the heads' outputs `[b, t, d_model]` by
     /// one op from a fused q/k/v projection's output
-    /// ([`kernel::flash_attn_cpu_train_qkv`], which also applies the rotary embeddings),
+    /// ([`flash::flash_attn_cpu_train_qkv`], which also applies the rotary embeddings),
     /// computing what the general path's fused kernel does with a fraction of its gradient
     /// bookkeeping. Separate q, k and v projections are fused for it
     /// ([`Proj::concat_differentiable`]). `None` (nothing computed) where the general path
@@ -699,7 +519,7 @@ impl MultiHeadAttention {
         }
         let dropout = Some(&self.dropout).filter(|d| d.is_active(train));
         let scale = cfg.softmax_scale();
-        let ys = kernel::flash_attn_cpu_train_qkv(&qkv, h, h_kv, mask, scale, dropout, rope)?;
+        let ys = flash::flash_attn_cpu_train_qkv(&qkv, h, h_kv, mask, scale, dropout, rope)?;
         Ok(Some(ys))
     }
 

@@ -73,19 +73,14 @@
 mod attention;
 mod cache;
 mod config;
-mod decode;
 mod dropout;
-mod flash_backward;
-pub mod kernel;
+pub mod flash;
 mod layout;
 mod mask;
 mod rope;
-mod step;
+mod sdpa;
 
-pub use attention::{
-    masked_softmax, repeat_kv, sdpa, sdpa_reference, AttnWeights, ForwardArgs, MultiHeadAttention,
-    SdpaParams,
-};
+pub use attention::{AttnWeights, ForwardArgs, MultiHeadAttention};
 pub use cache::KvCache;
 pub use config::MhaConfig;
 pub use dropout::Dropout;
@@ -94,6 +89,7 @@ pub use gpt_kernels::{OutputAct, Proj};
 pub use layout::{neox_to_fused, QkvProj, WeightLayout};
 pub use mask::{KeyPadding, Mask};
 pub use rope::{Rope, RopeConfig, RopeScaling, RopeTables};
+pub use sdpa::{masked_softmax, repeat_kv, sdpa, sdpa_reference, SdpaParams};
 
 // The crate README's examples run as doctests.
 #[doc = include_str!("../README.md")]

@@ -141,7 +141,7 @@ proptest! {
         prop_assert_eq!(fast.is_ok(), reference.is_ok());
         // The fused kernel, called directly, refuses what the reference refuses (shapes
         // that do not fit, heads that do not divide) rather than reading past its inputs.
-        if let Ok(kernel) = mha::kernel::flash_attn_cpu(&q, &k, &v, &mask, 0.5) {
+        if let Ok(kernel) = mha::flash::flash_attn_cpu(&q, &k, &v, &mask, 0.5) {
             let (reference, _) = reference.expect("the kernel took what the reference refused");
             prop_assert_eq!(kernel.dims(), reference.dims());
         }

@@ -530,7 +530,7 @@ fn rotary_windowed_layer_paths_agree_and_differentiate() -> Result<()> {
 
 /// Training in f32 through a fused q/k/v projection (GPT-2's `c_attn`) or through separate
 /// ones concatenated for it (a Llama's or Qwen2's, rotary embeddings included), both of
-/// which take `kernel::flash_attn_cpu_train_qkv` from the projection's output, gives the
+/// which take `flash::flash_attn_cpu_train_qkv` from the projection's output, gives the
 /// outputs and the gradients of every weight and of the input that the same layer gives
 /// in f64, where the general path runs (separate views, the rotation from tensor ops, the
 /// reference attention): causal with a window and key padding, and unmasked.
@@ -834,7 +834,7 @@ proptest! {
         // Keys and values in half precision (a half-precision cache) beside f32 queries:
         // the kernel widens them as it reads them; the reference gets the same values.
         let (k, v) = (k.to_dtype(kv_dtype).unwrap(), v.to_dtype(kv_dtype).unwrap());
-        let fast = mha::kernel::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
+        let fast = mha::flash::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
         let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
         let (slow, _) = sdpa_reference(&q, &f32(&k), &f32(&v), &mask, &p).unwrap();
         assert_eq!(fast.dtype(), DType::F32);
@@ -860,7 +860,7 @@ fn fused_equals_reference(
 ) -> Tensor {
     let p = SdpaParams::inference(1.0 / (q.dim(3).unwrap() as f64).sqrt());
     let (k, v) = (k.to_dtype(kv_dtype).unwrap(), v.to_dtype(kv_dtype).unwrap());
-    let fast = mha::kernel::flash_attn_cpu(q, &k, &v, mask, p.scale).unwrap();
+    let fast = mha::flash::flash_attn_cpu(q, &k, &v, mask, p.scale).unwrap();
     let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
     let (slow, _) = sdpa_reference(q, &f32(&k), &f32(&v), mask, &p).unwrap();
     assert_close(&fast, &slow, 1e-5, 1e-4, what);
@@ -997,7 +997,7 @@ fn fused_training_kernel_gradients_equal_reference() -> Result<()> {
         let run = |fused: bool| -> Result<(Tensor, Vec<Tensor>)> {
             let dropout = Dropout::new(p, 11)?;
             let ys = if fused {
-                mha::kernel::flash_attn_cpu_train(&q, &k, &v, &mask, scale, Some(&dropout))?
+                mha::flash::flash_attn_cpu_train(&q, &k, &v, &mask, scale, Some(&dropout))?
             } else {
                 let params = SdpaParams {
                     dropout: Some(&dropout),
@@ -1068,7 +1068,7 @@ fn qkv_training_kernel_equals_the_kernel_on_views() -> Result<()> {
             let dropout = Dropout::new(p, 11)?;
             let ys = if fused {
                 let rope = rope.as_ref().map(|(r, t)| (r, t));
-                mha::kernel::flash_attn_cpu_train_qkv(
+                mha::flash::flash_attn_cpu_train_qkv(
                     &qkv,
                     h,
                     h_kv,
@@ -1085,7 +1085,7 @@ fn qkv_training_kernel_equals_the_kernel_on_views() -> Result<()> {
                     Some((r, tables)) => (r.apply(&q, tables)?, r.apply(&k, tables)?),
                     None => (q, k),
                 };
-                mha::kernel::flash_attn_cpu_train(&q, &k, &v, &mask, scale, Some(&dropout))?
+                mha::flash::flash_attn_cpu_train(&q, &k, &v, &mask, scale, Some(&dropout))?
                     .transpose(1, 2)?
                     .reshape((b, t, h * d))?
             };
@@ -1101,18 +1101,18 @@ fn qkv_training_kernel_equals_the_kernel_on_views() -> Result<()> {
     }
     let bad = randn(&[1, 4, 50]);
     let none = &Mask::NONE;
-    assert!(mha::kernel::flash_attn_cpu_train_qkv(&bad, 3, 2, none, 1.0, None, None).is_err());
+    assert!(mha::flash::flash_attn_cpu_train_qkv(&bad, 3, 2, none, 1.0, None, None).is_err());
     // Tables that do not fit the positions, or a rotation wider than a head, are errors.
     let qkv = randn(&[1, 4, 5 * 8]);
     let rope = mha::Rope::new(&Default::default(), 8)?;
     let wrong = rope.tables_from(1, 3, 0, &Device::Cpu)?;
     let r =
-        mha::kernel::flash_attn_cpu_train_qkv(&qkv, 3, 1, none, 1.0, None, Some((&rope, &wrong)));
+        mha::flash::flash_attn_cpu_train_qkv(&qkv, 3, 1, none, 1.0, None, Some((&rope, &wrong)));
     assert!(r.is_err());
     let wide = mha::Rope::new(&Default::default(), 16)?;
     let tables = wide.tables_from(1, 4, 0, &Device::Cpu)?;
     let r =
-        mha::kernel::flash_attn_cpu_train_qkv(&qkv, 3, 1, none, 1.0, None, Some((&wide, &tables)));
+        mha::flash::flash_attn_cpu_train_qkv(&qkv, 3, 1, none, 1.0, None, Some((&wide, &tables)));
     assert!(r.is_err());
     Ok(())
 }

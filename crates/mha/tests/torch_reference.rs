@@ -208,7 +208,7 @@ fn fused_attention_gradients_match_pytorch() {
         let vars = [&q, &k, &v].map(|x| candle_core::Var::from_tensor(x).unwrap());
         let scale = 1.0 / (q.dim(3).unwrap() as f64).sqrt();
         let out =
-            mha::kernel::flash_attn_cpu_train(&vars[0], &vars[1], &vars[2], &mask, scale, None)
+            mha::flash::flash_attn_cpu_train(&vars[0], &vars[1], &vars[2], &mask, scale, None)
                 .unwrap();
         assert_close(&out, &get("out"), ATOL, RTOL, &format!("{name}: output"));
         let grads = (&out * get("w"))

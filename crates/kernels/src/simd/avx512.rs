@@ -37,6 +37,9 @@ impl Load for bf16 {
 }
 
 /// `y += Σ_j a[j] · w[j]` over four rows at once.
+///
+/// # Safety
+/// The CPU has AVX-512F (the slices are bounds-checked).
 #[target_feature(enable = "avx512f")]
 pub fn axpy4<W: Load>(y: &mut [f32], a: [f32; 4], w: [&[W]; 4]) {
     let n = y.len();
@@ -59,6 +62,9 @@ pub fn axpy4<W: Load>(y: &mut [f32], a: [f32; 4], w: [&[W]; 4]) {
 
 /// The dot product of `x` with a row at least as long: two sums of 16 lanes, 32 values
 /// a step, then one 16-wide step and a scalar tail where the length needs them.
+///
+/// # Safety
+/// The CPU has AVX-512F (the slices are bounds-checked).
 #[target_feature(enable = "avx512f")]
 #[inline]
 pub fn dot<W: Load>(x: &[f32], w: &[W]) -> f32 {
@@ -88,6 +94,9 @@ pub fn dot<W: Load>(x: &[f32], w: &[W]) -> f32 {
 }
 
 /// `dst[i] = src[i]` as f32 for `i < min(len)`: 16 values per conversion.
+///
+/// # Safety
+/// The CPU has AVX-512F (the slices are bounds-checked).
 #[target_feature(enable = "avx512f")]
 pub fn widen<W: Load>(src: &[W], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
@@ -110,6 +119,9 @@ pub fn widen<W: Load>(src: &[W], dst: &mut [f32]) {
 /// Row j of the range's first half is read beside row j of its second: two streams
 /// through memory, where one left each thread's reads waiting on each other (as the
 /// quantized tiles, `qpacked`). Each row's sum is `dot`'s, in the same order.
+///
+/// # Safety
+/// The CPU has AVX-512F (the slices are bounds-checked).
 #[target_feature(enable = "avx512f")]
 #[inline]
 pub fn dot_rows<W: Load>(x: &[f32], data: &[W], first: usize, stride: usize, out: &mut [f32]) {
@@ -167,6 +179,9 @@ fn dot2<W: Load>(x: &[f32], u: &[W], w: &[W]) -> (f32, f32) {
 /// slice of them loaded and widened once for up to four rows of `x` (16 sums in
 /// registers), where a `dot4` per row of `x` widened it again for every row. One row
 /// of `x` takes [`dot_rows`]: two streams through the weight rows.
+///
+/// # Safety
+/// The CPU has AVX-512F (the slices are bounds-checked).
 #[target_feature(enable = "avx512f")]
 pub fn dot_rows_multi<W: Load>(
     x: &[f32],
@@ -242,6 +257,9 @@ fn tile<W: Load, const R: usize>(x: &[f32], d: usize, w: [&[W]; 4]) -> [[f32; 4]
 }
 
 /// `x · w[j]` for four rows at once.
+///
+/// # Safety
+/// The CPU has AVX-512F (the slices are bounds-checked).
 #[target_feature(enable = "avx512f")]
 pub fn dot4<W: Load>(x: &[f32], w: [&[W]; 4]) -> [f32; 4] {
     let n = x.len();

@@ -1,5 +1,5 @@
 //! Attention for decoding: a few query rows per head (one per sequence and step) over a
-//! long key/value cache, where [`crate::kernel`]'s blocks of 64 query rows would each hold
+//! long key/value cache, where [`super::prefill`]'s blocks of 64 query rows would each hold
 //! one row.
 //!
 //! A task takes one key/value head of one sequence, every query head that shares it
@@ -12,7 +12,7 @@
 //! maximum, sum and weighted values, merged at the end through their log-sum-exp
 //! (flash-decoding).
 
-use crate::kernel::{FlashAttn, KvPtr, KvRows, Rows};
+use super::tiles::{FlashAttn, KvPtr, KvRows, Rows};
 use gpt_kernels::simd;
 
 /// Keys per block of the online softmax (the weighted values are rescaled once a block).

@@ -1,4 +1,4 @@
-//! The backward pass of the fused attention kernel ([`crate::kernel::flash_attn_cpu_train`]).
+//! The backward pass of the fused attention kernel ([`super::flash_attn_cpu_train`]).
 //!
 //! With `S = scale·Q·Kᵀ`, `P = softmax(S)` (masked), `Z` the dropout factors and
 //! `O = (P∘Z)·V`, the gradients given `dO` are
@@ -16,7 +16,7 @@
 use candle_core::{bail, Layout, Result, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::kernel::{FlashAttn, Rows, BC, BR};
+use super::tiles::{FlashAttn, Rows, BC, BR};
 use gpt_kernels::simd;
 
 /// `(dq, dk, dv)` of the fused attention for the gradient `grad_out` of its output `out`.

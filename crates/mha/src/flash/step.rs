@@ -1,7 +1,7 @@
 //! One decoding step of self-attention on the CPU, from a fused q/k/v projection's output
 //! `[b, t, (h + 2·h_kv)·d]` (f32, `t ≤` [`DIRECT_ROWS`]): the new keys are rotated and
 //! written into the cache's storage in place, the new values likewise, the queries rotated
-//! into a scratch row, and [`crate::decode`] runs over the cache, its output laid out
+//! into a scratch row, and [`super::decode`] runs over the cache, its output laid out
 //! `[b, t, h·d]` as the output projection reads it.
 //!
 //! The general path computes the same through a dozen tensor ops a layer (the projection's
@@ -15,9 +15,10 @@
 use candle_core::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Storage, Tensor};
 use half::slice::HalfFloatSliceExt;
 
-use crate::kernel::{FlashAttn, KvRows, Rows, DIRECT_ROWS};
+use super::decode;
+use super::tiles::{FlashAttn, KvRows, Rows, DIRECT_ROWS};
 use crate::rope::rotate_pairs;
-use crate::{decode, KvCache, Mask, Rope, RopeTables};
+use crate::{KvCache, Mask, Rope, RopeTables};
 use gpt_kernels::storage::{values, with_values};
 
 /// The rotation angles of the step's positions: `[b·t, half]` cosines and sines.
