@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use gpt_blocks::{load_dir, token_logprobs, Logits};
+use gpt_blocks::{load, token_logprobs, Logits};
 
 const PASSAGE: &str = "Friends, Romans, countrymen, lend me your ears;\n\
 I come to bury Caesar, not to praise him.\n\
@@ -31,7 +31,7 @@ fn nll(model: &gpt_blocks::Gpt, ids: &[u32]) -> f64 {
 #[test]
 fn default_model_has_learned_its_corpus() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/cli/models/default");
-    let model = load_dir(&dir, DType::F32, &Device::Cpu).unwrap();
+    let model = load(&dir, DType::F32, &Device::Cpu).unwrap();
     let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
     assert_eq!(tok.get_vocab_size(true), model.config().vocab_size);
     let ids = tok.encode(PASSAGE, false).unwrap().get_ids().to_vec();

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use gpt_blocks::{load_dir, load_nanogpt, save_dir, Logits};
+use gpt_blocks::{load, save_dir, Logits};
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
@@ -16,12 +16,8 @@ fn main() -> Result<()> {
         bail!("usage: resave SRC OUT")
     };
     let (src, out) = (Path::new(src), Path::new(out));
-    let model = if src.extension().is_some_and(|e| e == "pt") {
-        load_nanogpt(src, DType::F32, &Device::Cpu)
-    } else {
-        load_dir(src, DType::F32, &Device::Cpu)
-    }
-    .with_context(|| format!("loading {}", src.display()))?;
+    let model = load(src, DType::F32, &Device::Cpu)
+        .with_context(|| format!("loading {}", src.display()))?;
     save_dir(&model, out)?;
     let cfg = model.config();
     let t = cfg.n_positions.min(16);

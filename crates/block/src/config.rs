@@ -1,10 +1,11 @@
-//! The GPT configuration, read from Hugging Face's `config.json`.
+//! The model's configuration, family-free: its shape and which parts it uses. Each
+//! family's `config.json` reader fills it ([`crate::family`]).
 
 use candle_core::{bail, Result};
 use mha::RopeConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::Family;
+use crate::family::id::Family;
 
 /// The MLP's activation, named as in `config.json`'s `activation_function`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -226,136 +227,6 @@ impl GptConfig {
         }
     }
 
-    /// Parses a `config.json` of any supported family (by its `model_type`; none is GPT-2)
-    /// and checks it. Old GPT-2 configs that give `n_ctx` but no `n_positions` are read as
-    /// they were meant.
-    pub fn from_json(json: &str) -> Result<Self> {
-        let mut value: serde_json::Value = serde_json::from_str(json)
-            .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
-        let family = match value.get("model_type") {
-            None | Some(serde_json::Value::Null) => Family::Gpt2,
-            Some(serde_json::Value::String(t)) => Family::from_model_type(t)?,
-            Some(v) => bail!("config: model_type must be a string, got {v}"),
-        };
-        if family != Family::Gpt2 {
-            let Some(obj) = value.as_object() else {
-                bail!("config.json: expected an object")
-            };
-            return crate::family::read(family, obj);
-        }
-        if let Some(obj) = value.as_object_mut() {
-            if !obj.contains_key("n_positions") {
-                if let Some(n_ctx) = obj.get("n_ctx").cloned() {
-                    obj.insert("n_positions".into(), n_ctx);
-                }
-            }
-        }
-        let cfg: Self = serde_json::from_value(value)
-            .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    /// The configuration as a Hugging Face `config.json` text, with the fields
-    /// `transformers` reads: GPT-2's, or Llama's (`LlamaForCausalLM`). Other families, and
-    /// Llama configs with what Llama's file cannot say (windows, partial rotary, different
-    /// q/k/v and output biases), are refused: those files are read, not written, here.
-    pub fn to_json(&self) -> Result<String> {
-        let value = match self.family {
-            Family::Gpt2 => {
-                let mut value = serde_json::to_value(self).map_err(candle_core::Error::wrap)?;
-                if let Some(obj) = value.as_object_mut() {
-                    obj.insert(
-                        "architectures".into(),
-                        serde_json::json!(["GPT2LMHeadModel"]),
-                    );
-                    obj.insert("model_type".into(), serde_json::json!("gpt2"));
-                    obj.insert("n_ctx".into(), serde_json::json!(self.n_positions));
-                    for (key, p) in [
-                        ("resid_pdrop", self.resid_pdrop),
-                        ("embd_pdrop", self.embd_pdrop),
-                        ("attn_pdrop", self.attn_pdrop),
-                    ] {
-                        obj.insert(key.into(), decimal(p).into());
-                    }
-                }
-                value
-            }
-            Family::Llama => self.llama_json()?,
-            other => bail!(
-                "only GPT-2 and Llama models can be saved; this is a {} model",
-                other.model_type()
-            ),
-        };
-        serde_json::to_string_pretty(&value).map_err(candle_core::Error::wrap)
-    }
-
-    /// Llama's `config.json`, refusing what its fields cannot express.
-    fn llama_json(&self) -> Result<serde_json::Value> {
-        use mha::RopeScaling;
-        let Some(rope) = &self.rope else {
-            bail!("a Llama model without rotary positions cannot be saved as Llama")
-        };
-        let head_dim = self.n_embd / self.n_head.max(1);
-        let fits = self.norm == NormKind::RmsNorm
-            && self.gated_mlp
-            && !self.parallel_residual
-            && self.norm_placement == NormPlacement::Pre
-            && self.attn_bias == self.attn_out_bias
-            && self
-                .windows
-                .iter()
-                .all(|(p, _)| p.iter().all(Option::is_none))
-            && rope.rotary_dim.is_none_or(|r| r == head_dim)
-            && !self.scale_attn_by_inverse_layer_idx
-            && self.scale_attn_weights;
-        if !fits {
-            bail!("this model has parts Llama's config.json cannot express (windows, partial rotary, LayerNorm, an ungated MLP, parallel residuals or unequal attention biases); it cannot be saved")
-        }
-        let mut params = serde_json::json!({ "rope_theta": rope.theta, "rope_type": "default" });
-        match rope.scaling {
-            RopeScaling::None => {}
-            RopeScaling::Linear { factor } => {
-                params["rope_type"] = "linear".into();
-                params["factor"] = factor.into();
-            }
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            } => {
-                params["rope_type"] = "llama3".into();
-                params["factor"] = factor.into();
-                params["low_freq_factor"] = low_freq_factor.into();
-                params["high_freq_factor"] = high_freq_factor.into();
-                params["original_max_position_embeddings"] =
-                    original_max_position_embeddings.into();
-            }
-        }
-        Ok(serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.n_embd,
-            "intermediate_size": self.inner_dim(),
-            "num_hidden_layers": self.n_layer,
-            "num_attention_heads": self.n_head,
-            "num_key_value_heads": self.kv_heads(),
-            "head_dim": head_dim,
-            "hidden_act": self.activation_function,
-            "max_position_embeddings": self.n_positions,
-            "rms_norm_eps": self.layer_norm_epsilon,
-            "rope_parameters": params,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attn_bias,
-            "mlp_bias": self.mlp_bias,
-            "attention_dropout": decimal(self.attn_pdrop),
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-        }))
-    }
-
     /// The norm's name as papers write it.
     pub fn norm_name(&self) -> &'static str {
         match self.norm {
@@ -486,9 +357,4 @@ pub(crate) fn layers_covered(runs: &[(Vec<Option<usize>>, usize)]) -> Option<usi
     runs.iter().try_fold(0usize, |n, (pattern, repeat)| {
         n.checked_add(pattern.len().checked_mul(*repeat)?)
     })
-}
-
-/// An f32 as the f64 of its shortest decimal (0.1, not 0.10000000149011612), for JSON.
-fn decimal(x: f32) -> f64 {
-    x.to_string().parse().unwrap_or(x as f64)
 }

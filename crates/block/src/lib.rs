@@ -9,13 +9,15 @@
 //!   regrouped at load), cached decoding, left-padded batches. The [`Family`]
 //!   (GPT-2, Llama, Mistral, Qwen2, GPT-NeoX, GPT-Neo) decides the parts and the tensor
 //!   names, nothing else;
-//! - [`load_dir`]: Hugging Face directories of any family (`config.json` in either
-//!   generation of field names + safetensors, sharded or not, with or without the root
-//!   prefix); [`save_dir`]: GPT-2 and Llama directories;
-//! - [`Gguf`] / [`load_gguf`]: llama.cpp's GGUF files (llama, qwen2, gpt2, gptneox), block-
-//!   quantized matrices kept as stored, the tokenizer's metadata checked ([`GgufVocab`]);
-//!   [`save_gguf`]: any model as a GGUF file llama.cpp runs;
-//! - [`load_nanogpt`]: nanoGPT `ckpt.pt` checkpoints;
+//! - [`load()`]: any checkpoint by its path, with [`LoadOptions`] (dtype, quantized while
+//!   loading, fused for inference):
+//!   - Hugging Face directories of any family (`config.json` in either generation of field
+//!     names + safetensors, sharded or not, with or without the root prefix);
+//!     [`save_dir`]: GPT-2 and Llama directories;
+//!   - llama.cpp's GGUF files (gpt2, llama, qwen2, gptneox; [`Gguf`]), block-quantized
+//!     matrices kept as stored, the tokenizer's metadata checked ([`GgufVocab`]);
+//!     [`save_gguf`]: any model as a GGUF file llama.cpp runs;
+//!   - nanoGPT `ckpt.pt` checkpoints;
 //! - [`generate()`]: greedy and sampled generation (temperature, top-k, top-p, repeat
 //!   penalty), reproducible under a seed.
 //!
@@ -38,39 +40,33 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
-mod arena;
-mod block;
-mod check;
+mod checkpoint;
 mod config;
 mod family;
-mod files;
 pub mod generate;
-mod gguf;
-mod gpt;
-mod load;
-mod mlp;
-mod nanogpt;
-mod norm;
+mod model;
 mod optim;
-mod pickle;
+mod parts;
 
-pub use block::Block;
-pub use check::available_memory;
+pub use checkpoint::check::available_memory;
+pub use checkpoint::gguf::{save_gguf, Gguf, GgufVocab};
+pub use checkpoint::io::write_atomic;
+pub use checkpoint::load::load;
+pub use checkpoint::nanogpt::{load_nanogpt, nanogpt_config};
+pub use checkpoint::options::LoadOptions;
+pub use checkpoint::safetensors::{
+    load_bytes, load_files, read_config, save_dir, save_dir_as, weight_files,
+};
 pub use config::{Activation, GptConfig, NormKind, NormPlacement};
 pub use family::Family;
 pub use generate::{
     argmax, generate, left_padded, GenerateOptions, Sampler, SamplingParams, SplitMix64,
 };
-pub use gguf::{load_gguf, save_gguf, Gguf, GgufVocab};
-pub use gpt::{next_token_loss, token_logprobs, Embedding, Gpt, GptCache, Logits};
-pub use load::{
-    load_bytes, load_dir, load_dir_fused, load_files, load_files_fused, read_config, save_dir,
-    save_dir_as, weight_files, write_atomic, LoadAs,
-};
-pub use mlp::Mlp;
-pub use nanogpt::{load_nanogpt, nanogpt_config};
-pub use norm::{LayerNorm, Norm, RmsNorm};
+pub use model::{next_token_loss, token_logprobs, Embedding, Gpt, GptCache, Logits};
 pub use optim::{AdamW, AdamWParams};
+pub use parts::block::Block;
+pub use parts::mlp::Mlp;
+pub use parts::norm::{LayerNorm, Norm, RmsNorm};
 
 // The crate README's examples run as doctests.
 #[doc = include_str!("../README.md")]

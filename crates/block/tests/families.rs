@@ -21,7 +21,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
-use gpt_blocks::{load_dir, read_config, Gpt, GptCache, Logits};
+use gpt_blocks::{read_config, Gpt, GptCache, LoadOptions, Logits};
 
 const MODELS: [&str; 7] = [
     "llama_gqa_bias",
@@ -45,7 +45,7 @@ fn expected(name: &str) -> HashMap<String, Tensor> {
 }
 
 fn load(dir: &Path, dtype: DType) -> Gpt {
-    load_dir(dir, dtype, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+    gpt_blocks::load(dir, dtype, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 #[test]
@@ -556,10 +556,14 @@ fn bad_configs_are_one_line_errors_naming_the_field() {
 
 /// The error loading `dir` gives; loading it for inference must give the same.
 fn load_err(dir: &Path) -> String {
-    let err = load_dir(dir, DType::F32, &Device::Cpu)
+    let err = gpt_blocks::load(dir, DType::F32, &Device::Cpu)
         .unwrap_err()
         .to_string();
-    let fused = gpt_blocks::load_dir_fused(dir, DType::F32, &Device::Cpu);
+    let fused = gpt_blocks::load(
+        dir,
+        LoadOptions::new(DType::F32).for_inference(),
+        &Device::Cpu,
+    );
     // (The first line: with RUST_BACKTRACE set, Candle appends where each error arose.)
     let first = |e: &str| e.lines().next().unwrap_or("").to_string();
     assert_eq!(
@@ -788,8 +792,8 @@ fn llama_configs_round_trip_and_others_are_refused() {
     assert!(err.contains("cannot express"), "{err}");
 }
 
-/// Loaded for inference (`load_dir_fused`, as `gpt` runs a checkpoint), a model computes
-/// what `load_dir`'s does: f32, f16 and bf16 read from the f32 files (converted as they
+/// Loaded for inference (`LoadOptions::for_inference`, as `gpt` runs a checkpoint), a
+/// model computes what the plain load's does: f32, f16 and bf16 read from the f32 files (converted as they
 /// are read), and q8_0 quantized while loading; q/k/v and gate/up are one projection each
 /// where the family stores them apart, holding the stored weights bit for bit; a full pass
 /// and cached decoding. On the CPU every block matrix is a view of one buffer, each right
@@ -797,7 +801,6 @@ fn llama_configs_round_trip_and_others_are_refused() {
 /// a copy, aside), so fusing copied nothing.
 #[test]
 fn loading_for_inference_fuses_in_place_and_computes_the_same() {
-    use gpt_blocks::{load_dir_fused, LoadAs};
     let dirs: Vec<PathBuf> = MODELS
         .iter()
         .map(|m| fixture(m))
@@ -816,9 +819,13 @@ fn loading_for_inference_fuses_in_place_and_computes_the_same() {
         ];
         for (dtype, quantize, tol) in cases {
             let what = format!("{name}, {dtype:?}, {quantize:?}");
-            let load_as = LoadAs { dtype, quantize };
-            let plain = load_dir(dir, load_as, &Device::Cpu).unwrap();
-            let fused = load_dir_fused(dir, load_as, &Device::Cpu)
+            let opts = LoadOptions {
+                dtype,
+                quantize,
+                fused: false,
+            };
+            let plain = gpt_blocks::load(dir, opts, &Device::Cpu).unwrap();
+            let fused = gpt_blocks::load(dir, opts.for_inference(), &Device::Cpu)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
             // Fused wherever `Gpt::fused` fuses (quantized parts whose row tiles would not
             // line up stay apart: an MQA's 8-row keys).

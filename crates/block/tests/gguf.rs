@@ -21,7 +21,9 @@ use std::path::PathBuf;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use common::{assert_close, max_abs_diff};
-use gpt_blocks::{generate, GenerateOptions, Gguf, Gpt, GptCache, Logits, SamplingParams};
+use gpt_blocks::{
+    generate, GenerateOptions, Gguf, Gpt, GptCache, LoadOptions, Logits, SamplingParams,
+};
 
 fn path(file: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -35,7 +37,7 @@ fn expected(name: &str) -> HashMap<String, Tensor> {
 }
 
 fn load(file: &str) -> Gpt {
-    gpt_blocks::load_gguf(&path(file), DType::F32, &Device::Cpu)
+    gpt_blocks::load(&path(file), DType::F32, &Device::Cpu)
         .unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
@@ -289,7 +291,7 @@ fn cached_decoding_equals_the_full_pass() {
     }
 }
 
-/// A model loaded fused for inference (`Gguf::load_fused`: q/k/v and gate/up each one
+/// A model loaded fused for inference (`Gguf::load` with `LoadOptions::for_inference`: q/k/v and gate/up each one
 /// product) computes what the file's separate projections do: f32, q/k/v biases (Qwen2),
 /// q8_0, q4_0 and q4_K_M (packed where the CPU has the kernels), an f16 file computing in
 /// f32, a full pass and cached decoding. Files whose projections are stored fused (GPT-2,
@@ -319,7 +321,9 @@ fn fused_loading_computes_what_the_separate_projections_do() {
         };
         let gguf = Gguf::open(&p).unwrap();
         let plain = gguf.load(DType::F32, &Device::Cpu).unwrap();
-        let fused = gguf.load_fused(DType::F32, &Device::Cpu).unwrap();
+        let fused = gguf
+            .load(LoadOptions::new(DType::F32).for_inference(), &Device::Cpu)
+            .unwrap();
         let (_, attn, _, mlp) = fused.blocks()[0].parts();
         let did = attn.fused_qkv().is_some() && mlp.fused_gate_up().is_some();
         let stored = plain.blocks()[0].parts().1.fused_qkv().is_some();
@@ -400,7 +404,7 @@ fn fused_float_matrices_are_views_of_one_buffer() {
     ] {
         let model = Gguf::open(&path(file))
             .unwrap()
-            .load_fused(DType::F32, &Device::Cpu)
+            .load(LoadOptions::new(DType::F32).for_inference(), &Device::Cpu)
             .unwrap();
         // (buffer, first element, elements) of each matrix.
         let mut spans = Vec::new();
@@ -479,7 +483,9 @@ fn mixed_precision_blocks_load_for_inference_as_they_are() {
     write_gguf(&mixed, &content, &tensors);
     let gguf = Gguf::open(&mixed).unwrap();
     let plain = gguf.load(DType::F32, &Device::Cpu).unwrap();
-    let fused = gguf.load_fused(DType::F32, &Device::Cpu).unwrap();
+    let fused = gguf
+        .load(LoadOptions::new(DType::F32).for_inference(), &Device::Cpu)
+        .unwrap();
     // Block 0's q/k/v cannot share a buffer (k is f16); block 1's can.
     let k = fused.blocks()[0].parts().1.qkv_proj()[1]
         .weight_t()
@@ -540,7 +546,7 @@ fn matrices_of_the_wrong_shape_or_unused_are_refused_when_loading_for_inference(
         .unwrap();
     short[at].1 = f32(&kept.unwrap());
     // A block past the config's layers.
-    let layers = gpt_blocks::load_gguf(&path("llama.f32.gguf"), DType::F32, &Device::Cpu)
+    let layers = gpt_blocks::load(&path("llama.f32.gguf"), DType::F32, &Device::Cpu)
         .unwrap()
         .config()
         .n_layer;
@@ -557,7 +563,7 @@ fn matrices_of_the_wrong_shape_or_unused_are_refused_when_loading_for_inference(
         let gguf = Gguf::open(&bad).unwrap();
         for fused in [false, true] {
             let err = match fused {
-                true => gguf.load_fused(DType::F32, &Device::Cpu),
+                true => gguf.load(LoadOptions::new(DType::F32).for_inference(), &Device::Cpu),
                 false => gguf.load(DType::F32, &Device::Cpu),
             }
             .unwrap_err()
@@ -576,7 +582,7 @@ fn written_files_load_back_as_the_same_model() {
         let want = logits(&model, ids);
         let out = dir.path().join(format!("{name}.gguf"));
         gpt_blocks::save_gguf(&model, &out, GgmlDType::F32, None, None).unwrap();
-        let again = gpt_blocks::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
+        let again = gpt_blocks::load(&out, DType::F32, &Device::Cpu).unwrap();
         // GGUF keeps Llama 3's scaling as divisors, read back into bands that give them to
         // f32 rounding: the frequencies, and so the logits, move by a few ulps.
         let atol = if name == "llama3" { 1e-5 } else { 1e-6 };
@@ -604,7 +610,7 @@ fn written_files_load_back_as_the_same_model() {
         None,
     )
     .unwrap();
-    let model = gpt_blocks::load_gguf(&out, DType::F32, &Device::Cpu).unwrap();
+    let model = gpt_blocks::load(&out, DType::F32, &Device::Cpu).unwrap();
     let ids = &expected(name)["input_ids"];
     for dtype in [
         GgmlDType::Q4K,
@@ -627,7 +633,7 @@ fn quantized_file_is_the_model_quantized(
     name: &str,
 ) {
     gpt_blocks::save_gguf(model, out, dtype, None, None).unwrap();
-    let q = gpt_blocks::load_gguf(out, DType::F32, &Device::Cpu).unwrap();
+    let q = gpt_blocks::load(out, DType::F32, &Device::Cpu).unwrap();
     let quantized = model.quantize(dtype).unwrap();
     let wte = model.wte().unwrap();
     let table = mha::Proj::quantized_as(dtype, wte.dim(1).unwrap()).unwrap_or(GgmlDType::F16);
@@ -661,12 +667,12 @@ fn half_precision_files_compute_in_f32_with_half_weights() {
         let model = load(&format!("{name}.f32.gguf"));
         let f16 = dir.path().join(format!("{name}.f16.gguf"));
         gpt_blocks::save_gguf(&model, &f16, GgmlDType::F16, None, None).unwrap();
-        let mixed = gpt_blocks::load_gguf(&f16, DType::F32, &Device::Cpu).unwrap();
+        let mixed = gpt_blocks::load(&f16, DType::F32, &Device::Cpu).unwrap();
         assert_eq!(mixed.embedding().stored_dtype(), Some(DType::F16), "{name}");
         // The same values in f32: the f16 model written back as an f32 file.
         let f32 = dir.path().join(format!("{name}.f32.gguf"));
         gpt_blocks::save_gguf(&mixed, &f32, GgmlDType::F32, None, None).unwrap();
-        let exact = gpt_blocks::load_gguf(&f32, DType::F32, &Device::Cpu).unwrap();
+        let exact = gpt_blocks::load(&f32, DType::F32, &Device::Cpu).unwrap();
         assert_eq!(exact.embedding().stored_dtype(), Some(DType::F32), "{name}");
         let want = exact.infer(&ids, None, None, Logits::All).unwrap();
         let full = mixed.infer(&ids, None, None, Logits::All).unwrap();
@@ -710,7 +716,7 @@ fn families_llama_cpp_cannot_run_are_refused() {
         ("neo_local", "no gpt_neo architecture"),
         ("mistral_window", "sliding-window"),
     ] {
-        let model = gpt_blocks::load_dir(&families.join(name), DType::F32, &Device::Cpu).unwrap();
+        let model = gpt_blocks::load(&families.join(name), DType::F32, &Device::Cpu).unwrap();
         let err = gpt_blocks::save_gguf(
             &model,
             &dir.path().join("x.gguf"),
@@ -732,7 +738,7 @@ fn llama3_rope_scaling_matches_transformers() {
     let exp = expected("llama3");
     let ids = &exp["input_ids"];
     let dir = path("llama3_hf");
-    let from_json = gpt_blocks::load_dir(&dir, DType::F32, &Device::Cpu).unwrap();
+    let from_json = gpt_blocks::load(&dir, DType::F32, &Device::Cpu).unwrap();
     let got = logits(&from_json, ids);
     println!(
         "llama3 from config.json: {:e}",
@@ -770,7 +776,7 @@ fn llama3_rope_scaling_matches_transformers() {
     legacy["rope_theta"] = params["rope_theta"].clone();
     legacy["rope_scaling"] = params;
     std::fs::write(tmp.path().join("config.json"), legacy.to_string()).unwrap();
-    let old_form = gpt_blocks::load_dir(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    let old_form = gpt_blocks::load(tmp.path(), DType::F32, &Device::Cpu).unwrap();
     assert_eq!(old_form.config().rope, from_json.config().rope);
 
     cfg["rope_parameters"]["rope_type"] = "default".into();
@@ -780,7 +786,7 @@ fn llama3_rope_scaling_matches_transformers() {
         tmp.path().join("model.safetensors"),
     )
     .unwrap();
-    let unscaled = gpt_blocks::load_dir(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    let unscaled = gpt_blocks::load(tmp.path(), DType::F32, &Device::Cpu).unwrap();
     let moved = max_abs_diff(&logits(&unscaled, ids), &exp["logits"]);
     assert!(moved > 1e-2, "the scaling changes nothing: {moved}");
 }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use common::assert_close;
-use gpt_blocks::{load_dir, save_dir, Gpt, Logits};
+use gpt_blocks::{save_dir, Gpt, LoadOptions, Logits};
 
 const MODELS: [&str; 3] = ["tiny", "inverse_layer_scale", "untied_exact_gelu"];
 
@@ -30,7 +30,8 @@ fn expected(name: &str) -> HashMap<String, Tensor> {
 }
 
 fn load(dir: &Path) -> Gpt {
-    load_dir(dir, DType::F32, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+    gpt_blocks::load(dir, DType::F32, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 fn logits(model: &Gpt, ids: &Tensor) -> Tensor {
@@ -139,7 +140,7 @@ fn other_checkpoint_layouts_give_the_same_logits() {
     }
 
     // f16 weights track f32.
-    let half = load_dir(&fixture(name), DType::F16, &Device::Cpu).unwrap();
+    let half = gpt_blocks::load(&fixture(name), DType::F16, &Device::Cpu).unwrap();
     let got = half
         .infer(&exp["input_ids"], None, None, Logits::All)
         .unwrap();
@@ -149,10 +150,14 @@ fn other_checkpoint_layouts_give_the_same_logits() {
 /// The error loading `dir` gives; loading it for inference (as `gpt` runs a checkpoint)
 /// must give the same.
 fn load_err(dir: &Path) -> String {
-    let err = load_dir(dir, DType::F32, &Device::Cpu)
+    let err = gpt_blocks::load(dir, DType::F32, &Device::Cpu)
         .unwrap_err()
         .to_string();
-    let fused = gpt_blocks::load_dir_fused(dir, DType::F32, &Device::Cpu);
+    let fused = gpt_blocks::load(
+        dir,
+        LoadOptions::new(DType::F32).for_inference(),
+        &Device::Cpu,
+    );
     // (The first line: with RUST_BACKTRACE set, Candle appends where each error arose.)
     let first = |e: &str| e.lines().next().unwrap_or("").to_string();
     assert_eq!(first(&fused.unwrap_err().to_string()), first(&err));

@@ -560,8 +560,8 @@ fn half_weights_with_f32_activations_equal_f32_on_the_same_values() -> Result<()
     let dir = tempfile::tempdir().unwrap();
     for half in [DType::F16, DType::BF16] {
         gpt_blocks::save_dir_as(&gpt, dir.path(), half)?;
-        let exact = gpt_blocks::load_dir(dir.path(), DType::F32, &DEV)?;
-        let mixed = gpt_blocks::load_dir(dir.path(), half, &DEV)?.with_f32_activations()?;
+        let exact = gpt_blocks::load(dir.path(), DType::F32, &DEV)?;
+        let mixed = gpt_blocks::load(dir.path(), half, &DEV)?.with_f32_activations()?;
         let what = format!("{placement:?} {half:?}");
         assert_eq!(mixed.dtype(), DType::F32, "{what}");
         assert_eq!(mixed.embedding().stored_dtype(), Some(half), "{what}");
@@ -603,12 +603,9 @@ fn quantizing_while_loading_equals_quantizing_after() -> Result<()> {
     gpt_blocks::save_dir(&gpt, dir.path())?;
     let xs = ids(&[&[3, 1, 4, 1, 5, 9, 2, 6]]);
     for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_0] {
-        let load_as = gpt_blocks::LoadAs {
-            dtype: DType::F32,
-            quantize: Some(dtype),
-        };
-        let on_load = gpt_blocks::load_dir(dir.path(), load_as, &Device::Cpu)?;
-        let after = gpt_blocks::load_dir(dir.path(), DType::F32, &Device::Cpu)?.quantize(dtype)?;
+        let load_as = gpt_blocks::LoadOptions::new(DType::F32).quantized(dtype);
+        let on_load = gpt_blocks::load(dir.path(), load_as, &Device::Cpu)?;
+        let after = gpt_blocks::load(dir.path(), DType::F32, &Device::Cpu)?.quantize(dtype)?;
         assert!(on_load.is_quantized());
         let a = on_load.infer(&xs, None, None, Logits::All)?;
         let b = after.infer(&xs, None, None, Logits::All)?;

@@ -245,14 +245,15 @@ pub fn load_for_inference(args: &ModelArgs) -> Result<Loaded> {
 fn load_with(args: &ModelArgs, fuse: bool) -> Result<Loaded> {
     // Quantizing while loading keeps the f32 blocks from all being in memory at once;
     // checking the weights needs them unquantized, so that loads first and quantizes after.
-    let load_as = gpt_blocks::LoadAs {
+    let opts = gpt_blocks::LoadOptions {
         dtype: args.dtype.map_or(DType::F32, Into::into),
         quantize: args
             .quantize
             .filter(|_| !args.check_weights)
             .map(Into::into),
+        fused: fuse,
     };
-    let mut loaded = load_unchecked(args, load_as, fuse)?;
+    let mut loaded = load_unchecked(args, opts)?;
     if args.check_weights {
         loaded.model.check_weights()?;
     }
@@ -271,13 +272,12 @@ fn load_with(args: &ModelArgs, fuse: bool) -> Result<Loaded> {
     Ok(loaded)
 }
 
-fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs, fuse: bool) -> Result<Loaded> {
+fn load_unchecked(args: &ModelArgs, opts: gpt_blocks::LoadOptions) -> Result<Loaded> {
     let dev = device(args.device)?;
-    let dtype = load_as.dtype;
     let plain = || ChatTemplate::new(None, None, None);
     let Some(spec) = &args.model else {
         let gguf = gpt_blocks::Gguf::from_bytes("built-in model", embedded::GGUF)?;
-        let model = gguf_model(&gguf, args.dtype.map(Into::into), &dev, fuse)
+        let model = gguf_model(&gguf, args.dtype.map(Into::into), &dev, opts)
             .context("the built-in model")?;
         let tokenizer = tokenizer_json::parse(embedded::TOKENIZER)
             .map(Tokenizer::from)
@@ -297,10 +297,7 @@ fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs, fuse: bool) -> 
     };
     let path = PathBuf::from(spec);
     if path.is_dir() {
-        let model = match fuse {
-            true => gpt_blocks::load_dir_fused(&path, load_as, &dev)?,
-            false => gpt_blocks::load_dir(&path, load_as, &dev)?,
-        };
+        let model = gpt_blocks::load(&path, opts, &dev)?;
         let tokenizer = tokenizer_file(&path.join("tokenizer.json"))?;
         return Ok(loaded(model, tokenizer, ChatTemplate::from_dir(&path)?));
     }
@@ -308,20 +305,15 @@ fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs, fuse: bool) -> 
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
         if ext == "gguf" {
             let dtype = args.dtype.map(Into::into);
-            return load_gguf(&path, dtype, &dev, fuse).map(|(m, t, c)| loaded(m, t, c));
+            return load_gguf(&path, dtype, &dev, opts).map(|(m, t, c)| loaded(m, t, c));
         }
         if ext == "pt" {
-            let model = gpt_blocks::load_nanogpt(&path, dtype, &dev)?;
+            let model = gpt_blocks::load(&path, opts, &dev)?;
             let tokenizer = tokenizer_file(&path.with_file_name("tokenizer.json"))?;
             return Ok(loaded(model, tokenizer, plain()));
         }
         if let Some(dir) = path.parent().filter(|_| ext == "safetensors") {
-            let cfg = gpt_blocks::read_config(dir)?;
-            let files = std::slice::from_ref(&path);
-            let model = match fuse {
-                true => gpt_blocks::load_files_fused(&cfg, files, load_as, &dev)?,
-                false => gpt_blocks::load_files(&cfg, files, load_as, &dev)?,
-            };
+            let model = gpt_blocks::load(&path, opts, &dev)?;
             let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
             return Ok(loaded(model, tokenizer, ChatTemplate::from_dir(dir)?));
         }
@@ -330,10 +322,7 @@ fn load_unchecked(args: &ModelArgs, load_as: gpt_blocks::LoadAs, fuse: bool) -> 
     // Not a local path: a hub id such as `gpt2` or `openai-community/gpt2`.
     check_hub_id(spec)?;
     let dir = hub_download(spec, true)?;
-    let model = match fuse {
-        true => gpt_blocks::load_dir_fused(&dir, load_as, &dev)?,
-        false => gpt_blocks::load_dir(&dir, load_as, &dev)?,
-    };
+    let model = gpt_blocks::load(&dir, opts, &dev)?;
     let tokenizer = tokenizer_file(&dir.join("tokenizer.json"))?;
     Ok(loaded(model, tokenizer, ChatTemplate::from_dir(&dir)?))
 }
@@ -346,7 +335,7 @@ fn load_gguf(
     path: &Path,
     dtype: Option<DType>,
     dev: &Device,
-    fuse: bool,
+    opts: gpt_blocks::LoadOptions,
 ) -> Result<(Gpt, Option<Tokenizer>, ChatTemplate)> {
     let mut gguf = gpt_blocks::Gguf::open(path)?;
     let text = gguf_text(&gguf, path);
@@ -358,7 +347,7 @@ fn load_gguf(
     gguf.release_vocab();
     // SAFETY: a plain call into mimalloc: return the pages freed so far to the OS.
     unsafe { libmimalloc_sys::mi_collect(true) };
-    let model = gguf_model(&gguf, dtype, dev, fuse).with_context(|| path.display().to_string())?;
+    let model = gguf_model(&gguf, dtype, dev, opts).with_context(|| path.display().to_string())?;
     let (tokenizer, chat) = text?;
     Ok((model, tokenizer, chat))
 }
@@ -440,17 +429,14 @@ fn gguf_model(
     gguf: &gpt_blocks::Gguf,
     dtype: Option<DType>,
     dev: &Device,
-    fuse: bool,
+    opts: gpt_blocks::LoadOptions,
 ) -> candle_core::Result<Gpt> {
     let dtype = match dtype {
         Some(dtype) => dtype,
         None if dev.is_cpu() => DType::F32,
         None => gguf.float_dtype(),
     };
-    match fuse {
-        true => gguf.load_fused(dtype, dev),
-        false => gguf.load(dtype, dev),
-    }
+    gguf.load(gpt_blocks::LoadOptions { dtype, ..opts }, dev)
 }
 
 /// Fetches a model's files from the Hugging Face hub into its cache (its weights only with

@@ -1,14 +1,13 @@
 //! A team of spinning helper threads for the short parallel regions of decoding.
 //!
-//! Decoding one token runs ~50 products of 50–200 µs each, with a little serial work
-//! between them. On rayon's pool the idle worker sleeps within microseconds (a futex), so
-//! each product pays a wake-up on the way in and another on the way out when the caller
-//! waits for the last range (a profile of GPT-2 124M q4_0 decoding on 2 threads: the helper
-//! off its core 16% of the time, 12% of all samples in the scheduler). Here the helpers
-//! spin between regions for up to [`SPIN`] and only then sleep, as llama.cpp's threads do
+//! Decoding one token runs some fifty products of tens to hundreds of microseconds each,
+//! with a little serial work between them. On rayon's pool an idle worker sleeps within
+//! microseconds (a futex), so each product would pay a wake-up on the way in and another
+//! on the way out when the caller waits for the last range. Here the helpers spin between
+//! regions for a short while (`SPIN`) and only then sleep, as llama.cpp's threads do
 //! between the operations of a graph.
 //!
-//! While they wait, helpers read ahead: a decoding product tells the team ([`hint`]) what
+//! While they wait, helpers read ahead: a decoding product tells the team (`hint`) what
 //! the next one will likely have a helper read, and a waiting helper brings its start into
 //! its cache, so that the caller's serial work between products overlaps with memory reads.
 //!

@@ -1,5 +1,5 @@
 //! The row kernels with AVX-512: four weight rows at a time, half-precision rows widened
-//! sixteen lanes at a time as they are read ([`Load`]).
+//! sixteen lanes at a time as they are read ([`Load`](crate::simd::avx512::Load)).
 
 use half::{bf16, f16};
 use std::arch::x86_64::*;

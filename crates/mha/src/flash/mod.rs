@@ -6,12 +6,12 @@
 //! `q_len × kv_len` exists. The two block products go through the `gemm` crate (the kernels
 //! Candle's matmul uses); blocks run in parallel on rayon's pool.
 //!
-//! - [`prefill`]: the blocked forward pass, and [`decode`] for a few query rows against a
+//! - `prefill.rs`: the blocked forward pass, and `decode.rs` for a few query rows against a
 //!   long cache (decoding), split over the keys instead;
-//! - [`step`]: a decoding step in place, from a fused q/k/v projection into the cache;
-//! - [`backward`]: the gradients, recomputing each block's weights from the saved
-//!   log-sum-exp; [`qkv`]: the training op from a fused projection's output;
-//! - [`tiles`]: the parameters and row views every pass shares.
+//! - `step.rs`: a decoding step in place, from a fused q/k/v projection into the cache;
+//! - `backward.rs`: the gradients, recomputing each block's weights from the saved
+//!   log-sum-exp; `qkv.rs`: the training op from a fused projection's output;
+//! - `tiles.rs`: the parameters and row views every pass shares.
 //!
 //! A public module for the crates built on this one and for the benchmarks: most users want
 //! [`crate::sdpa`] or [`crate::MultiHeadAttention`], which pick these kernels when they

@@ -5,8 +5,9 @@ use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 use mha::{Dropout, ForwardArgs, KvCache, Mask, MhaConfig, MultiHeadAttention, RopeTables};
 
-use crate::family::TensorNames;
-use crate::{GptConfig, Mlp, Norm, NormPlacement};
+use super::mlp::Mlp;
+use super::norm::Norm;
+use crate::config::{GptConfig, NormPlacement};
 
 /// A decoder block (`h.{i}` in GPT-2 checkpoints, `layers.{i}` in others): a norm and
 /// attention, a norm and an MLP.
@@ -25,17 +26,17 @@ impl Block {
     /// Loads block number `layer_idx` (its index sets the attention scale when
     /// `scale_attn_by_inverse_layer_idx` is on, its window, and its dropout seed).
     pub fn new(cfg: &GptConfig, layer_idx: usize, vb: VarBuilder) -> Result<Self> {
-        let names = TensorNames::of(cfg.family);
+        let names = cfg.family.names();
         let (d, eps) = (cfg.n_embd, cfg.layer_norm_epsilon);
-        let layout = TensorNames::attn_layout(cfg.family);
+        let layout = names.attn_layout();
         let attn_cfg = Self::attn_config(cfg, layer_idx);
         Self::from_parts(
             cfg,
             layer_idx,
-            Norm::new(cfg.norm, d, eps, vb.pp(names.attn_norm))?,
+            Norm::new(cfg.norm, d, eps, vb.pp(names.attn_norm.hf))?,
             MultiHeadAttention::load(&attn_cfg, &layout, vb.pp(names.attn))?,
-            Norm::new(cfg.norm, d, eps, vb.pp(names.mlp_norm))?,
-            Mlp::new(cfg, vb.pp(names.mlp_prefix))?,
+            Norm::new(cfg.norm, d, eps, vb.pp(names.mlp_norm.hf))?,
+            Mlp::new(cfg, vb.pp(names.mlp))?,
         )
     }
 

@@ -8,8 +8,7 @@ use candle_core::{bail, DType, Result};
 
 use mha::WeightLayout;
 
-use crate::family::TensorNames;
-use crate::{GptConfig, NormKind, NormPlacement};
+use crate::config::{GptConfig, NormKind, NormPlacement};
 
 /// One tensor a checkpoint of a configuration holds.
 pub(crate) struct Expected<'a> {
@@ -31,7 +30,7 @@ pub(crate) fn for_each_tensor(
     cfg: &GptConfig,
     mut f: impl FnMut(Expected<'_>) -> Result<()>,
 ) -> Result<()> {
-    let names = TensorNames::of(cfg.family);
+    let names = cfg.family.names();
     let (v, d, i) = (cfg.vocab_size, cfg.n_embd, cfg.inner_dim());
     let kv = cfg.kv_heads() * (d / cfg.n_head.max(1));
     let mut one = |name: &str, shape: &[usize], is_bias| {
@@ -51,10 +50,10 @@ pub(crate) fn for_each_tensor(
             }
             Ok::<(), candle_core::Error>(())
         };
-    one(&format!("{}.weight", names.embed), &[v, d], false)?;
+    one(&format!("{}.weight", names.embed.hf), &[v, d], false)?;
     if cfg.rope.is_none() {
         one(
-            &format!("{}.weight", names.positions),
+            &format!("{}.weight", names.positions.hf),
             &[cfg.n_positions, d],
             false,
         )?;
@@ -67,21 +66,27 @@ pub(crate) fn for_each_tensor(
         Ok::<(), candle_core::Error>(())
     };
     for layer in 0..cfg.n_layer {
-        let p = format!("{}.{layer}", names.layers);
-        norm(&mut one, &format!("{p}.{}", names.attn_norm))?;
-        norm(&mut one, &format!("{p}.{}", names.mlp_norm))?;
+        let p = format!("{}.{layer}", names.layers.hf);
+        norm(&mut one, &format!("{p}.{}", names.attn_norm.hf))?;
+        norm(&mut one, &format!("{p}.{}", names.mlp_norm.hf))?;
         let a = format!("{p}.{}", names.attn);
         let (qkv_b, o_b) = (cfg.attn_bias, cfg.attn_out_bias);
-        match TensorNames::attn_layout(cfg.family) {
+        match names.attn_layout() {
             WeightLayout::Gpt2Conv1d => {
                 proj(
                     &mut one,
-                    &format!("{a}.c_attn"),
+                    &format!("{a}.{}", names.attn_proj.qkv.hf),
                     (d, d + 2 * kv),
                     true,
                     qkv_b,
                 )?;
-                proj(&mut one, &format!("{a}.c_proj"), (d, d), true, o_b)?;
+                proj(
+                    &mut one,
+                    &format!("{a}.{}", names.attn_proj.o.hf),
+                    (d, d),
+                    true,
+                    o_b,
+                )?;
             }
             WeightLayout::HeadInterleavedQkv { qkv, o } => {
                 proj(&mut one, &format!("{a}.{qkv}"), (d, 3 * d), false, qkv_b)?;
@@ -95,20 +100,26 @@ pub(crate) fn for_each_tensor(
             }
             WeightLayout::TorchInProj => bail!("no model family stores torch in_proj weights"),
         }
-        let m = &names.mlp;
-        let mp = format!("{p}.{}", names.mlp_prefix);
+        let m = &names.mlp_proj;
+        let mp = format!("{p}.{}", names.mlp);
         // GPT-2's Conv1D MLP always has biases.
         let mlp_bias = cfg.mlp_bias || m.conv1d;
         let gate = m.gate.filter(|_| cfg.gated_mlp).map(|g| (g, (d, i)));
         for (name, io) in gate.into_iter().chain([(m.up, (d, i)), (m.down, (i, d))]) {
-            proj(&mut one, &format!("{mp}.{name}"), io, m.conv1d, mlp_bias)?;
+            proj(
+                &mut one,
+                &format!("{mp}.{}", name.hf),
+                io,
+                m.conv1d,
+                mlp_bias,
+            )?;
         }
     }
     if cfg.norm_placement == NormPlacement::Pre {
-        norm(&mut one, names.final_norm)?;
+        norm(&mut one, names.final_norm.hf)?;
     }
     if !cfg.tie_word_embeddings {
-        one(&format!("{}.weight", names.head), &[v, d], false)?;
+        one(&format!("{}.weight", names.head.hf), &[v, d], false)?;
     }
     Ok(())
 }

@@ -5,8 +5,10 @@
 //!
 //! The file is treated as hostile: zip entries must be stored uncompressed (as
 //! `torch.save` writes them, so nothing can expand), the pickle is dry-run before it is
-//! unpickled ([`crate::pickle`]), and every tensor's shape, dtype and byte range is checked
+//! unpickled ([`pickle`]), and every tensor's shape, dtype and byte range is checked
 //! against the config and the zip entry before anything is allocated for it.
+
+mod pickle;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -17,8 +19,11 @@ use candle_core::pickle::{Object, Stack};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::load::path_err;
-use crate::{check, Activation, Gpt, GptConfig};
+use crate::checkpoint::check;
+use crate::checkpoint::io::path_err;
+use crate::checkpoint::options::LoadOptions;
+use crate::config::{Activation, GptConfig};
+use crate::model::Gpt;
 
 /// Largest `data.pkl` read: nanoGPT's holds names and shapes, a few KB.
 const MAX_PICKLE_BYTES: u64 = 64 << 20;
@@ -71,7 +76,7 @@ fn open(path: &Path) -> Result<Checkpoint> {
             .read_to_end(&mut bytes)
             .map_err(|e| path_err(path, e))?;
     }
-    crate::pickle::check(&bytes).map_err(|e| path_err(path, e))?;
+    pickle::check(&bytes).map_err(|e| path_err(path, e))?;
     let mut stack = Stack::empty();
     stack
         .read_loop(&mut std::io::Cursor::new(&bytes))
@@ -250,8 +255,14 @@ fn is_linear(name: &str) -> bool {
     .any(|s| name.ends_with(s))
 }
 
-/// Loads a nanoGPT `ckpt.pt`.
-pub fn load_nanogpt(path: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
+/// Loads a nanoGPT `ckpt.pt` (GPT-2's fused q/k/v already; [`LoadOptions::fused`] changes
+/// nothing).
+pub fn load_nanogpt(path: &Path, opts: impl Into<LoadOptions>, device: &Device) -> Result<Gpt> {
+    let LoadOptions {
+        dtype,
+        quantize,
+        fused,
+    } = opts.into();
     let mut ckpt = open(path)?;
     let cfg = config_of(path, &ckpt)?;
     let Some(Object::Dict(state)) = ckpt.get("model") else {
@@ -307,7 +318,7 @@ pub fn load_nanogpt(path: &Path, dtype: DType, device: &Device) -> Result<Gpt> {
         tensors.insert(name, Tensor::zeros(len, DType::F32, &Device::Cpu)?);
     }
     let vb = VarBuilder::from_tensors(tensors, dtype, device);
-    Gpt::new(&cfg, vb).map_err(|e| path_err(path, e))
+    Gpt::build(&cfg, vb, quantize, fused).map_err(|e| path_err(path, e))
 }
 
 /// Reads one tensor's bytes after checking them against its zip entry.

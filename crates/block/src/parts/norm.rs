@@ -3,7 +3,7 @@
 use candle_core::{bail, DType, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
-use crate::NormKind;
+use crate::config::NormKind;
 
 /// LayerNorm over the last dimension, with `weight` and `bias` named as in checkpoints.
 ///

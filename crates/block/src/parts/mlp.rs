@@ -5,8 +5,8 @@ use candle_core::{Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 use mha::{OutputAct, Proj};
 
-use crate::family::TensorNames;
-use crate::{Activation, GptConfig};
+use crate::config::{Activation, GptConfig};
+use crate::family::names::MlpNames;
 
 /// The MLP of a block, its projections named as in the checkpoint.
 #[derive(Debug, Clone)]
@@ -19,16 +19,6 @@ pub struct Mlp {
     down: Proj,
     act: Activation,
     names: MlpNames,
-}
-
-/// The checkpoint names of an MLP's projections, and how their weights are stored.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct MlpNames {
-    pub up: &'static str,
-    pub gate: Option<&'static str>,
-    pub down: &'static str,
-    /// GPT-2's Conv1D stores weights `[in, out]`; `nn.Linear` stores `[out, in]`.
-    pub conv1d: bool,
 }
 
 /// A GPT-2 Conv1D layer: `weight [d_in, d_out]`, `bias [d_out]`.
@@ -60,22 +50,22 @@ fn linear(d_in: usize, d_out: usize, bias: bool, vb: VarBuilder) -> Result<Proj>
 impl Mlp {
     /// Loads the projections under `vb` with the family's names.
     pub fn new(cfg: &GptConfig, vb: VarBuilder) -> Result<Self> {
-        let names = TensorNames::of(cfg.family).mlp;
+        let names = cfg.family.names().mlp_proj;
         let (d, inner) = (cfg.n_embd, cfg.inner_dim());
         let load = |name: &str, d_in, d_out| match names.conv1d {
             true => conv1d(d_in, d_out, vb.pp(name)),
             false => linear(d_in, d_out, cfg.mlp_bias, vb.pp(name)),
         };
         let gate = match (cfg.gated_mlp, names.gate) {
-            (true, Some(g)) => Some(load(g, d, inner)?),
+            (true, Some(g)) => Some(load(g.hf, d, inner)?),
             (true, None) => candle_core::bail!("{:?} checkpoints have no gated MLP", cfg.family),
             (false, _) => None,
         };
         Ok(Self {
-            up: load(names.up, d, inner)?,
+            up: load(names.up.hf, d, inner)?,
             gate,
             gate_up: None,
-            down: load(names.down, inner, d)?,
+            down: load(names.down.hf, inner, d)?,
             act: cfg.activation_function,
             names,
         })
@@ -90,7 +80,7 @@ impl Mlp {
         down: Proj,
     ) -> Result<Self> {
         let (d, inner) = (cfg.n_embd, cfg.inner_dim());
-        let names = TensorNames::of(cfg.family).mlp;
+        let names = cfg.family.names().mlp_proj;
         if gate.is_some() != cfg.gated_mlp {
             candle_core::bail!(
                 "the MLP {} a gate projection but the config says gated = {}",
@@ -194,10 +184,10 @@ impl Mlp {
     pub fn projections(&self) -> (Vec<(&'static str, &Proj)>, bool) {
         let mut out = Vec::with_capacity(3);
         if let (Some(g), Some(name)) = (&self.gate, self.names.gate) {
-            out.push((name, g));
+            out.push((name.hf, g));
         }
-        out.push((self.names.up, &self.up));
-        out.push((self.names.down, &self.down));
+        out.push((self.names.up.hf, &self.up));
+        out.push((self.names.down.hf, &self.down));
         (out, self.names.conv1d)
     }
 

@@ -1,0 +1,383 @@
+//! The model built from a GGUF file: llama.cpp's tensor names (each family's table) mapped
+//! onto the same blocks as every other format, block-quantized matrices kept as stored.
+
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{bail, DType, Device, Result, Tensor};
+use mha::{MultiHeadAttention, Proj, QkvProj};
+
+use super::read::{matrix_dtype, stored_float};
+use super::rope::{rotary_order, rotary_rows, select_rows};
+use super::{tensor_bytes, Gguf};
+use crate::checkpoint::arena::FloatArena;
+use crate::checkpoint::options::LoadOptions;
+use crate::config::{GptConfig, NormKind};
+use crate::family::names::Name;
+use crate::family::Family;
+use crate::model::{Embedding, Gpt};
+use crate::parts::{block::Block, mlp::Mlp, norm::Norm};
+
+impl Gguf {
+    /// The model, with block-quantized matrices kept as they are stored and everything else
+    /// (f32/f16/bf16 matrices, norms, biases, embeddings) in `opts.dtype`; except that with
+    /// f32 on the CPU, f16 and bf16 matrices (the token table among them) stay as stored and
+    /// are widened as the products read them: the same results as f32 weights, at half the
+    /// memory and bytes read (see [`Gpt::with_f32_activations`]). `opts.quantize` applies
+    /// to a model whose matrices are all stored in float.
+    ///
+    /// With `opts.fused` each block's q/k/v and gate/up projections are fused into one
+    /// product each as it is loaded ([`Gpt::fused`]): the block's separate matrices are
+    /// freed at once and their memory serves the next block's, where fusing the loaded
+    /// model would hold them all until the allocator returns them. Float (f32, f16, bf16)
+    /// block matrices are read side by side into one buffer first, each a view of it, the
+    /// fused ones views spanning their parts: nothing is copied.
+    pub fn load(&self, opts: impl Into<LoadOptions>, device: &Device) -> Result<Gpt> {
+        let opts = opts.into();
+        let model = self.load_blocks(opts.dtype, device, opts.fused)?;
+        match opts.quantize {
+            Some(q) if !model.is_quantized() => model.quantize(q),
+            _ => Ok(model),
+        }
+    }
+
+    fn load_blocks(&self, dtype: DType, device: &Device, fuse: bool) -> Result<Gpt> {
+        let cfg = self.config()?;
+        self.check_memory(&cfg, dtype, device)?;
+        let n = cfg.family.names();
+        let (a, m) = (&n.attn_proj, &n.mlp_proj);
+        let matrix = |t: GgmlDType| matrix_dtype(t, dtype, device);
+        let (v, d, inner) = (cfg.vocab_size, cfg.n_embd, cfg.inner_dim());
+        let hd = d / cfg.n_head;
+        let kv = cfg.kv_heads() * hd;
+        let bias = |name: String, len: usize, on: bool| -> Result<Option<Tensor>> {
+            match on {
+                true => Ok(Some(self.dense(&name, &[len], dtype, device)?)),
+                false => Ok(None),
+            }
+        };
+        // llama.cpp's Llama rotates adjacent pairs, so its converter reorders each head's
+        // query and key rows; this model rotates halves, so the rows go back.
+        let unpermute = |heads: usize| cfg.family == Family::Llama && heads > 0;
+        // A projection's bias, its rows in the order the matrix's are put in.
+        let proj_bias = |stem: &str, d_out: usize, has_bias: bool, heads: usize| {
+            let b = bias(format!("{stem}.bias"), d_out, has_bias)?;
+            match (b, unpermute(heads)) {
+                (Some(b), true) => Ok(Some(select_rows(&b, &rotary_order(d_out, heads, false)?)?)),
+                (b, _) => Ok::<_, candle_core::Error>(b),
+            }
+        };
+        let arena = std::cell::RefCell::new(match fuse {
+            true => self.float_arena(&cfg, dtype, device)?,
+            false => FloatArena::default(),
+        });
+        // Matrices read side by side (`parts`: stem, rows, rotary heads) as one projection,
+        // the view `w` of them, with their biases concatenated.
+        let side_by_side = |w: Tensor, parts: &[(String, usize, usize)], has_bias: bool| {
+            let b = match has_bias {
+                true => {
+                    let bs = parts
+                        .iter()
+                        .map(|(stem, rows, heads)| proj_bias(stem, *rows, true, *heads))
+                        .collect::<Result<Vec<_>>>()?;
+                    Some(Tensor::cat(
+                        &bs.into_iter().flatten().collect::<Vec<_>>(),
+                        0,
+                    )?)
+                }
+                false => None,
+            };
+            Proj::from_linear(&w, b)
+        };
+        let arena_take = |parts: &[(String, usize, usize)], cols: usize| {
+            let names: Vec<_> = parts
+                .iter()
+                .map(|(stem, rows, _)| (format!("{stem}.weight"), [*rows, cols]))
+                .collect();
+            arena.borrow_mut().take(&names)
+        };
+        let proj = |stem: String, (d_out, d_in): (usize, usize), has_bias: bool, heads: usize| {
+            let name = format!("{stem}.weight");
+            if !unpermute(heads) {
+                if let Some(packed) = self.packed(&name, &[d_out, d_in], device)? {
+                    let b = bias(format!("{stem}.bias"), d_out, has_bias)?;
+                    return Ok(Proj::from_packed(Arc::new(packed), b));
+                }
+            }
+            let b = proj_bias(&stem, d_out, has_bias, heads)?;
+            if let Some(w) = arena.borrow_mut().take(&[(name.clone(), [d_out, d_in])])? {
+                return Proj::from_linear(&w, b);
+            }
+            let order = match unpermute(heads) {
+                true => Some(rotary_order(d_out, heads, false)?),
+                false => None,
+            };
+            if let Some(t) = self.stored(&name).filter(|&t| stored_float(t).is_some()) {
+                let mut w = self.dense(&name, &[d_out, d_in], matrix(t), device)?;
+                if let Some(order) = &order {
+                    w = select_rows(&w, order)?;
+                }
+                return Proj::from_linear(&w, b);
+            }
+            let mut w = self.qtensor(&name, &[d_out, d_in], device)?;
+            if order.is_some() {
+                w = rotary_rows(&w, heads)?;
+            }
+            Proj::from_qtensor(Arc::new(w), b, dtype)
+        };
+        let norm = |name: &str| -> Result<Norm> {
+            let w = self.dense(&format!("{name}.weight"), &[d], dtype, device)?;
+            let b = bias(format!("{name}.bias"), d, cfg.norm == NormKind::LayerNorm)?;
+            Norm::from_tensors(cfg.norm, w, b, cfg.layer_norm_epsilon)
+        };
+        // The largest matrices first: the bytes read and the tensor made of them are both
+        // held for a moment, and early on the rest of the model is not there beside them
+        // (GPT-2 124M's q8_0 table is 41 MB; read last, it raised decoding's peak RSS).
+        let table_name = format!("{}.weight", n.embed.gguf);
+        let (wte, lm_head) = match self.packed(&table_name, &[v, d], device)? {
+            // A table packed for this CPU (q8_0, q4_0, q4_K, q6_K): looked up row by row, and a tied head
+            // multiplies by the same tiles.
+            Some(packed) => {
+                let table = Arc::new(packed);
+                let head = match cfg.tie_word_embeddings {
+                    true => Proj::from_packed(table.clone(), None),
+                    false => proj(n.head.gguf.into(), (v, d), false, 0)?,
+                };
+                (Embedding::Packed { table, dtype }, head)
+            }
+            None => {
+                let table = table_name.as_str();
+                let wte = match self.stored(table).filter(|&t| stored_float(t).is_some()) {
+                    // A float table; in half precision under f32 activations.
+                    Some(t) => {
+                        let table = self.dense(table, &[v, d], matrix(t), device)?;
+                        match table.dtype() == dtype {
+                            true => Embedding::Dense(table),
+                            false => Embedding::Half { table, dtype },
+                        }
+                    }
+                    // A quantized table stays one quantized copy: rows are dequantized on
+                    // lookup, and a tied head multiplies by the same blocks.
+                    None => Embedding::Quantized {
+                        table: Arc::new(self.qtensor(table, &[v, d], device)?),
+                        dtype,
+                        device: device.clone(),
+                    },
+                };
+                let head = match (&wte, cfg.tie_word_embeddings) {
+                    // A dense table is the head's weight too (one copy, as for safetensors).
+                    (Embedding::Dense(t) | Embedding::Half { table: t, .. }, true) => {
+                        Proj::from_linear(t, None)?
+                    }
+                    (Embedding::Quantized { table, .. }, true) => {
+                        Proj::from_qtensor(table.clone(), None, dtype)?
+                    }
+                    (Embedding::Packed { table, .. }, true) => {
+                        Proj::from_packed(table.clone(), None)
+                    }
+                    (_, false) => proj(n.head.gguf.into(), (v, d), false, 0)?,
+                };
+                (wte, head)
+            }
+        };
+        // Grown block by block: a file claiming a billion blocks stops at the first missing.
+        let mut blocks = Vec::new();
+        for i in 0..cfg.n_layer {
+            let blk = |part: Name| n.gguf_block(i, part);
+            let attn_cfg = Block::attn_config(&cfg, i);
+            let qkv_parts = [
+                (blk(a.q), d, cfg.n_head),
+                (blk(a.k), kv, cfg.kv_heads()),
+                (blk(a.v), kv, 0),
+            ];
+            let qkv = if self.shape(&format!("{}.weight", blk(a.qkv))).is_some() {
+                QkvProj::Fused(proj(blk(a.qkv), (d + 2 * kv, d), cfg.attn_bias, 0)?)
+            } else if let Some(w) = arena_take(&qkv_parts, d)? {
+                // q, k and v side by side as read: the fused projection is a view of them.
+                QkvProj::Fused(side_by_side(w, &qkv_parts, cfg.attn_bias)?)
+            } else {
+                QkvProj::Separate([
+                    proj(blk(a.q), (d, d), cfg.attn_bias, cfg.n_head)?,
+                    proj(blk(a.k), (kv, d), cfg.attn_bias, cfg.kv_heads())?,
+                    proj(blk(a.v), (kv, d), cfg.attn_bias, 0)?,
+                ])
+            };
+            let o = proj(blk(a.o), (d, d), cfg.attn_out_bias, 0)?;
+            let attn = MultiHeadAttention::from_projections(&attn_cfg, qkv, o)
+                .map_err(|e| candle_core::Error::Msg(format!("block {i}: {e}")))?;
+            let gate = match (cfg.gated_mlp, m.gate) {
+                (true, None) => bail!("{:?} models have no gated MLP", cfg.family),
+                (gated, gate) => gate.filter(|_| gated),
+            };
+            let gate_up_parts = gate.map(|g| [(blk(g), inner, 0), (blk(m.up), inner, 0)]);
+            let gate_up = match &gate_up_parts {
+                Some(parts) => arena_take(parts, d)?.map(|w| (w, parts)),
+                None => None,
+            };
+            let mlp = match gate_up {
+                // Gate and up side by side as read: the fused projection is a view of them.
+                Some((w, parts)) => {
+                    let gate_up = side_by_side(w, parts, cfg.mlp_bias)?;
+                    let down = proj(blk(m.down), (d, inner), cfg.mlp_bias, 0)?;
+                    Mlp::from_gate_up(&cfg, gate_up, down)?
+                }
+                None => {
+                    let gate = gate
+                        .map(|g| proj(blk(g), (inner, d), cfg.mlp_bias, 0))
+                        .transpose()?;
+                    let up = proj(blk(m.up), (inner, d), cfg.mlp_bias, 0)?;
+                    let down = proj(blk(m.down), (d, inner), cfg.mlp_bias, 0)?;
+                    Mlp::from_projections(&cfg, up, gate, down)?
+                }
+            };
+            let (ln_1, ln_2) = (norm(&blk(n.attn_norm))?, norm(&blk(n.mlp_norm))?);
+            let block = Block::from_parts(&cfg, i, ln_1, attn, ln_2, mlp)?;
+            blocks.push(if fuse { block.fused()? } else { block });
+        }
+        let wpe = match cfg.rope {
+            Some(_) => None,
+            None => {
+                let name = format!("{}.weight", n.positions.gguf);
+                Some(self.dense(&name, &[cfg.n_positions, d], dtype, device)?)
+            }
+        };
+        let ln_f = Some(norm(n.final_norm.gguf)?);
+        let model = Gpt::from_parts(&cfg, wte, wpe, blocks, ln_f, lm_head)?;
+        let mut read = self
+            .read
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("the GGUF file's lock is poisoned".into()))?;
+        // Read into the arena but taken by no block (a gate in an ungated model, say): unused.
+        for name in arena.borrow().slots.keys() {
+            read.remove(name);
+        }
+        let mut unused: Vec<&str> = self
+            .content
+            .tensor_infos
+            .keys()
+            .map(String::as_str)
+            .filter(|n| !read.contains(*n))
+            .collect();
+        unused.sort_unstable();
+        if let Some(first) = unused.first() {
+            bail!(
+                "tensor {first} ({} unread in all) is not part of a {arch} model as this loader knows it; running without it would give wrong results",
+                unused.len(),
+                arch = self.family()?.0
+            )
+        }
+        Ok(model)
+    }
+
+    /// Refuses a model that cannot fit: the stored tensors, block-quantized ones as stored,
+    /// the others as [`Self::load`] keeps them.
+    fn check_memory(&self, cfg: &GptConfig, dtype: DType, device: &Device) -> Result<()> {
+        let mut need = 0u64;
+        for (name, dims, ggml) in self.tensors() {
+            let stored = tensor_bytes(name, ggml, dims)?;
+            let elems: u64 = dims.iter().map(|&x| x as u64).product();
+            need += match ggml {
+                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 if dims.len() == 2 => {
+                    elems * matrix_dtype(ggml, dtype, device).size_in_bytes() as u64
+                }
+                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                    elems * dtype.size_in_bytes() as u64
+                }
+                _ => stored,
+            };
+        }
+        if let Some(avail) = crate::checkpoint::check::available_memory() {
+            if need > avail {
+                bail!(
+                    "the model needs {} MiB as {dtype:?} ({} layers), more than the {} MiB of memory available",
+                    need >> 20,
+                    cfg.n_layer,
+                    avail >> 20
+                )
+            }
+        }
+        Ok(())
+    }
+
+    /// The [`FloatArena`] of a model loaded in `dtype` for inference: every block matrix
+    /// kept as stored (f32, f16 or bf16 as [`matrix_dtype`] wants it), llama.cpp's rotary
+    /// rows of a Llama's q and k put back in Hugging Face's order. Empty off the CPU.
+    fn float_arena(&self, cfg: &GptConfig, dtype: DType, device: &Device) -> Result<FloatArena> {
+        let mut arena = FloatArena::default();
+        if !device.is_cpu() {
+            return Ok(arena);
+        }
+        let (d, inner) = (cfg.n_embd, cfg.inner_dim());
+        let kv = cfg.kv_heads() * (d / cfg.n_head.max(1));
+        let n = cfg.family.names();
+        let (a, m) = (&n.attn_proj, &n.mlp_proj);
+        // llama.cpp reorders a Llama's query and key rows for its rotation.
+        let rotary = |heads: usize| {
+            if cfg.family == Family::Llama {
+                heads
+            } else {
+                0
+            }
+        };
+        // A block's matrices in the order it uses them, with the shape it needs (checked
+        // against the stored one as each is read) and the rotary heads to reorder.
+        let mut order = vec![
+            (a.qkv, [d + 2 * kv, d], 0),
+            (a.q, [d, d], rotary(cfg.n_head)),
+            (a.k, [kv, d], rotary(cfg.kv_heads())),
+            (a.v, [kv, d], 0),
+            (a.o, [d, d], 0),
+        ];
+        order.extend(m.gate.map(|g| (g, [inner, d], 0)));
+        order.extend([(m.up, [inner, d], 0), (m.down, [d, inner], 0)]);
+        let blk = format!("{}.", n.layers.gguf);
+        // (block, place in the block, name, [rows, cols], rotary heads to reorder, dtype),
+        // from the file's own tensors: a file claiming a billion blocks lists no more.
+        let mut mats = Vec::new();
+        for (name, dims, t) in self.tensors() {
+            let Some((i, part)) = name
+                .strip_prefix(&blk)
+                .and_then(|n| n.strip_suffix(".weight"))
+                .and_then(|n| n.split_once('.'))
+            else {
+                continue;
+            };
+            let place = order.iter().position(|(p, ..)| p.gguf == part);
+            let (Ok(i), Some(place)) = (i.parse::<usize>(), place) else {
+                continue;
+            };
+            if i >= cfg.n_layer {
+                continue;
+            }
+            let (2, Some(stored)) = (dims.len(), stored_float(t)) else {
+                continue;
+            };
+            if stored != matrix_dtype(t, dtype, device) {
+                continue;
+            }
+            let (_, shape, heads) = order[place];
+            mats.push((i, place, name.to_string(), shape, heads, stored));
+        }
+        mats.sort_unstable_by_key(|m| (m.0, m.1));
+        for want in [DType::F32, DType::F16, DType::BF16] {
+            let group: Vec<_> = mats.iter().filter(|m| m.5 == want).collect();
+            if group.is_empty() {
+                continue;
+            }
+            let parts: Vec<_> = group.iter().map(|m| (m.2.as_str(), m.3, m.4)).collect();
+            let buf = match want {
+                DType::F32 => self.read_arena::<f32>(&parts)?,
+                DType::F16 => self.read_arena::<half::f16>(&parts)?,
+                _ => self.read_arena::<half::bf16>(&parts)?,
+            };
+            let mut at = 0;
+            for (name, [rows, cols], _) in parts {
+                arena
+                    .slots
+                    .insert(name.to_string(), (buf.clone(), at, [rows, cols]));
+                at += rows * cols;
+            }
+        }
+        Ok(arena)
+    }
+}

@@ -1,0 +1,132 @@
+//! The model's configuration from a GGUF file's metadata (`{arch}.*` keys, as llama.cpp
+//! reads them per architecture) and from the tensors present (biases, an untied head).
+
+use candle_core::{bail, Device, Result};
+use mha::{RopeConfig, RopeScaling};
+
+use super::rope::llama3_from_factors;
+use super::Gguf;
+use crate::config::{Activation, GptConfig, NormKind};
+use crate::family::names::gguf;
+use crate::family::Family;
+
+impl Gguf {
+    /// The model's configuration, from the metadata and the tensors present (biases, an
+    /// untied head).
+    pub fn config(&self) -> Result<GptConfig> {
+        let (arch, family) = self.family()?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let d = self.need(&key("embedding_length"))?;
+        let n_head = self.need(&key("attention.head_count"))?;
+        let n_layer = self.need(&key("block_count"))?;
+        if d % n_head != 0 {
+            bail!("metadata {arch}.attention.head_count={n_head} must divide {arch}.embedding_length={d}")
+        }
+        let head_dim = d / n_head;
+        for k in ["attention.key_length", "attention.value_length"] {
+            if let Some(n) = self.size(&key(k))? {
+                if n != head_dim {
+                    bail!("metadata {arch}.{k}={n} differs from embedding_length / head_count = {head_dim}; such models are not supported")
+                }
+            }
+        }
+        let n = family.names();
+        let weight = |name: &str| format!("{name}.weight");
+        let table = weight(n.embed.gguf);
+        let Some(&[vocab, width]) = self.shape(&table) else {
+            bail!("tensor {table} is missing or not a matrix")
+        };
+        if width != d {
+            bail!("{table} is [{vocab}, {width}] for embedding_length {d}")
+        }
+        let has = |name: &str| self.content.tensor_infos.contains_key(name);
+        // Whether block 0's `part` has a bias: the biases of every block, as llama.cpp reads.
+        let bias = |part| format!("{}.bias", n.gguf_block(0, part));
+        let rope = match family {
+            Family::Gpt2 => None,
+            _ => {
+                let rotary = self.size(&key("rope.dimension_count"))?.unwrap_or(head_dim);
+                if rotary == 0 || rotary > head_dim || rotary % 2 != 0 {
+                    bail!("metadata {arch}.rope.dimension_count={rotary} must be even and in 2..={head_dim}")
+                }
+                let scaling = match self.string(&key("rope.scaling.type"))? {
+                    // Llama 3.1+ keeps its scaling as per-frequency divisors.
+                    None if has(&weight(gguf::ROPE_FREQS)) => {
+                        let theta = self.float(&key("rope.freq_base"))?.unwrap_or(10_000.0);
+                        let factors = self
+                            .qtensor(&weight(gguf::ROPE_FREQS), &[rotary / 2], &Device::Cpu)?
+                            .dequantize(&Device::Cpu)?
+                            .to_vec1::<f32>()?;
+                        llama3_from_factors(&factors, theta, rotary)?
+                    }
+                    None | Some("none") => RopeScaling::None,
+                    Some("linear") => match self.float(&key("rope.scaling.factor"))? {
+                        Some(factor) if factor > 0.0 => RopeScaling::Linear { factor },
+                        f => bail!("metadata {arch}.rope.scaling.factor must be > 0, got {f:?}"),
+                    },
+                    Some(t) => bail!("metadata {arch}.rope.scaling.type {t:?} is not supported (none and linear are)"),
+                };
+                Some(RopeConfig {
+                    theta: self.float(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+                    rotary_dim: (rotary != head_dim).then_some(rotary),
+                    scaling,
+                })
+            }
+        };
+        let eps_key = match family {
+            Family::Llama | Family::Qwen2 => "attention.layer_norm_rms_epsilon",
+            _ => "attention.layer_norm_epsilon",
+        };
+        let token = |k: &str| -> Result<Option<u32>> {
+            Ok(self.uint(k)?.and_then(|n| u32::try_from(n).ok()))
+        };
+        let cfg = GptConfig {
+            family,
+            model_type: Some(family.model_type().into()),
+            vocab_size: vocab,
+            n_positions: self.need(&key("context_length"))?,
+            n_embd: d,
+            n_layer,
+            n_head,
+            n_kv_head: Some(
+                self.size(&key("attention.head_count_kv"))?
+                    .unwrap_or(n_head),
+            ),
+            n_inner: Some(self.need(&key("feed_forward_length"))?),
+            layer_norm_epsilon: self.float(&key(eps_key))?.unwrap_or(1e-5),
+            tie_word_embeddings: !has(&weight(n.head.gguf)),
+            bos_token_id: token("tokenizer.ggml.bos_token_id")?,
+            eos_token_id: token("tokenizer.ggml.eos_token_id")?,
+            resid_pdrop: 0.0,
+            embd_pdrop: 0.0,
+            attn_pdrop: 0.0,
+            rope,
+            ..GptConfig::gpt2()
+        };
+        let cfg = match family {
+            Family::Llama | Family::Qwen2 => GptConfig {
+                activation_function: Activation::Silu,
+                norm: NormKind::RmsNorm,
+                gated_mlp: true,
+                attn_bias: has(&bias(n.attn_proj.q)),
+                attn_out_bias: has(&bias(n.attn_proj.o)),
+                mlp_bias: has(&bias(n.mlp_proj.up)),
+                ..cfg
+            },
+            // GPT-NeoX checkpoints (Pythia) use the exact GELU; llama.cpp computes its tanh
+            // approximation instead.
+            Family::GptNeox => GptConfig {
+                activation_function: Activation::Gelu,
+                norm: NormKind::LayerNorm,
+                parallel_residual: self.boolean(&key("use_parallel_residual"))?.unwrap_or(true),
+                attn_bias: true,
+                attn_out_bias: true,
+                mlp_bias: true,
+                ..cfg
+            },
+            _ => cfg,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}

@@ -1,0 +1,234 @@
+//! Writing a model as a GGUF file llama.cpp runs: each family's llama.cpp names, its
+//! metadata, the tokenizer and chat template.
+
+use std::fs::File;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{bail, DType, Device, Result, Tensor};
+use mha::{Proj, RopeConfig, RopeScaling};
+
+use super::rope::{inv_freqs, rotary_order, select_rows};
+use super::vocab::{vocab_metadata, GgufVocab};
+use crate::checkpoint::io::{path_err, write_atomic};
+use crate::config::{Activation, NormKind, NormPlacement};
+use crate::family::names::{gguf, Name};
+use crate::family::Family;
+use crate::model::Gpt;
+use crate::parts::norm::Norm;
+
+/// llama.cpp's `general.file_type` of a model whose matrices are `dtype`.
+fn file_type(dtype: GgmlDType) -> u32 {
+    match dtype {
+        GgmlDType::F32 => 0,
+        GgmlDType::F16 => 1,
+        GgmlDType::Q4_0 => 2,
+        GgmlDType::Q4_1 => 3,
+        GgmlDType::Q8_0 => 7,
+        GgmlDType::Q5_0 => 8,
+        GgmlDType::Q5_1 => 9,
+        GgmlDType::Q2K => 10,
+        GgmlDType::Q3K => 12,
+        GgmlDType::Q4K => 15,
+        GgmlDType::Q5K => 17,
+        GgmlDType::Q6K => 18,
+        GgmlDType::BF16 => 32,
+        GgmlDType::Q8_1 | GgmlDType::Q8K => 7,
+    }
+}
+
+/// Writes `model` as a GGUF file that llama.cpp loads: its tensor names, its metadata for
+/// the family, matrices in `dtype` (those whose rows are not whole blocks of it in a
+/// k-quant's fallback, else f16, as llama.cpp's quantizer falls back; see
+/// [`Proj::quantized_as`]), norms, biases and learned positions in f32, and the
+/// tokenizer (`vocab`) and chat template when given. Llama's query and key rows are put in
+/// llama.cpp's rotary order. Written to a temporary name and renamed.
+///
+/// Families and options llama.cpp cannot express are refused: GPT-Neo, sliding windows,
+/// post-norm blocks, GPT-2 without its tanh GELU or with per-layer score scaling.
+pub fn save_gguf(
+    model: &Gpt,
+    path: &Path,
+    dtype: GgmlDType,
+    vocab: Option<&GgufVocab>,
+    chat_template: Option<&str>,
+) -> Result<()> {
+    let cfg = model.config();
+    let Some(arch) = cfg.family.gguf_arch() else {
+        bail!(
+            "llama.cpp's GGUF has no {} architecture",
+            cfg.family.model_type()
+        )
+    };
+    if (0..cfg.n_layer.min(4096)).any(|i| cfg.window(i).is_some()) {
+        bail!("llama.cpp's {arch} architecture has no sliding-window attention")
+    }
+    if cfg.norm_placement != NormPlacement::Pre || cfg.scale_attn_by_inverse_layer_idx {
+        bail!("llama.cpp's {arch} architecture has pre-norm blocks and plain 1/sqrt(d) scores only")
+    }
+    if cfg.family == Family::Gpt2 && cfg.activation_function != Activation::GeluNew {
+        bail!(
+            "llama.cpp's gpt2 architecture uses the tanh GELU (gelu_new), not {:?}",
+            cfg.activation_function
+        )
+    }
+    let dev = Device::Cpu;
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut dense = |name: String, t: &Tensor| -> Result<()> {
+        let t = t.to_device(&dev)?.to_dtype(DType::F32)?.contiguous()?;
+        tensors.push((name, QTensor::quantize(&t, GgmlDType::F32)?));
+        Ok(())
+    };
+    // A matrix `[out, in]` in `dtype`, or where its rows are not whole blocks of it a
+    // k-quant's fallback (as llama.cpp's quantizer), else f16.
+    let matrix = |w: &Tensor| -> Result<QTensor> {
+        let w = w.to_device(&dev)?.to_dtype(DType::F32)?.contiguous()?;
+        let q = Proj::quantized_as(dtype, w.dim(1)?).unwrap_or(GgmlDType::F16);
+        QTensor::quantize(&w, q)
+    };
+    let mut matrices: Vec<(String, QTensor)> = Vec::new();
+    let mut proj = |name: String, p: &Proj, heads: usize| -> Result<Option<(String, Tensor)>> {
+        // [in, out] -> [out, in]
+        let mut w = p.weight_t()?.t()?.contiguous()?;
+        let mut b = p.bias().cloned();
+        if heads > 0 && cfg.family != Family::Qwen2 && arch == "llama" {
+            let order = rotary_order(w.dim(0)?, heads, true)?;
+            w = select_rows(&w, &order)?;
+            b = b.map(|b| select_rows(&b, &order)).transpose()?;
+        }
+        matrices.push((format!("{name}.weight"), matrix(&w)?));
+        Ok(b.map(|b| (format!("{name}.bias"), b)))
+    };
+    let mut biases: Vec<(String, Tensor)> = Vec::new();
+    let norm = |biases: &mut Vec<(String, Tensor)>, name: &str, x: &Norm| {
+        biases.push((format!("{name}.weight"), x.weight().clone()));
+        if let Some(b) = x.bias() {
+            biases.push((format!("{name}.bias"), b.clone()));
+        }
+    };
+    let n = cfg.family.names();
+    let (a, m) = (&n.attn_proj, &n.mlp_proj);
+    for (i, block) in model.blocks().iter().enumerate() {
+        let blk = |part: Name| n.gguf_block(i, part);
+        let (ln_1, attn, ln_2, mlp) = block.parts();
+        norm(&mut biases, &blk(n.attn_norm), ln_1);
+        norm(&mut biases, &blk(n.mlp_norm), ln_2);
+        let mut parts = Vec::new();
+        match attn.fused_qkv() {
+            Some(qkv) => parts.push(proj(blk(a.qkv), qkv, 0)?),
+            None => {
+                let [q, k, v] = attn.qkv_proj();
+                parts.push(proj(blk(a.q), q, cfg.n_head)?);
+                parts.push(proj(blk(a.k), k, cfg.kv_heads())?);
+                parts.push(proj(blk(a.v), v, 0)?);
+            }
+        }
+        parts.push(proj(blk(a.o), attn.out_proj(), 0)?);
+        let (up, gate, down) = mlp.parts();
+        match (gate, m.gate) {
+            (Some(g), Some(name)) => parts.push(proj(blk(name), g, 0)?),
+            (Some(_), None) => bail!("{:?} models have no gated MLP", cfg.family),
+            (None, _) => {}
+        }
+        parts.push(proj(blk(m.up), up, 0)?);
+        parts.push(proj(blk(m.down), down, 0)?);
+        biases.extend(parts.into_iter().flatten());
+    }
+    if let Some(ln_f) = model.ln_f() {
+        norm(&mut biases, n.final_norm.gguf, ln_f);
+    }
+    if !cfg.tie_word_embeddings {
+        proj(n.head.gguf.into(), model.lm_head(), 0)?;
+    }
+    let weight = |name: &str| format!("{name}.weight");
+    matrices.push((weight(n.embed.gguf), matrix(&model.wte()?)?));
+    if let Some(wpe) = model.wpe() {
+        dense(weight(n.positions.gguf), wpe)?;
+    }
+    if let Some(
+        rope @ RopeConfig {
+            scaling: RopeScaling::Llama3 { .. },
+            ..
+        },
+    ) = cfg.rope
+    {
+        // llama.cpp reads Llama 3's scaling as one divisor per frequency.
+        let dim = rope.rotary_dim.unwrap_or(cfg.n_embd / cfg.n_head);
+        let divisors: Vec<f32> = inv_freqs(rope.theta, dim)
+            .into_iter()
+            .map(|f| f / rope.scaling.apply(f))
+            .collect();
+        dense(weight(gguf::ROPE_FREQS), &Tensor::new(divisors, &dev)?)?;
+    }
+    for (name, t) in &biases {
+        dense(name.clone(), t)?;
+    }
+    tensors.extend(matrices);
+
+    let key = |k: &str| format!("{arch}.{k}");
+    let u32v = |n: usize| -> Result<Value> {
+        u32::try_from(n)
+            .map(Value::U32)
+            .map_err(|_| candle_core::Error::Msg(format!("{n} does not fit a GGUF u32")))
+    };
+    let head_dim = cfg.n_embd / cfg.n_head;
+    let mut meta: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (
+            "general.name".into(),
+            Value::String(cfg.family.model_type().into()),
+        ),
+        ("general.file_type".into(), Value::U32(file_type(dtype))),
+        (key("context_length"), u32v(cfg.n_positions)?),
+        (key("embedding_length"), u32v(cfg.n_embd)?),
+        (key("block_count"), u32v(cfg.n_layer)?),
+        (key("feed_forward_length"), u32v(cfg.inner_dim())?),
+        (key("attention.head_count"), u32v(cfg.n_head)?),
+        (key("attention.head_count_kv"), u32v(cfg.kv_heads())?),
+    ];
+    let eps = Value::F32(cfg.layer_norm_epsilon as f32);
+    match cfg.norm {
+        NormKind::RmsNorm => meta.push((key("attention.layer_norm_rms_epsilon"), eps)),
+        NormKind::LayerNorm => meta.push((key("attention.layer_norm_epsilon"), eps)),
+    }
+    if let Some(rope) = cfg.rope {
+        meta.push((key("rope.freq_base"), Value::F32(rope.theta as f32)));
+        meta.push((
+            key("rope.dimension_count"),
+            u32v(rope.rotary_dim.unwrap_or(head_dim))?,
+        ));
+        if let RopeScaling::Linear { factor } = rope.scaling {
+            meta.push((key("rope.scaling.type"), Value::String("linear".into())));
+            meta.push((key("rope.scaling.factor"), Value::F32(factor as f32)));
+        }
+    }
+    if cfg.family == Family::GptNeox {
+        meta.push((
+            key("use_parallel_residual"),
+            Value::Bool(cfg.parallel_residual),
+        ));
+    }
+    match vocab {
+        Some(v) => meta.extend(vocab_metadata(v)?),
+        // Without a tokenizer the special ids still belong to the model.
+        None => {
+            let ids = [("bos", cfg.bos_token_id), ("eos", cfg.eos_token_id)];
+            for (name, id) in ids {
+                if let Some(id) = id {
+                    meta.push((format!("tokenizer.ggml.{name}_token_id"), Value::U32(id)));
+                }
+            }
+        }
+    }
+    if let Some(t) = chat_template {
+        meta.push(("tokenizer.chat_template".into(), Value::String(t.into())));
+    }
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    write_atomic(path, |tmp| {
+        let mut file = std::io::BufWriter::new(File::create(tmp).map_err(|e| path_err(tmp, e))?);
+        gguf_file::write(&mut file, &meta_refs, &tensor_refs)?;
+        std::io::Write::flush(&mut file).map_err(|e| path_err(tmp, e))
+    })
+}

@@ -1,0 +1,52 @@
+//! `config.json` read and written: the family from `model_type`, then its reader.
+
+use candle_core::{bail, Result};
+use serde_json::Value;
+
+use super::fields::Fields;
+use super::id::Family;
+use super::{gpt2, llama, neo, neox};
+use crate::config::GptConfig;
+
+impl GptConfig {
+    /// Parses a `config.json` of any supported family (by its `model_type`; none is GPT-2)
+    /// and checks it.
+    pub fn from_json(json: &str) -> Result<Self> {
+        let value: Value = serde_json::from_str(json)
+            .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
+        let family = match value.get("model_type") {
+            None | Some(Value::Null) => Family::Gpt2,
+            Some(Value::String(t)) => Family::from_model_type(t)?,
+            Some(v) => bail!("config: model_type must be a string, got {v}"),
+        };
+        let Some(obj) = value.as_object() else {
+            bail!("config.json: expected an object")
+        };
+        let f = Fields { obj };
+        let cfg = match family {
+            // GPT-2's fields are the config's own.
+            Family::Gpt2 => return gpt2::read(value),
+            Family::Llama | Family::Mistral | Family::Qwen2 => llama::read(family, &f)?,
+            Family::GptNeox => neox::read(&f)?,
+            Family::GptNeo => neo::read(&f)?,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The configuration as a Hugging Face `config.json` text, with the fields
+    /// `transformers` reads: GPT-2's, or Llama's (`LlamaForCausalLM`). Other families, and
+    /// Llama configs with what Llama's file cannot say (windows, partial rotary, different
+    /// q/k/v and output biases), are refused: those files are read, not written, here.
+    pub fn to_json(&self) -> Result<String> {
+        let value = match self.family {
+            Family::Gpt2 => gpt2::write(self)?,
+            Family::Llama => llama::write(self)?,
+            other => bail!(
+                "only GPT-2 and Llama models can be saved; this is a {} model",
+                other.model_type()
+            ),
+        };
+        serde_json::to_string_pretty(&value).map_err(candle_core::Error::wrap)
+    }
+}

@@ -1,0 +1,144 @@
+//! Llama and the families in its layout (Mistral, Qwen2): their tensor names, their
+//! `config.json` read, and Llama's written.
+
+use candle_core::{bail, Result};
+use mha::RopeScaling;
+
+use super::fields::{base, decimal, head_dim, layer_windows, Fields};
+use super::id::Family;
+use super::names::{gguf, name, AttnNames, MlpNames, QkvLayout, TensorNames};
+use crate::config::{Activation, GptConfig, NormKind, NormPlacement};
+
+/// `model.layers.{i}.self_attn.q_proj`, SwiGLU's `gate_proj`/`up_proj`/`down_proj`.
+pub(super) const NAMES: TensorNames = TensorNames {
+    embed: name("model.embed_tokens", gguf::TOKEN_EMBD),
+    positions: name("", gguf::POSITION_EMBD),
+    layers: name("model.layers", gguf::BLK),
+    attn_norm: name("input_layernorm", gguf::ATTN_NORM),
+    attn: "self_attn",
+    attn_proj: AttnNames {
+        layout: QkvLayout::Separate,
+        q: name("q_proj", gguf::ATTN_Q),
+        k: name("k_proj", gguf::ATTN_K),
+        v: name("v_proj", gguf::ATTN_V),
+        qkv: name("", gguf::ATTN_QKV),
+        o: name("o_proj", gguf::ATTN_OUTPUT),
+    },
+    mlp_norm: name("post_attention_layernorm", gguf::FFN_NORM),
+    mlp: "mlp",
+    mlp_proj: MlpNames {
+        up: name("up_proj", gguf::FFN_UP),
+        gate: Some(name("gate_proj", gguf::FFN_GATE)),
+        down: name("down_proj", gguf::FFN_DOWN),
+        conv1d: false,
+    },
+    final_norm: name("model.norm", gguf::OUTPUT_NORM),
+    head: name("lm_head", gguf::OUTPUT),
+};
+
+/// Reads the config of Llama, Mistral or Qwen2.
+pub(super) fn read(family: Family, f: &Fields) -> Result<GptConfig> {
+    let d = f.need("hidden_size")?;
+    let h = f.need("num_attention_heads")?;
+    let n_layer = f.need("num_hidden_layers")?;
+    let hd = head_dim(f, ("hidden_size", d), ("num_attention_heads", h))?;
+    let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
+    // Qwen2 has q/k/v biases and none on o_proj, whatever the config says.
+    let (qkv_bias, o_bias) = match family {
+        Family::Qwen2 => (true, false),
+        _ => (attention_bias, attention_bias),
+    };
+    let window = f.usize("sliding_window")?;
+    let global = match family {
+        // Mistral: every layer, when sliding_window is set.
+        Family::Mistral => 0,
+        // Qwen2: from max_window_layers on, when use_sliding_window is set.
+        Family::Qwen2 if f.bool("use_sliding_window")?.unwrap_or(false) => {
+            f.usize("max_window_layers")?.unwrap_or(n_layer)
+        }
+        _ => n_layer,
+    };
+    let windows = layer_windows(f, n_layer, window, global)?;
+    Ok(GptConfig {
+        n_embd: d,
+        n_layer,
+        n_head: h,
+        n_kv_head: Some(f.usize("num_key_value_heads")?.unwrap_or(h)),
+        n_inner: Some(f.need("intermediate_size")?),
+        activation_function: f.activation("hidden_act", Activation::Silu)?,
+        layer_norm_epsilon: f.f64("rms_norm_eps")?.unwrap_or(1e-6),
+        norm: NormKind::RmsNorm,
+        rope: Some(f.rope(hd, 1.0, None, None)?),
+        gated_mlp: true,
+        parallel_residual: false,
+        attn_bias: qkv_bias,
+        attn_out_bias: o_bias,
+        mlp_bias: f.bool("mlp_bias")?.unwrap_or(false),
+        windows,
+        ..base(family, f, false)?
+    })
+}
+
+/// Llama's `config.json` (`LlamaForCausalLM`), refusing what its fields cannot express.
+pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
+    let Some(rope) = &cfg.rope else {
+        bail!("a Llama model without rotary positions cannot be saved as Llama")
+    };
+    let head_dim = cfg.n_embd / cfg.n_head.max(1);
+    let fits = cfg.norm == NormKind::RmsNorm
+        && cfg.gated_mlp
+        && !cfg.parallel_residual
+        && cfg.norm_placement == NormPlacement::Pre
+        && cfg.attn_bias == cfg.attn_out_bias
+        && cfg
+            .windows
+            .iter()
+            .all(|(p, _)| p.iter().all(Option::is_none))
+        && rope.rotary_dim.is_none_or(|r| r == head_dim)
+        && !cfg.scale_attn_by_inverse_layer_idx
+        && cfg.scale_attn_weights;
+    if !fits {
+        bail!("this model has parts Llama's config.json cannot express (windows, partial rotary, LayerNorm, an ungated MLP, parallel residuals or unequal attention biases); it cannot be saved")
+    }
+    let mut params = serde_json::json!({ "rope_theta": rope.theta, "rope_type": "default" });
+    match rope.scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => {
+            params["rope_type"] = "linear".into();
+            params["factor"] = factor.into();
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            params["rope_type"] = "llama3".into();
+            params["factor"] = factor.into();
+            params["low_freq_factor"] = low_freq_factor.into();
+            params["high_freq_factor"] = high_freq_factor.into();
+            params["original_max_position_embeddings"] = original_max_position_embeddings.into();
+        }
+    }
+    Ok(serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.inner_dim(),
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads(),
+        "head_dim": head_dim,
+        "hidden_act": cfg.activation_function,
+        "max_position_embeddings": cfg.n_positions,
+        "rms_norm_eps": cfg.layer_norm_epsilon,
+        "rope_parameters": params,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attn_bias,
+        "mlp_bias": cfg.mlp_bias,
+        "attention_dropout": decimal(cfg.attn_pdrop),
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+    }))
+}

@@ -1,0 +1,29 @@
+//! Model families as data: each family's file holds its table of tensor names (Hugging
+//! Face's and llama.cpp's for every part) and its `config.json` reader, which turns the
+//! family's fields into the family-free [`GptConfig`](crate::GptConfig). A family only
+//! decides the parts and their names; one model runs them all.
+
+mod fields;
+mod gpt2;
+pub(crate) mod id;
+mod json;
+mod llama;
+pub(crate) mod names;
+mod neo;
+mod neox;
+
+pub use id::Family;
+
+use names::TensorNames;
+
+impl Family {
+    /// Where the family keeps each tensor, in both formats.
+    pub(crate) fn names(self) -> &'static TensorNames {
+        match self {
+            Self::Gpt2 => &gpt2::NAMES,
+            Self::Llama | Self::Mistral | Self::Qwen2 => &llama::NAMES,
+            Self::GptNeox => &neox::NAMES,
+            Self::GptNeo => &neo::NAMES,
+        }
+    }
+}

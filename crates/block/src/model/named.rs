@@ -1,0 +1,101 @@
+//! The model's weights under their Hugging Face names, as `save_pretrained` writes them.
+
+use std::collections::HashMap;
+
+use candle_core::{bail, Result, Tensor};
+use mha::{neox_to_fused, Proj};
+
+use super::embedding::Embedding;
+use super::Gpt;
+use crate::parts::norm::Norm;
+
+impl Gpt {
+    /// Every weight under its Hugging Face name for the model's family (for GPT-2 the
+    /// `transformer.` prefix, no `lm_head` when tied), as `save_pretrained` writes them.
+    pub fn named_tensors(&self) -> Result<HashMap<String, Tensor>> {
+        let names = self.cfg.family.names();
+        let mut out = HashMap::new();
+        let mut put = |name: String, t: &Tensor| {
+            out.insert(name, t.clone());
+        };
+        // A half-precision table as it is stored; a block-quantized one dequantized.
+        let wte = match &self.wte {
+            Embedding::Half { table, .. } => table.clone(),
+            other => other.to_dense()?,
+        };
+        put(format!("{}.weight", names.embed.hf), &wte);
+        if let Some(wpe) = &self.wpe {
+            put(format!("{}.weight", names.positions.hf), wpe);
+        }
+        // A projection as stored: Conv1D `[in, out]`, nn.Linear `[out, in]`.
+        let proj = |put: &mut dyn FnMut(String, &Tensor),
+                    name: String,
+                    p: &Proj,
+                    conv1d: bool|
+         -> Result<()> {
+            let w = p.weight_t()?;
+            put(format!("{name}.weight"), &if conv1d { w } else { w.t()? });
+            if let Some(b) = p.bias() {
+                put(format!("{name}.bias"), b);
+            }
+            Ok(())
+        };
+        let norm = |put: &mut dyn FnMut(String, &Tensor), name: String, n: &Norm| {
+            put(format!("{name}.weight"), n.weight());
+            if let Some(b) = n.bias() {
+                put(format!("{name}.bias"), b);
+            }
+        };
+        for (i, block) in self.h.iter().enumerate() {
+            let pre = format!("{}.{i}", names.layers.hf);
+            let (ln_1, attn, ln_2, mlp) = block.parts();
+            norm(&mut put, format!("{pre}.{}", names.attn_norm.hf), ln_1);
+            norm(&mut put, format!("{pre}.{}", names.mlp_norm.hf), ln_2);
+            let a = format!("{pre}.{}", names.attn);
+            match (names.attn_layout(), attn.fused_qkv()) {
+                (mha::WeightLayout::Gpt2Conv1d, Some(qkv)) => {
+                    let (q_name, o) = (names.attn_proj.qkv.hf, names.attn_proj.o.hf);
+                    proj(&mut put, format!("{a}.{q_name}"), qkv, true)?;
+                    proj(&mut put, format!("{a}.{o}"), attn.out_proj(), true)?;
+                }
+                (mha::WeightLayout::HeadInterleavedQkv { qkv: q_name, o }, Some(qkv)) => {
+                    // Back to NeoX's per-head grouping.
+                    let h = self.cfg.n_head;
+                    let w = neox_to_fused(&qkv.weight_t()?.t()?, h, true)?;
+                    put(format!("{a}.{q_name}.weight"), &w);
+                    if let Some(b) = qkv.bias() {
+                        put(format!("{a}.{q_name}.bias"), &neox_to_fused(b, h, true)?);
+                    }
+                    proj(&mut put, format!("{a}.{o}"), attn.out_proj(), false)?;
+                }
+                // Fused for inference or not: q, k and v are views into the fused one.
+                (mha::WeightLayout::Separate { q, k, v, o }, _) => {
+                    let [pq, pk, pv] = attn.qkv_proj();
+                    for (n, p) in [(q, pq), (k, pk), (v, pv), (o, attn.out_proj())] {
+                        proj(&mut put, format!("{a}.{n}"), p, false)?;
+                    }
+                }
+                (layout, _) => {
+                    bail!("block {i}: attention weights do not match the {layout:?} layout")
+                }
+            }
+            let (projections, conv1d) = mlp.projections();
+            for (n, p) in projections {
+                proj(&mut put, format!("{pre}.{}.{n}", names.mlp), p, conv1d)?;
+            }
+        }
+        if let Some(ln_f) = &self.ln_f {
+            norm(&mut put, names.final_norm.hf.to_string(), ln_f);
+        }
+        match &self.lm_head_weight {
+            Some(w) => put(format!("{}.weight", names.head.hf), w),
+            // A head loaded as a part (from GGUF): its weight, dequantized if need be.
+            None if !self.cfg.tie_word_embeddings => put(
+                format!("{}.weight", names.head.hf),
+                &self.lm_head.weight_t()?.t()?,
+            ),
+            None => {}
+        }
+        Ok(out)
+    }
+}
