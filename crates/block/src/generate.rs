@@ -2,7 +2,7 @@
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 
-use crate::{Gpt, Logits};
+use crate::model::{Gpt, Logits};
 
 /// How the next token is chosen.
 #[derive(Debug, Clone, PartialEq)]

@@ -49,7 +49,9 @@ mod optim;
 mod parts;
 
 pub use checkpoint::check::available_memory;
-pub use checkpoint::gguf::{save_gguf, Gguf, GgufVocab};
+pub use checkpoint::gguf::save::save_gguf;
+pub use checkpoint::gguf::vocab::GgufVocab;
+pub use checkpoint::gguf::Gguf;
 pub use checkpoint::io::write_atomic;
 pub use checkpoint::load::load;
 pub use checkpoint::nanogpt::{load_nanogpt, nanogpt_config};

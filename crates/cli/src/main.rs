@@ -1,31 +1,22 @@
 //! `gpt`: run, score, inspect, visualise, benchmark and train small GPT models.
 
-mod attention;
-mod bench;
-mod chat;
-mod common;
-mod convert;
-mod generate;
-mod inspect;
+mod alloc;
+mod args;
+mod commands;
+mod model;
 mod plot;
-mod score;
-mod serve;
 mod text;
-mod tokenize;
-mod trace;
-mod train;
+mod tokens;
 
 use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use common::ModelArgs;
-
-// glibc hands large freed buffers back to the OS, so every big temporary is faulted in
-// again on the next op; mimalloc keeps them (measured in docs/PERFORMANCE.md).
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+use args::ModelArgs;
+use commands::{
+    attention, bench, chat, convert, generate, inspect, score, serve, tokenize, trace, train,
+};
 
 /// Run small GPT models from the command line.
 #[derive(Debug, Parser)]
@@ -81,82 +72,6 @@ fn run(cli: Cli) -> Result<()> {
         Command::Convert(a) => convert::run(a, m),
         Command::Serve(a) => serve::run(a, m),
         Command::Tokenize(a) => tokenize::run(a, m),
-    }
-}
-
-/// mimalloc's `mi_option_arena_eager_commit` (its place in `mi_option_e`, the same in
-/// mimalloc 2 and 3).
-#[cfg(target_os = "linux")]
-const MI_OPTION_ARENA_EAGER_COMMIT: libmimalloc_sys::mi_option_t = 4;
-
-/// Commits mimalloc's arenas page by page as they are used. By default it commits each
-/// arena whole where the OS overcommits, and marks it for transparent huge pages: every
-/// 2 MiB region the heap touches then takes 2 MiB of memory. Measured (alternating runs,
-/// medians of 5–8; 2 threads): `gpt --help` 13.1 → 7.5 MiB, GPT-2 124M q8_0 decoding
-/// 187 → 162 MiB and prefill 270 → 249 MiB, f16 decoding 310 → 279 MiB, speed unchanged
-/// once the weights ask for huge pages themselves (`gpt_kernels::memory::weight_vec`). Runs from
-/// `.init_array`, before Rust's runtime allocates anything: the first arena is reserved
-/// by the first allocation, with the setting of that moment.
-/// MIMALLOC_ARENA_EAGER_COMMIT in the environment still wins.
-#[cfg(target_os = "linux")]
-#[used]
-#[link_section = ".init_array"]
-static LAZY_ARENAS: extern "C" fn() = {
-    extern "C" fn lazy_arenas() {
-        // SAFETY: `getenv` with a NUL-terminated name (no allocation, nothing else runs
-        // yet), then a plain call on mimalloc's option table.
-        unsafe {
-            if libc::getenv(c"MIMALLOC_ARENA_EAGER_COMMIT".as_ptr()).is_null() {
-                libmimalloc_sys::mi_option_set(MI_OPTION_ARENA_EAGER_COMMIT, 0);
-            }
-        }
-    }
-    lazy_arenas
-};
-
-/// Hands the memory freed since the last call back to the OS now, rather than after
-/// mimalloc's purge delay: called after a prefill. A prefill's temporaries are tens of
-/// MiB (a 512-token one of SmolLM-135M frees ~30 MiB per block) against a decoding
-/// step's few KiB; kept, they stay in the process's memory for the decoding that follows,
-/// and the next prefill's sizes reuse only part of them, so peaks grow from prefill to
-/// prefill. `gpt bench --prompt-len 512` (a warm-up prefill, then the timed one; 2 rounds
-/// each, alternating): SmolLM-135M q5_K_M 171 → 156–164 MiB, f16 322–334 → 313–316 MiB,
-/// GPT-2 124M q8_0 194–197 → 189–192 MiB, prefill speed within 1–3% (the next prefill
-/// faults its pages in afresh). The call itself takes 1–2 ms. Not in training, which
-/// keeps freed memory on purpose ([`keep_freed_memory`]).
-pub(crate) fn release_freed_memory() {
-    // SAFETY: a plain FFI call; mimalloc collects the calling thread's heap and purges
-    // the free pages of its arenas.
-    unsafe { libmimalloc_sys::mi_collect(true) }
-}
-
-/// mimalloc's `mi_option_purge_delay` (its place in `mi_option_e`, the same in mimalloc 2
-/// and 3; libmimalloc-sys does not name it) and its documented defaults: 10 ms in
-/// mimalloc 2, 1000 ms in mimalloc 3 (what libmimalloc-sys 0.1.49 builds).
-const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-const MI_DEFAULT_PURGE_DELAYS: [std::os::raw::c_long; 2] = [10, 1000];
-
-/// Training keeps freed memory for reuse instead of returning it to the OS once it has
-/// been free for the purge delay: a step frees and reallocates hundreds of large
-/// temporaries, and returned ones fault in again. With mimalloc 2's 10 ms a 6-step trial
-/// ran at 1206–1652 tokens/s against 1925–2345 with this (docs/PERFORMANCE.md); with
-/// mimalloc 3's 1000 ms, 12 steps of the same trial, 5 rounds alternating, medians: 13147
-/// against 14076 tokens/s (13549 against 13945 with eagerly committed arenas). The cost is
-/// that the process keeps its peak memory until it exits, which inference need not pay: a
-/// `gpt bench` of three 512-token prefills grew from 208 to 224 MiB (GPT-2 124M q8_0)
-/// when freed pages were never returned, at the same speed. MIMALLOC_PURGE_DELAY in the
-/// environment still wins.
-fn keep_freed_memory() {
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
-        return;
-    }
-    // SAFETY: plain FFI calls on mimalloc's option table. The default is checked first, so
-    // a future mimalloc that numbers its options differently is left alone.
-    unsafe {
-        let delay = libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY);
-        if MI_DEFAULT_PURGE_DELAYS.contains(&delay) {
-            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1);
-        }
     }
 }
 
@@ -226,7 +141,7 @@ fn main() -> ExitCode {
         std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
     }
     if matches!(cli.command, Command::Train(_)) {
-        keep_freed_memory();
+        alloc::keep_freed_memory();
     }
     // The main thread's stack size for the pool's threads (the command runs on one).
     let _ = rayon::ThreadPoolBuilder::new()

@@ -5,10 +5,14 @@ use candle_core::{bail, DType, Result, Tensor};
 use candle_nn::VarBuilder;
 use rayon::prelude::*;
 
+use crate::cache::KvCache;
+use crate::config::MhaConfig;
+use crate::dropout::Dropout;
 use crate::flash::{self, step};
 use crate::layout::{self, Projections, QkvProj, WeightLayout};
+use crate::mask::Mask;
+use crate::rope::{Rope, RopeTables};
 use crate::sdpa::{sdpa, SdpaParams};
-use crate::{Dropout, KvCache, Mask, MhaConfig, Rope, RopeTables};
 use gpt_kernels::Proj;
 
 /// Attention weights returned by [`MultiHeadAttention::forward_with_weights`].

@@ -3,7 +3,7 @@
 use candle_core::{bail, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::RopeConfig;
+use crate::rope::RopeConfig;
 
 /// Configuration of [`crate::MultiHeadAttention`].
 ///

@@ -11,7 +11,7 @@ use candle_nn::{Init, VarBuilder};
 
 use gpt_kernels::Proj;
 
-use crate::MhaConfig;
+use crate::config::MhaConfig;
 
 /// Where the four projections of an attention layer live in a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,8 +3,9 @@
 
 use candle_core::{bail, DType, Result, Tensor, D};
 
+use crate::dropout::Dropout;
 use crate::flash;
-use crate::{Dropout, Mask};
+use crate::mask::Mask;
 
 /// How to run [`sdpa`] beyond its tensors and mask.
 #[derive(Debug, Clone, Copy)]

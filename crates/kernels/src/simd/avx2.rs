@@ -13,7 +13,7 @@ use half::{bf16, f16};
 use std::arch::x86_64::*;
 
 /// A weight element loaded 8 at a time as f32 lanes.
-pub trait Load: super::Widen + Copy {
+pub trait Load: super::scalar::Widen + Copy {
     /// # Safety
     /// 8 readable values at `p` (unaligned is fine); AVX2 and F16C present.
     unsafe fn load8(p: *const Self) -> __m256;
@@ -80,7 +80,7 @@ pub fn axpy4<W: Load>(y: &mut [f32], a: [f32; 4], w: [&[W]; 4]) {
         }
         c += 8;
     }
-    super::axpy4_impl(&mut y[c..], a, w.map(|w| &w[c..]));
+    super::scalar::axpy4_impl(&mut y[c..], a, w.map(|w| &w[c..]));
 }
 
 /// The dot product of `x` with a row at least as long: two sums of 8 lanes, 16 values a

@@ -5,7 +5,7 @@ use half::{bf16, f16};
 use std::arch::x86_64::*;
 
 /// A weight element loaded 16 at a time as f32 lanes.
-pub trait Load: super::Widen + Copy {
+pub trait Load: super::scalar::Widen + Copy {
     /// # Safety
     /// 16 readable values at `p` (unaligned is fine); AVX-512F present.
     unsafe fn load16(p: *const Self) -> __m512;
@@ -57,7 +57,7 @@ pub fn axpy4<W: Load>(y: &mut [f32], a: [f32; 4], w: [&[W]; 4]) {
         }
         c += 16;
     }
-    super::axpy4_impl(&mut y[c..], a, w.map(|w| &w[c..]));
+    super::scalar::axpy4_impl(&mut y[c..], a, w.map(|w| &w[c..]));
 }
 
 /// The dot product of `x` with a row at least as long: two sums of 16 lanes, 32 values
@@ -277,6 +277,6 @@ pub fn dot4<W: Load>(x: &[f32], w: [&[W]; 4]) -> [f32; 4] {
         i += 16;
     }
     // The last `n % 16` values by the generic loop.
-    let tail = super::dot4_impl(&x[i..], w.map(|w| &w[i..]));
+    let tail = super::scalar::dot4_impl(&x[i..], w.map(|w| &w[i..]));
     [0, 1, 2, 3].map(|j| _mm512_reduce_add_ps(acc[j]) + tail[j])
 }

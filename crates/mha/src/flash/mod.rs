@@ -26,7 +26,9 @@ pub(crate) mod tiles;
 
 use candle_core::{bail, DType, Result, Tensor};
 
-use crate::{Dropout, Mask, Rope, RopeTables};
+use crate::dropout::Dropout;
+use crate::mask::Mask;
+use crate::rope::{Rope, RopeTables};
 use qkv::{qkv_heads, FlashAttnQkv, QkRotation};
 pub(crate) use tiles::DIRECT_ROWS;
 use tiles::{unit, FlashAttn};

@@ -17,8 +17,10 @@ use half::slice::HalfFloatSliceExt;
 
 use super::decode;
 use super::tiles::{FlashAttn, KvRows, Rows, DIRECT_ROWS};
+use crate::cache::KvCache;
+use crate::mask::Mask;
 use crate::rope::rotate_pairs;
-use crate::{KvCache, Mask, Rope, RopeTables};
+use crate::rope::{Rope, RopeTables};
 use gpt_kernels::storage::{values, with_values};
 
 /// The rotation angles of the step's positions: `[b·t, half]` cosines and sines.

@@ -10,7 +10,7 @@ use gpt_kernels::simd;
 use half::{bf16, f16};
 
 use crate::dropout::DropMask;
-use crate::Mask;
+use crate::mask::Mask;
 
 /// Query rows per block.
 pub(crate) const BR: usize = 64;

@@ -13,8 +13,8 @@ mod build;
 mod config;
 mod read;
 mod rope;
-mod save;
-mod vocab;
+pub(crate) mod save;
+pub(crate) mod vocab;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -25,9 +25,6 @@ use std::sync::Mutex;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::GgmlDType;
 use candle_core::{bail, DType, Result};
-
-pub use save::save_gguf;
-pub use vocab::GgufVocab;
 
 use crate::checkpoint::io::path_err;
 use crate::family::names::gguf;

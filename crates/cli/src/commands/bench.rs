@@ -7,7 +7,8 @@ use candle_core::{DType, Tensor};
 use clap::Args;
 use gpt_blocks::{argmax, Logits};
 
-use crate::common::{self, Format, Loaded, ModelArgs};
+use crate::args::{Format, ModelArgs};
+use crate::model::{self, Loaded};
 
 /// Options of `gpt bench`.
 #[derive(Debug, Clone, Args)]
@@ -44,7 +45,7 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 /// Runs `gpt bench`.
 pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
-    let Loaded { model, source, .. } = common::load_for_inference(margs)?;
+    let Loaded { model, source, .. } = model::load_for_inference(margs)?;
     let cfg = model.config();
     if a.prompt_len == 0 || a.batch == 0 || a.runs == 0 {
         bail!("--prompt-len, --batch and --runs must be at least 1")
@@ -72,7 +73,7 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
         let logits = model.infer(&prompt, None, Some(&mut cache), Logits::Last)?;
         let mut rows = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         // As `generate` does after its prefill (counted in the prefill's time).
-        crate::release_freed_memory();
+        crate::alloc::release_freed_memory();
         let t1 = Instant::now();
         for _ in 0..a.new_tokens {
             let next: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::engine::Job;
+use super::job::Job;
 use super::metrics::Metrics;
 
 /// Why jobs were not queued.

@@ -6,8 +6,10 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use clap::Args;
 
-use crate::common::{self, Loaded, ModelArgs, PromptArgs};
+use crate::args::{ModelArgs, PromptArgs};
+use crate::model::{self, Loaded};
 use crate::plot::{self, Heatmap};
+use crate::tokens;
 
 /// Options of `gpt attention`.
 #[derive(Debug, Clone, Args)]
@@ -51,13 +53,13 @@ fn print_matrix(title: &str, w: &[Vec<f32>], tokens: &[String]) {
 pub fn run(a: &AttentionArgs, margs: &ModelArgs) -> Result<()> {
     let Loaded {
         model, tokenizer, ..
-    } = common::load(margs)?;
+    } = model::load(margs)?;
     let cfg = model.config();
     let ids = a.prompt.ids(tokenizer.as_ref())?;
     if ids.is_empty() {
         bail!("the prompt encodes to no tokens")
     }
-    common::check_ids(&ids, &model)?;
+    tokens::check_ids(&ids, &model)?;
     if ids.len() > cfg.n_positions {
         bail!(
             "the prompt has {} tokens; the model's context is {}",
@@ -88,7 +90,7 @@ pub fn run(a: &AttentionArgs, margs: &ModelArgs) -> Result<()> {
         Some(h) => vec![h],
         None => (0..cfg.n_head).collect(),
     };
-    let tokens = common::token_texts(tokenizer.as_ref(), &ids);
+    let tokens = tokens::token_texts(tokenizer.as_ref(), &ids);
     let maps: Vec<Heatmap> = heads
         .iter()
         .map(|&h| {

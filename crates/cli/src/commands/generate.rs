@@ -3,12 +3,13 @@
 use std::io::Write;
 use std::time::Instant;
 
-use crate::common::{self, Format, Loaded, ModelArgs, Truncate};
+use crate::args::{self, Format, ModelArgs, SamplingArgs};
+use crate::model::{self, Loaded};
 use crate::text::chat_template::{message, Conversation};
-use crate::text::tokenizer::Tokenizer;
+use crate::tokens::{self, visible, Truncate};
 use anyhow::{bail, Result};
 use clap::Args;
-use gpt_blocks::{GenerateOptions, SamplingParams};
+use gpt_blocks::GenerateOptions;
 
 /// Options of `gpt generate`.
 #[derive(Debug, Clone, Args)]
@@ -51,69 +52,6 @@ pub struct GenerateArgs {
     pub messages: Option<std::path::PathBuf>,
 }
 
-/// How tokens are picked (`gpt generate`, `gpt chat`).
-#[derive(Debug, Clone, Args)]
-pub struct SamplingArgs {
-    /// Softmax temperature; 0 is greedy (ties to the lowest id).
-    #[arg(long, default_value_t = 0.8)]
-    pub temperature: f64,
-    /// Sample only among the k most likely tokens.
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Sample only among the most likely tokens that make up probability p, in (0, 1].
-    #[arg(long)]
-    pub top_p: Option<f64>,
-    /// Penalty on tokens already present (1 is off).
-    #[arg(long, default_value_t = 1.0)]
-    pub repeat_penalty: f32,
-    /// Seed of the sampling.
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
-}
-
-impl SamplingArgs {
-    /// The checked parameters.
-    pub fn params(&self) -> Result<SamplingParams> {
-        let p = SamplingParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            repeat_penalty: self.repeat_penalty,
-            seed: self.seed,
-        };
-        p.validate()?;
-        Ok(p)
-    }
-}
-
-/// Text of `new` so far that is safe to show: no half-decoded character at its end, and
-/// nothing that could still turn into a stop text. Returns `(text, stopped)`.
-pub(crate) fn visible(
-    tok: Option<&Tokenizer>,
-    new: &[u32],
-    stops: &[String],
-    finished: bool,
-) -> Result<(String, bool)> {
-    let text = common::decode(tok, new)?;
-    if let Some(cut) = stops.iter().filter_map(|s| text.find(s.as_str())).min() {
-        return Ok((text[..cut].to_string(), true));
-    }
-    if finished {
-        return Ok((text, false));
-    }
-    // A byte-level token can end inside a character: hold back U+FFFD at the end.
-    let mut end = text.trim_end_matches('\u{FFFD}').len();
-    // Hold back a tail that could be the start of a stop text.
-    let longest = stops.iter().map(String::len).max().unwrap_or(0);
-    if longest > 1 {
-        end = end.min(text.len().saturating_sub(longest - 1));
-    }
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    Ok((text[..end].to_string(), false))
-}
-
 /// Runs `gpt generate`.
 pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
     if a.stop.iter().any(String::is_empty) {
@@ -124,7 +62,7 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
         tokenizer,
         chat,
         ..
-    } = common::load_for_inference(margs)?;
+    } = model::load_for_inference(margs)?;
     let tok = tokenizer.as_ref();
     let cfg = model.config().clone();
     let asked = a.max_new_tokens.unwrap_or(0);
@@ -136,13 +74,13 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
     }
     let room = cfg.n_positions - asked;
     let texts: Vec<String> = match &a.prompt_file {
-        Some(f) => vec![common::read_text(f)?],
+        Some(f) => vec![args::read_text(f)?],
         None => a.prompt.clone(),
     };
     let prompts: Vec<Vec<u32>> = match (&a.prompt_ids, &a.messages) {
-        (Some(ids), _) => vec![common::parse_ids(ids)?],
+        (Some(ids), _) => vec![tokens::parse_ids(ids)?],
         (None, Some(file)) => {
-            let text = common::read_text(file)?;
+            let text = args::read_text(file)?;
             let json: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| anyhow::anyhow!("{}: not JSON: {e}", file.display()))?;
             let conv = Conversation::from_json(&json)
@@ -159,7 +97,7 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
             .collect::<Result<_>>()?,
         (None, None) => texts
             .iter()
-            .map(|p| common::encode(tok, p))
+            .map(|p| tokens::encode(tok, p))
             .collect::<Result<_>>()?,
     };
     // A reply ends at the template's end-of-turn tokens (and, in the plain format, at the
@@ -176,8 +114,8 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
         if p.is_empty() {
             bail!("a prompt encodes to no tokens; give some text")
         }
-        common::check_ids(&p, &model)?;
-        fitted.push(common::fit(p, room, a.truncate, cfg.n_positions)?);
+        tokens::check_ids(&p, &model)?;
+        fitted.push(tokens::fit(p, room, a.truncate, cfg.n_positions)?);
     }
     let longest = fitted.iter().map(Vec::len).max().unwrap_or(0);
     let max_new_tokens = match a.max_new_tokens {
@@ -198,7 +136,7 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     // A chat prints the reply only.
     if stream && !a.chat {
-        write!(stdout, "{}", common::decode(tok, &fitted[0])?)?;
+        write!(stdout, "{}", tokens::decode(tok, &fitted[0])?)?;
         stdout.flush()?;
     }
     let mut news: Vec<Vec<u32>> = vec![Vec::new(); fitted.len()];
@@ -217,7 +155,7 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
     let out = gpt_blocks::generate(&model, &fitted, &opts, |row, t| {
         if first_token_at.is_none() {
             // The prefill is done: its temporaries go back to the OS before decoding.
-            crate::release_freed_memory();
+            crate::alloc::release_freed_memory();
             first_token_at = Some(Instant::now());
         }
         news[row].push(t);
@@ -260,7 +198,7 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
             Format::Text => {
                 let prompt = match a.chat {
                     true => String::new(),
-                    false => common::decode(tok, &fitted[row])?,
+                    false => tokens::decode(tok, &fitted[row])?,
                 };
                 writeln!(stdout, "{prompt}{text}")?;
                 if row + 1 < out.len() {

@@ -13,10 +13,10 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
 use super::api::{self, json_body, ApiError};
-use super::routes::authorize;
-use super::{body, Shared};
+use super::body;
+use super::shared::{authorize, Shared};
 use crate::text::tokenizer::Tokenizer;
-use crate::tokenize::piece_json;
+use crate::tokens::piece_json;
 
 /// `POST /tokenize`.
 pub async fn tokenize(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {

@@ -3,7 +3,8 @@
 use anyhow::Result;
 use clap::Args;
 
-use crate::common::{self, Format, Loaded, ModelArgs};
+use crate::args::{Format, ModelArgs};
+use crate::model::{self, Loaded};
 
 /// Options of `gpt inspect`.
 #[derive(Debug, Clone, Args)]
@@ -70,7 +71,7 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
         tokenizer,
         chat,
         source,
-    } = common::load(margs)?;
+    } = model::load(margs)?;
     let mut tensors: Vec<_> = model.named_tensors()?.into_iter().collect();
     // Blocks in numeric order: h.2 before h.10.
     let key = |n: &str| {

@@ -10,9 +10,10 @@ use anyhow::{bail, Result};
 use clap::Args;
 use gpt_blocks::{GenerateOptions, SamplingParams};
 
-use crate::common::{self, Loaded, ModelArgs};
-use crate::generate::{visible, SamplingArgs};
+use crate::args::{ModelArgs, SamplingArgs};
+use crate::model::{self, Loaded};
 use crate::text::chat_template::{message, Conversation};
+use crate::tokens::visible;
 
 /// Options of `gpt chat`.
 #[derive(Debug, Clone, Args)]
@@ -55,7 +56,7 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
         tokenizer,
         chat,
         source,
-    } = common::load_for_inference(margs)?;
+    } = model::load_for_inference(margs)?;
     let tok = tokenizer.as_ref();
     if tok.is_none() {
         bail!("{source} has no tokenizer; gpt chat needs one")
@@ -166,7 +167,7 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
         gpt_blocks::generate(&model, &[prompt], &opts, |_, t| {
             if !std::mem::replace(&mut prefilled, true) {
                 // The turn's prefill is done: its temporaries go back before decoding.
-                crate::release_freed_memory();
+                crate::alloc::release_freed_memory();
             }
             if !stop_tokens.contains(&t) {
                 new.push(t);

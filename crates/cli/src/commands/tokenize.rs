@@ -8,8 +8,10 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::common::{self, Format, ModelArgs};
+use crate::args::{self, Format, ModelArgs};
+use crate::model;
 use crate::text::tokenizer::Tokenizer;
+use crate::tokens::{self, piece_json};
 
 /// Options of `gpt tokenize`.
 #[derive(Debug, Args)]
@@ -37,23 +39,14 @@ pub struct TokenizeArgs {
     pub format: Format,
 }
 
-/// A token's piece as JSON, as llama.cpp's `/tokenize` gives it: a string when its bytes are
-/// UTF-8 by themselves, else the list of bytes.
-pub fn piece_json(bytes: Vec<u8>) -> Value {
-    match String::from_utf8(bytes) {
-        Ok(s) => json!(s),
-        Err(e) => json!(e.into_bytes()),
-    }
-}
-
 /// Runs `gpt tokenize`.
 pub fn run(a: &TokenizeArgs, margs: &ModelArgs) -> Result<()> {
-    let (tokenizer, _, source) = common::load_text(margs)?;
+    let (tokenizer, _, source) = model::load_text(margs)?;
     let Some(tok) = tokenizer else {
         bail!("{source}: the model has no tokenizer")
     };
     if let Some(ids) = &a.ids {
-        let ids = common::parse_ids(ids)?;
+        let ids = tokens::parse_ids(ids)?;
         let text = tok.decode(&ids)?;
         match a.format {
             Format::Text => println!("{text}"),
@@ -70,7 +63,7 @@ pub fn run(a: &TokenizeArgs, margs: &ModelArgs) -> Result<()> {
                 .context("reading standard input")?;
             s
         }
-        (None, Some(p)) => common::read_text(p)?,
+        (None, Some(p)) => args::read_text(p)?,
         (None, None) => bail!("give --text, --file or --ids"),
     };
     let ids = tok.encode_with(&text, !a.no_special, !a.no_parse_special)?;

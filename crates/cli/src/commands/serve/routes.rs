@@ -19,10 +19,10 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use super::api::{self, json_body, ApiError, Plan};
 use super::body;
 use super::conns::{Busy, ConnBusy};
-use super::engine::{Event, Failure, Job, TokenOut};
+use super::job::{Event, Failure, Job, TokenOut};
 use super::queue::{QueueError, Ticket};
-use super::Shared;
-use crate::generate::visible;
+use super::shared::{authorize, Shared};
+use crate::tokens::visible;
 
 /// Every route.
 pub fn router(shared: Arc<Shared>) -> Router {
@@ -139,34 +139,6 @@ async fn method_not_allowed() -> Response {
         "method not allowed on this endpoint",
     )
     .into_response()
-}
-
-/// With `--api-key`, requests must carry `Authorization: Bearer KEY`.
-pub(super) fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(key) = &s.api_key else {
-        return Ok(());
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    // Compared in time independent of where they differ.
-    let same = given.len() == key.len()
-        && given
-            .bytes()
-            .zip(key.bytes())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0;
-    match same {
-        true => Ok(()),
-        false => Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            Some("invalid_api_key"),
-            "missing or wrong API key (send `Authorization: Bearer KEY`)",
-        )),
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -457,7 +429,7 @@ impl Run {
     }
 
     fn token_text(&self, id: u32) -> String {
-        crate::common::decode(self.shared.tokenizer.as_deref(), &[id]).unwrap_or_default()
+        crate::tokens::decode(self.shared.tokenizer.as_deref(), &[id]).unwrap_or_default()
     }
 
     /// OpenAI's `logprobs` object for `tokens` (text offsets from `offset`).

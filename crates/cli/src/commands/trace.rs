@@ -5,7 +5,9 @@ use candle_core::{Tensor, D};
 use clap::Args;
 use gpt_blocks::NormPlacement;
 
-use crate::common::{self, Loaded, ModelArgs, PromptArgs};
+use crate::args::{ModelArgs, PromptArgs};
+use crate::model::{self, Loaded};
+use crate::tokens;
 
 /// Options of `gpt trace`.
 #[derive(Debug, Clone, Args)]
@@ -25,7 +27,7 @@ fn shape(t: &Tensor) -> String {
 pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
     let Loaded {
         model, tokenizer, ..
-    } = common::load(margs)?;
+    } = model::load(margs)?;
     let cfg = model.config().clone();
     if cfg.norm_placement != NormPlacement::Pre {
         bail!("trace follows pre-norm blocks; this model is post-norm")
@@ -38,7 +40,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
             ids.len()
         )
     }
-    common::check_ids(&ids, &model)?;
+    tokens::check_ids(&ids, &model)?;
     if let Some(l) = a.layer {
         if l >= cfg.n_layer {
             bail!(
@@ -63,7 +65,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
     );
     println!(
         "tokens: {:?}",
-        common::token_texts(tokenizer.as_ref(), &ids)
+        tokens::token_texts(tokenizer.as_ref(), &ids)
     );
     println!(
         "input ids                               [B, S]        = {}",
@@ -230,7 +232,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
     println!("check: this trace equals the model's forward pass (max |difference| {diff:.2e})");
     println!(
         "most likely next token: {next} {:?}",
-        common::token_texts(tokenizer.as_ref(), &[next])[0]
+        tokens::token_texts(tokenizer.as_ref(), &[next])[0]
     );
     Ok(())
 }

@@ -16,7 +16,8 @@ use gpt_blocks::{
 use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
 
-use crate::common::{self, DtypeArg, ModelArgs};
+use crate::args::{self, DtypeArg, ModelArgs};
+use crate::model;
 use crate::plot;
 use crate::text::gguf_tokenizer;
 
@@ -381,7 +382,7 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
     if margs.dtype.is_some_and(|d| d != DtypeArg::F32) || margs.kv_dtype.is_some() {
         bail!("gpt train computes in f32 (--save-dtype sets the saved model's precision); --dtype and --kv-dtype are for inference")
     }
-    let dev = common::device(margs.device)?;
+    let dev = args::device(margs.device)?;
     if a.block_size < 2
         || a.batch_size == 0
         || a.steps == 0
@@ -411,7 +412,7 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
             if a.tokenizer.is_some() {
                 bail!("--tokenizer with --model: a model is fine-tuned with its own tokenizer")
             }
-            let loaded = common::load(margs)?;
+            let loaded = model::load(margs)?;
             let Some(tokenizer) = loaded.tokenizer else {
                 bail!(
                     "{}: no tokenizer.json beside the model to fine-tune with",
@@ -427,14 +428,14 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
     // becomes the `tokenizer.json` transformers writes for it).
     let tokenizer = match (&base, &a.tokenizer, &resume) {
         (Some((_, t)), _, _) => gguf_tokenizer::json_tokenizer(t)?,
-        (None, Some(p), _) => common::read_tokenizer_json(p)?,
+        (None, Some(p), _) => model::read_tokenizer_json(p)?,
         (None, None, Some(_)) => {
             let p = a
                 .resume
                 .as_ref()
                 .map(|r| r.join("tokenizer.json"))
                 .unwrap_or_default();
-            common::read_tokenizer_json(&p)?
+            model::read_tokenizer_json(&p)?
         }
         (None, None, None) => train_tokenizer(&a.data, a.vocab_size)?,
     };

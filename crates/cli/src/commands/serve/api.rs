@@ -2,12 +2,12 @@
 //! names the parameter, and the error shape OpenAI's clients expect.
 
 use crate::text::tokenizer::Tokenizer;
+use crate::tokens;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use gpt_blocks::SamplingParams;
 use serde_json::{json, Map, Value};
 
-use crate::common;
 use crate::text::chat_template::{message, ChatTemplate, Conversation};
 
 /// Most prompts in one completions request (each becomes a choice).
@@ -475,7 +475,7 @@ pub fn completions(o: &Obj, info: &ModelInfo) -> Result<Plan, ApiError> {
     let mut plan = empty_plan();
     common_fields(o, &mut plan, info)?;
     let text = |s: &str| -> Result<Vec<u32>, ApiError> {
-        common::encode(info.tokenizer, s)
+        tokens::encode(info.tokenizer, s)
             .map_err(|e| ApiError::invalid(Some("prompt"), format!("{e:#}")))
     };
     let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {

@@ -10,9 +10,11 @@ mod api;
 mod body;
 mod conns;
 mod engine;
+mod job;
 mod metrics;
 mod queue;
 mod routes;
+mod shared;
 mod tokenize;
 
 use std::net::SocketAddr;
@@ -20,19 +22,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::text::tokenizer::Tokenizer;
+use crate::args::ModelArgs;
+use crate::model::{self, Loaded};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 
-use crate::common::{self, Loaded, ModelArgs};
-use crate::text::chat_template::ChatTemplate;
-use api::ModelInfo;
 use conns::Conns;
 use metrics::Metrics;
 use queue::Queue;
+use shared::{log, Shared};
 
 /// Options of `gpt serve`.
 #[derive(Debug, Clone, Args)]
@@ -68,58 +69,6 @@ pub struct ServeArgs {
     pub shutdown_grace: u64,
 }
 
-/// What the HTTP handlers and the scheduler share.
-pub struct Shared {
-    model_name: String,
-    tokenizer: Option<Arc<Tokenizer>>,
-    chat: ChatTemplate,
-    n_positions: usize,
-    vocab_size: usize,
-    eos: Option<u32>,
-    queue: Queue,
-    metrics: Arc<Metrics>,
-    /// Set on SIGTERM / Ctrl-C to the end of the grace period: from then on nothing new is
-    /// accepted, and at it whatever still runs is cancelled.
-    shutdown: OnceLock<Instant>,
-    api_key: Option<String>,
-    /// Unix time the server started (the model's `created`).
-    created: u64,
-    ids: AtomicU64,
-}
-
-impl Shared {
-    fn info(&self) -> ModelInfo<'_> {
-        ModelInfo {
-            tokenizer: self.tokenizer.as_deref(),
-            chat: &self.chat,
-            n_positions: self.n_positions,
-            vocab_size: self.vocab_size,
-            eos: self.eos,
-            name: &self.model_name,
-        }
-    }
-
-    fn next_id(&self) -> u64 {
-        self.ids.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// The end of the grace period, once shutdown has begun.
-    fn deadline(&self) -> Option<Instant> {
-        self.shutdown.get().copied()
-    }
-
-    fn draining(&self) -> bool {
-        self.shutdown.get().is_some()
-    }
-}
-
-/// A line on the server's log. Never fails: stderr may be a pipe its reader has closed, and
-/// the server goes on without its log (`eprintln!` would panic).
-fn log(line: std::fmt::Arguments) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "{line}");
-}
-
 /// Runs `gpt serve` until SIGTERM or Ctrl-C.
 pub fn run(a: &ServeArgs, margs: &ModelArgs) -> Result<()> {
     for (name, v) in [
@@ -139,7 +88,7 @@ pub fn run(a: &ServeArgs, margs: &ModelArgs) -> Result<()> {
         tokenizer,
         chat,
         source,
-    } = common::load_for_inference(margs)?;
+    } = model::load_for_inference(margs)?;
     let cfg = model.config();
     let model_name = match (&a.served_model_name, &margs.model) {
         (Some(n), _) => n.clone(),

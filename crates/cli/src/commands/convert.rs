@@ -10,7 +10,8 @@ use candle_core::quantized::GgmlDType;
 use clap::builder::PossibleValue;
 use clap::{Args, ValueEnum};
 
-use crate::common::{self, Loaded, ModelArgs, QuantizeArg};
+use crate::args::{ModelArgs, QuantizeArg};
+use crate::model::{self, Loaded};
 use crate::text::gguf_tokenizer;
 
 /// The formats written.
@@ -78,7 +79,7 @@ pub fn run(a: &ConvertArgs, margs: &ModelArgs) -> Result<()> {
         tokenizer,
         chat,
         source,
-    } = common::load(margs)?;
+    } = model::load(margs)?;
     let cfg = model.config();
     let vocab = match &tokenizer {
         Some(tok) => Some(

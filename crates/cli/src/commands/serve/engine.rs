@@ -5,94 +5,18 @@
 //! a sequence leaves as soon as it ends or its client goes away.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Tensor};
-use gpt_blocks::{left_padded, Gpt, GptCache, Logits, Sampler};
+use gpt_blocks::{left_padded, Gpt, GptCache, Logits};
 use rayon::prelude::*;
-use tokio::sync::mpsc::UnboundedSender;
 
+use super::job::{Event, Failure, Job, TokenOut};
 use super::metrics::Metrics;
 use super::queue::Queue;
-use super::Shared;
-
-/// One sequence to generate.
-#[derive(Debug)]
-pub struct Job {
-    /// Which of its request's choices this is.
-    pub index: usize,
-    /// Prompt tokens, checked against the vocabulary and the context.
-    pub prompt: Vec<u32>,
-    /// Most new tokens; `prompt.len() + max_tokens` fits the context.
-    pub max_tokens: usize,
-    /// How tokens are picked: built, and so checked, by the request's handler.
-    pub sampler: Sampler,
-    /// Tokens that end the sequence.
-    pub stop_ids: Vec<u32>,
-    /// `Some(n)`: report each token's log-probability and the `n` most likely tokens.
-    pub logprobs: Option<usize>,
-    /// Where the tokens go, tagged with `index`; closed when the client has gone.
-    pub events: UnboundedSender<(usize, Event)>,
-    /// Set when the request no longer wants this choice (a stop text was seen).
-    pub cancel: Arc<AtomicBool>,
-    /// When the request was queued.
-    pub queued_at: Instant,
-}
-
-impl Job {
-    /// Sends `event`; false when the client has gone.
-    fn send(&self, event: Event) -> bool {
-        self.events.send((self.index, event)).is_ok()
-    }
-
-    /// Whether nobody waits for this sequence any more.
-    fn gone(&self) -> bool {
-        self.events.is_closed() || self.cancel.load(Ordering::Relaxed)
-    }
-
-    fn fail(&self, e: &anyhow::Error) {
-        self.send(Event::Failed(Failure::Internal(format!("{e:#}"))));
-    }
-}
-
-/// What the scheduler tells a request.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Event {
-    /// A new token.
-    Token(TokenOut),
-    /// The sequence ended: at one of its stop tokens (the last `Token`), or at its length.
-    Done {
-        /// True when a stop token ended it.
-        stopped: bool,
-    },
-    /// The sequence could not go on.
-    Failed(Failure),
-}
-
-/// Why a sequence could not go on.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Failure {
-    /// Shutdown came first: before it started, or past the grace period.
-    ShutDown(String),
-    /// The model or the sampler failed on this sequence (alone: see [`run`]).
-    Internal(String),
-}
-
-/// A generated token with, on request, its log-probability and the likeliest alternatives.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TokenOut {
-    /// The token id.
-    pub id: u32,
-    /// Whether it is one of the sequence's stop tokens (counted, not shown).
-    pub is_stop: bool,
-    /// `log p(id)` under the model (before temperature and truncation), when asked for.
-    pub logprob: Option<f32>,
-    /// The most likely tokens and their log-probabilities, most likely first.
-    pub top: Vec<(u32, f32)>,
-}
+use super::shared::Shared;
 
 /// A sequence in the running batch.
 struct Seq {
@@ -124,7 +48,7 @@ pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize) {
         // Idle again after work: the finished sequences' caches go back to the OS, not to
         // the next burst's peak.
         if busy && active.is_empty() {
-            crate::release_freed_memory();
+            crate::alloc::release_freed_memory();
         }
         busy = !active.is_empty();
         if let Some(deadline) = shared.deadline() {
@@ -165,7 +89,7 @@ pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize) {
             }
             if prefilled {
                 // The prefills' temporaries go back before the decoding steps.
-                crate::release_freed_memory();
+                crate::alloc::release_freed_memory();
             }
         }
         // A client that disconnected frees its slot now.
@@ -398,9 +322,12 @@ fn top_n(xs: &[f32], n: usize) -> Vec<(u32, f32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
     use candle_core::Device;
     use candle_nn::{VarBuilder, VarMap};
-    use gpt_blocks::{GptConfig, SamplingParams};
+    use gpt_blocks::{GptConfig, Sampler, SamplingParams};
     use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
     fn tiny(n_head: usize) -> Gpt {

@@ -7,7 +7,9 @@ use candle_core::Tensor;
 use clap::Args;
 use gpt_blocks::{token_logprobs, Logits};
 
-use crate::common::{self, Format, Loaded, ModelArgs};
+use crate::args::{self, Format, ModelArgs};
+use crate::model::{self, Loaded};
+use crate::tokens;
 
 /// Options of `gpt score`.
 #[derive(Debug, Clone, Args)]
@@ -60,11 +62,11 @@ pub fn logprobs(model: &gpt_blocks::Gpt, ids: &[u32], stride: usize) -> Result<V
 pub fn run(a: &ScoreArgs, margs: &ModelArgs) -> Result<()> {
     let Loaded {
         model, tokenizer, ..
-    } = common::load_for_inference(margs)?;
+    } = model::load_for_inference(margs)?;
     let ids = match (&a.text, &a.file, &a.ids) {
-        (Some(t), _, _) => common::encode(tokenizer.as_ref(), t)?,
-        (_, Some(f), _) => common::encode(tokenizer.as_ref(), &common::read_text(f)?)?,
-        (_, _, Some(ids)) => common::parse_ids(ids)?,
+        (Some(t), _, _) => tokens::encode(tokenizer.as_ref(), t)?,
+        (_, Some(f), _) => tokens::encode(tokenizer.as_ref(), &args::read_text(f)?)?,
+        (_, _, Some(ids)) => tokens::parse_ids(ids)?,
         _ => bail!("give --text, --file or --ids"),
     };
     if ids.len() < 2 {
@@ -73,7 +75,7 @@ pub fn run(a: &ScoreArgs, margs: &ModelArgs) -> Result<()> {
             ids.len()
         )
     }
-    common::check_ids(&ids, &model)?;
+    tokens::check_ids(&ids, &model)?;
     let ctx = model.config().n_positions;
     let stride = a.stride.unwrap_or((ctx / 2).max(1));
     if stride == 0 || stride > ctx {
