@@ -92,10 +92,9 @@ fn main() -> ExitCode {
     }
     // Candle's element-wise ops run on its own pool, whose idle workers spin 25,000 times
     // before they sleep; the products that follow run on rayon's pool, and with as many
-    // threads as cores the spinning worker takes a core from them. 100 spins: GPT-2 124M
-    // prefill (512 tokens, 2 threads, alternating runs, medians) +11% in f16, +15% in q8_0,
-    // SmolLM-135M q8_0 +10%; decoding did not move beyond the noise. Read once, when
-    // Candle's pool starts, so set before any thread does.
+    // threads as cores the spinning worker takes a core from them (100 spins: faster
+    // prefills, docs/PERFORMANCE.md, "Memory"). Read once, when Candle's pool
+    // starts, so set before any thread does.
     if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
         std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "100");
     }

@@ -175,11 +175,10 @@ fn load_gguf(
 ) -> Result<(Gpt, Option<Tokenizer>, ChatTemplate)> {
     let mut gguf = gpt_blocks::Gguf::open(path)?;
     let text = gguf_text(&gguf, path);
-    // The weights come after the tokenizer, whose building raised GPT-2's resident memory
-    // by 33 MiB, 9 of which the tokenizer keeps: the parsed vocabulary and the rest are
-    // returned to the OS first (`gpt` keeps freed memory otherwise, for training), so
-    // they do not add to the weights' peak. The model's own errors still come first: a
-    // file broken in both is reported by what breaks the model.
+    // The weights come after the tokenizer, whose building leaves freed memory behind (the
+    // parsed vocabulary and temporaries): it is returned to the OS first (`gpt` keeps freed
+    // memory otherwise, for training), so it does not add to the weights' peak. The model's own
+    // errors still come first: a file broken in both is reported by what breaks the model.
     gguf.release_vocab();
     // SAFETY: a plain call into mimalloc: return the pages freed so far to the OS.
     unsafe { libmimalloc_sys::mi_collect(true) };

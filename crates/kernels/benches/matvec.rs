@@ -66,10 +66,10 @@ fn bench_matvec(c: &mut Criterion) {
 
 /// The same products with block-quantized weights (`[out, in]`, as GGUF stores them):
 /// `gpt_kernels::quant` (the repacked tiles `Proj` uses where the CPU has AVX-512 VNNI) and
-/// `gpt_kernels::quant::stored` (the stored layout, used elsewhere) against Candle's `QMatMul` (which
-/// repacks q8_0 matrices whose input width is a multiple of 256 for its own AVX-512 VNNI
-/// kernel, keeping the copy). Throughput is in weight bytes read per second. Run it on the
-/// pool (`Proj` is called from a worker in `gpt`): calls from outside pay a wake-up each.
+/// `gpt_kernels::quant::stored` (the stored layout, used elsewhere) against Candle's `QMatMul`
+/// (which repacks q8_0 matrices whose input width is a multiple of 256 for its own AVX-512 VNNI
+/// kernel, keeping the copy). Throughput is in weight bytes read per second. Run it on the pool
+/// (`Proj` is called from a worker in `gpt`): calls from outside pay a wake-up each.
 fn bench_qmatvec(c: &mut Criterion) {
     // Each iteration runs on the pool (one hand-over per iteration, not per product).
     let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
@@ -148,7 +148,7 @@ fn bench_qmatvec(c: &mut Criterion) {
 
 /// A prefill's products with block-quantized weights: ours packed (`Packed::matmul`, where
 /// this CPU has kernels for the format) against each task dequantizing its span for the f32
-/// GEMM (`qmatvec::prefill_dequantized`) and Candle's `QMatMul` (its repacked kernels for
+/// GEMM (`quant::stored::prefill_dequantized`) and Candle's `QMatMul` (its repacked kernels for
 /// q4_K and q6_K, and q8_0 with VNNI, keep a copy beside the blocks). Throughput is in
 /// multiply-adds per second (`elements`). `cargo bench -p mha --bench matvec -- prefill`.
 fn bench_prefill(c: &mut Criterion) {

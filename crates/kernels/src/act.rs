@@ -167,12 +167,12 @@ fn rows_of(t: &Tensor) -> Option<(usize, usize)> {
 }
 
 /// GPT-2's tanh GELU on an f32, f16 or bf16 CPU tensor, one vectorised pass split over the
-/// rayon pool (Candle's `gelu` evaluates `tanh` element by element and was measured at
-/// 2.8x the time of its erf GELU on [512, 3072]; in f16 and bf16 it also rounds after
-/// every step). Half-precision values are widened, computed in f32 and rounded once. On
-/// f32 it is differentiable, with a backward pass of the same kind (Candle's builds the
-/// derivative from a dozen tensor ops, each a pass over the activations on one thread).
-/// Other tensors, and half precision with gradients, take Candle's `gelu`.
+/// rayon pool (Candle's `gelu` evaluates `tanh` element by element, several times the time of
+/// its erf GELU; in f16 and bf16 it also rounds after every step). Half-precision values are
+/// widened, computed in f32 and rounded once. On f32 it is differentiable, with a backward pass
+/// of the same kind (Candle's builds the derivative from a dozen tensor ops, each a pass over
+/// the activations on one thread). Other tensors, and half precision with gradients, take
+/// Candle's `gelu`.
 pub fn gelu_tanh(xs: &Tensor) -> Result<Tensor> {
     let dtype_ok = matches!(xs.dtype(), DType::F32 | DType::F16 | DType::BF16);
     if !xs.device().is_cpu() || !dtype_ok {

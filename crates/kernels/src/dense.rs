@@ -14,8 +14,7 @@
 //!
 //! Sums are in f32 whatever the weight's dtype. bf16 is widened by a shift as it is read,
 //! f16 by `vcvtph2ps` on CPUs with AVX-512 or AVX2 and F16C (elsewhere f16 stays on
-//! Candle's f16 GEMM). Its
-//! reference is `matmul`; the tests hold it to that.
+//! Candle's f16 GEMM). Its reference is `matmul`; the tests hold it to that.
 //!
 //! A public module for the crates built on this one (their quantized and dense projections)
 //! and for the benchmarks; [`crate::Proj`] picks it when it applies.
@@ -37,9 +36,8 @@ pub const MAX_ROWS_IN_OUT: usize = 2;
 
 /// Output elements per tile in `rows_times_w`, over all rows of `x`: 24 KiB of f32 that
 /// stay in L1 while the weight streams past. One row of `x` takes GPT-2's weight rows
-/// (up to 3072 wide) whole: cutting them into 1024-wide tiles made every 4 KiB a new
-/// stream for the prefetchers (c_fc 768×3072 read at 27.8 against 31.4 GB/s on 2 threads,
-/// medians of a harness alternating the two).
+/// (up to 3072 wide) whole: narrower tiles would make every few KiB a new stream for the
+/// prefetchers, which read it slower (docs/PERFORMANCE.md, "Dense products").
 const TILE: usize = 6144;
 
 /// A weight dtype with product kernels.
@@ -113,12 +111,11 @@ impl Elem for f16 {
     }
 }
 
-/// Whether [`few_rows_matmul`] should take `xs · w_t` rather than `matmul`: few rows, and
-/// a weight large enough to be split across threads, or bf16 (which Candle's matmul
-/// widens to f32 on every call) or f16 where this has kernels for it (Candle's f16 GEMM
-/// was off by 0.099 on a 96-term product of standard normal values in the tests, as if
-/// it summed in f16). Small f32 weights (under `PARALLEL_MIN`) stay on `gemm`, which
-/// runs them on one thread with less overhead.
+/// Whether [`few_rows_matmul`] should take `xs · w_t` rather than `matmul`: few rows, and a
+/// weight large enough to be split across threads, or bf16 (which Candle's matmul widens to f32
+/// on every call) or f16 where this has kernels for it (Candle's f16 GEMM sums in f16: its
+/// error grows with the width, see the tests). Small f32 weights (under `PARALLEL_MIN`) stay on
+/// `gemm`, which runs them on one thread with less overhead.
 pub fn preferred(xs: &Tensor, w_t: &Tensor) -> bool {
     let half = match w_t.dtype() {
         DType::BF16 => true,
@@ -130,12 +127,12 @@ pub fn preferred(xs: &Tensor, w_t: &Tensor) -> bool {
         && (half || w_t.elem_count() >= PARALLEL_MIN)
 }
 
-/// `xs [m, in] · w_t [in, out] (+ b [out])` for `m <= MAX_ROWS` (`MAX_ROWS_IN_OUT` when
-/// `w_t` is stored `[in, out]`), or `None` when the operands are not f32, bf16 or (on
-/// CPUs with AVX-512, or AVX2 and F16C) f16 CPU tensors in a layout this handles, or a gradient is needed: the
-/// caller then uses `matmul`. `xs` and `b` are in the weight's dtype, or f32 with a
-/// half-precision weight (f32 activations, as llama.cpp runs f16 models); the result is
-/// in `xs`'s dtype.
+/// `xs [m, in] · w_t [in, out] (+ b [out])` for `m <= MAX_ROWS` (`MAX_ROWS_IN_OUT` when `w_t`
+/// is stored `[in, out]`), or `None` when the operands are not f32, bf16 or (on CPUs with
+/// AVX-512, or AVX2 and F16C) f16 CPU tensors in a layout this handles, or a gradient is
+/// needed: the caller then uses `matmul`. `xs` and `b` are in the weight's dtype, or f32 with a
+/// half-precision weight (f32 activations, as llama.cpp runs f16 models); the result is in
+/// `xs`'s dtype.
 pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
     let (m, d_in) = xs.dims2()?;
     let (w_in, d_out) = w_t.dims2()?;
@@ -186,8 +183,8 @@ pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<
 }
 
 /// `f` on the values of `xs` as f32, row-major: borrowed from the tensor's storage when it
-/// holds them contiguous in f32 on the CPU (a prefill's activations: GPT-2's MLP output at
-/// 512 tokens is 6 MiB, and a copy is a moment at twice that), else converted once.
+/// holds them contiguous in f32 on the CPU (a prefill's activations, which a copy would
+/// hold twice for a moment), else converted once.
 pub fn with_f32_values<T>(xs: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> Result<T> {
     let xs = xs.to_dtype(DType::F32)?.contiguous()?;
     let (storage, layout) = xs.storage_and_layout();
@@ -201,17 +198,11 @@ pub fn with_f32_values<T>(xs: &Tensor, f: impl FnOnce(&[f32]) -> Result<T>) -> R
     f(&xs.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// Weights (f32 elements) a task of [`prefill_matmul`] takes at a time: 384 KiB,
-/// which stay in this CPU generation's 1 MiB L2 beside the GEMM's packed rows while it
-/// reads them once per block of rows. The tasks run single-threaded GEMMs side by side;
-/// they replaced slabs of 4–16 MiB widened in parallel and multiplied by a parallel GEMM:
-/// f16 prefill of 512 tokens, medians of 6 alternating, GPT-2 124M 1634 -> 1943 tok/s,
-/// SmolLM-135M 1361 -> 1347 (of 4: 64 tokens, 658 -> 1036 and 780 -> 942). 256 KiB
-/// tasks: GPT-2 9% slower, SmolLM 4% faster. f32 weights, against Candle's matmul (the
-/// same GEMM, parallel): GPT-2 512 tokens 1782 -> 2024 (of 8), 256 1395 -> 1784, 64
-/// 656 -> 1080; SmolLM 512 1450 -> 1472; peak memory at 512 tokens +29 MiB, all of it
-/// freed memory the allocator holds for its purge delay (545 MiB for both with
-/// `MIMALLOC_PURGE_DELAY=0`).
+/// Weights (f32 elements) a task of [`prefill_matmul`] takes at a time: 384 KiB, which
+/// stay in a 1 MiB L2 beside the GEMM's packed rows while it reads them once per block of
+/// rows. The tasks run single-threaded GEMMs side by side, where one parallel GEMM over
+/// large widened slabs left the threads waiting on each other and the widened copies
+/// outside the cache (docs/PERFORMANCE.md, "Dense products").
 const TASK_SLAB: usize = 96 << 10;
 /// The fewest output columns of a task.
 const MIN_COLS: usize = 48;
@@ -242,8 +233,8 @@ pub enum OutputAct {
 /// widened to f32, a span at a time, into a buffer the task's thread reuses. Widening
 /// costs a few percent of a product with hundreds of rows; the f32 GEMM is several times
 /// Candle's f16 one on CPUs without AVX-512 FP16, and the small reused buffers keep the
-/// widened copy from costing memory or fresh pages (a tied head, GPT-2's 50257 × 768,
-/// would be 154 MB in f32). `None` when the operands are not such tensors, a gradient is
+/// widened copy from costing memory or fresh pages (a tied head widened whole would be
+/// twice its half-precision size). `None` when the operands are not such tensors, a gradient is
 /// needed, or the weight has neither unit-stride rows nor columns: the caller then uses
 /// `matmul` (converting a half-precision weight).
 pub fn prefill_matmul(xs: &Tensor, w_t: &Tensor) -> Result<Option<Tensor>> {
@@ -254,7 +245,7 @@ pub fn prefill_matmul(xs: &Tensor, w_t: &Tensor) -> Result<Option<Tensor>> {
 /// span it has just written (an [`OutputAct::SwiGlu`] product returns `[m, out / 2]`, its
 /// bias is the gate's and the up projection's, `[out]`). The same sums as the product,
 /// `broadcast_add` and the activation's kernel in turn, without their `[m, out]` tensors:
-/// SwiGLU's gate-and-up output is never whole (SmolLM-135M, 512 tokens: 6 MiB per block).
+/// SwiGLU's gate-and-up output, twice the MLP's width for every row, is never whole.
 pub fn prefill_fused(
     xs: &Tensor,
     w_t: &Tensor,
@@ -646,12 +637,8 @@ fn product<E: Elem>(
 
 /// Weights smaller than this (in elements) are read on the calling thread, where handing
 /// a product to the pool and back costs more than reading them; and f32 ones stay on
-/// `gemm` (see [`preferred`]). It was 2^19, from a measurement in which splitting the
-/// then built-in model's 0.1–0.4 M-element matrices halved its decoding. Measured again
-/// (decode 128 tokens, 2 threads, builds alternating, medians of 3), 2^16 is faster with
-/// Candle's default pool spinning and with `gpt`'s: built-in model 1508 → 2902 tok/s,
-/// SmolLM-135M f16 99 → 132, q8_0 194 → 221; GPT-2 124M f32 unchanged (77.9 → 76.3,
-/// noise); 2^15 no better.
+/// `gemm` (see [`preferred`]). Chosen by decoding speed on small models; the
+/// measurements are in docs/PERFORMANCE.md ("Dense products").
 const PARALLEL_MIN: usize = 1 << 16;
 
 /// Splits `0..n` into one contiguous range per thread (at least `min` long), or a single
@@ -662,21 +649,18 @@ pub(crate) fn ranges(n: usize, min: usize, weights: usize) -> Vec<(usize, usize)
     split(n, min, weights, 1)
 }
 
-/// Ranges per thread in [`balanced_ranges`]. Two and eight measured below four (SmolLM-135M
-/// f16 decoding with the parts summing their own outputs, one build, alternating, medians
-/// of 8: 97.7 and 100.8 against 105.0 tok/s).
+/// Ranges per thread in [`balanced_ranges`]: fine enough that the faster thread finds
+/// work left, coarse enough that claiming a part costs little (two and eight decoded
+/// slower; docs/PERFORMANCE.md).
 const PARTS_PER_THREAD: usize = 4;
 
 /// [`ranges`] cut `PARTS_PER_THREAD` times finer, for the decoding product of `[out, in]`
 /// float weights, whose ranges write separate outputs: a thread that is done with its share
 /// takes the next part not yet claimed, where with one range each the first to finish waits
-/// for the other. A thread starts late (woken by the first) and its reads
-/// compete with a neighbour's on a shared machine; one range each left a token's ~150
-/// products waiting on the slower thread. Measured (decode 128 tokens after 16, 2 threads,
-/// one build, the split by an environment variable, alternating, medians of 6–10): GPT-2
-/// 124M f16 113 → 121 tok/s, SmolLM-135M f16 112 → 114 (94 → 99 in an hour when the
-/// machine was slower). The quantized products keep one range per thread: their tiles
-/// measured slower in parts (see `qpacked`).
+/// for the other. A thread starts late (woken by the first) and its reads compete with a
+/// neighbour's on a shared machine; with one range each, every product of a token waits
+/// on the slower thread. The quantized products keep one range per thread: their tiles
+/// decode slower in parts (`quant::packed`).
 pub(crate) fn balanced_ranges(n: usize, min: usize, weights: usize) -> Vec<(usize, usize)> {
     split(n, min, weights, PARTS_PER_THREAD)
 }
@@ -718,8 +702,8 @@ fn rows_times_w<'a, E: Elem>(
     // Each thread takes a contiguous range of rows and walks it as four streams, one per
     // quarter of the range, four rows per pass: rows lo + j, lo + q + j, lo + 2q + j and
     // lo + 3q + j. Each stream runs through a quarter of the memory front to back, where
-    // four neighbouring rows would each be a short stream of d_out elements
-    // (c_proj 3072×768, 3 KiB rows: 40.5 against 35.9 GB/s on 2 threads, `benches/matvec.rs`).
+    // four neighbouring rows would each be a short stream of d_out elements, which the
+    // prefetchers follow worse (`benches/matvec.rs`).
     let parts = ranges(d_in, 16, d_in * d_out);
     // Each thread's rows go into its own partial sum `[m, out]`.
     let partials = map_ranges(&parts, |lo, hi| {
@@ -770,10 +754,7 @@ fn rows_dot_w<E: Elem>(
 ) {
     // Each part computes the outputs of its columns for every row, `[m, hi - lo]`, into
     // its thread's buffer and adds them to its columns of `ys`: the sums land while the
-    // other thread still works, not on the calling thread after both are done. Against a
-    // vector per part summed afterwards (10 paired rounds, decode 128 tokens, 2 threads):
-    // SmolLM-135M f16 +9% (1.06-1.15 by round); GPT-2 124M f16, SmolLM f32 and the
-    // built-in model within the noise.
+    // other thread still works, not on the calling thread after both are done.
     let ranges = balanced_ranges(d_out, 64, d_in * d_out);
     let out = SharedOut(ys.as_mut_ptr());
     assert!(

@@ -22,10 +22,10 @@ pub fn weight_vec<T: Copy>(len: usize, value: T) -> Vec<T> {
 }
 
 /// [`weight_vec`] without the collapsed end pages, for quantized tiles: their models are
-/// small (a memory lead over llama.cpp of 0.65–1.0× that 5–24 MiB would spend: the k-quant
-/// rows were at 0.91–1.05×) and already decode at 1.1–1.8× its speed; SmolLM-135M q8_0
-/// gained 8–13% from the collapse at +12–16 MiB. A model fused for inference moves them
-/// into shared slabs instead ([`slab_bytes`]), where they fill whole huge pages.
+/// small, and making each matrix's end pages whole would cost more memory, relative to
+/// them, than the speed it buys (docs/PERFORMANCE.md, "Memory"). A model fused for
+/// inference moves them into shared slabs instead ([`slab_bytes`]), where they fill whole
+/// huge pages.
 pub fn packed_weight_vec<T: Copy>(len: usize, value: T) -> Vec<T> {
     let mut v = Vec::with_capacity(len);
     #[cfg(target_os = "linux")]
@@ -184,9 +184,9 @@ mod slab {
 
     /// `len` zero bytes side by side with the previous ranges of the current slab (a new slab
     /// when they do not fit), 64-byte aligned: the packed matrices of a model then fill whole
-    /// huge pages, where each of its own allocations (0.35–1.9 MiB for SmolLM-135M) held
-    /// none, and the pages they share hold no gaps or freed neighbours to make resident.
-    /// `None` where the system gives no mapping.
+    /// huge pages, where each of its own allocations (a small model's matrices are a few MiB or
+    /// less) held none, and the pages they share hold no gaps or freed neighbours to make
+    /// resident. `None` where the system gives no mapping.
     pub fn slab_bytes(len: usize) -> Option<SlabBytes> {
         let mut current = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
         let (weak, used) = &mut *current;

@@ -305,8 +305,8 @@ impl CustomOp2 for RmsNorm {
 
 /// `a + b` for tensors of one shape. Small f32 CPU tensors held contiguous, with no
 /// gradient to track, take one vectorised pass into a new tensor on this thread (a
-/// decoding step's residual adds, where Candle's `add` set up its strided walk for every
-/// 576-value row: 1% of SmolLM-135M q8_0 decoding's samples); anything else takes
+/// decoding step's residual adds, where Candle's `add` sets up its strided walk for every
+/// row); anything else takes
 /// Candle's `add`, which splits large ones (a prefill's) over the pool.
 ///
 /// # Shapes

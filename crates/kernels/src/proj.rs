@@ -497,12 +497,11 @@ impl Proj {
                         }
                     }
                     // A prefill where Candle has no repacked kernel: each GEMM task
-                    // dequantizes its own span of the rows asked for.
-                    // (GPT-2 124M q4_0 and SmolLM-135M q8_0 prefill 512 tokens 1.09× and 1.14×
-                    // the whole matrix dequantized first, on a Zen 3 CPU, medians of 7.) On
-                    // CPUs with AVX2 only q8_0 comes here (the others are packed,
-                    // `qpacked`); an integer GEMM on q8_0's stored blocks measured
-                    // level with this (1.01×, 0.99×), and this keeps the exact activations.
+                    // dequantizes its own span of the rows asked for, in cache, where the whole
+                    // matrix dequantized first would go through memory. On CPUs with AVX2 only
+                    // q8_0 comes here (the others are packed, `quant::packed`); an integer
+                    // GEMM on q8_0's stored blocks is no faster, and this keeps the exact
+                    // activations.
                     QMatMul::QTensor(q) if !candle_repacks(q, *d_in, *d_out) => {
                         crate::quant::stored::prefill_dequantized(&xs2, q, start..start + len)?
                     }
@@ -518,8 +517,7 @@ impl Proj {
                             {
                                 // A format `prefill_dequantized` does not read: the
                                 // whole matrix dequantized, [rows, in] x [in, out], by the
-                                // prefill's per-thread GEMM tasks (1.04–1.05× Candle's
-                                // matmul for q4_0 and q8_0 on a Zen 3 CPU).
+                                // prefill's per-thread GEMM tasks.
                                 let w_t = q.dequantize(&q.device())?.t()?;
                                 match crate::dense::prefill_matmul(&xs32, &w_t)? {
                                     Some(ys) => ys,
@@ -550,19 +548,17 @@ impl Proj {
 }
 
 /// From this many rows on (a prefill), a quantized matrix that Candle would multiply with
-/// its generic kernel is dequantized and multiplied by the f32 GEMM instead: SmolLM's
-/// widths (576, 1536) in q8_0 prefill 512 tokens at 1036–1127 tokens/s instead of 215
-/// (docs/PERFORMANCE.md, "GGUF files against llama.cpp"). Decoding (a row or a few) keeps
-/// the quantized kernels, which read 4x fewer bytes. 32 sits between decoding batches and
+/// its generic kernel is dequantized and multiplied by the f32 GEMM instead, several times
+/// faster (docs/PERFORMANCE.md, "Quantized products"). Decoding (a row or a few) keeps the
+/// quantized kernels, which read 4x fewer bytes. 32 sits between decoding batches and
 /// prefills; it was not tuned.
 const DENSE_ROWS: usize = 32;
 
 /// Whether Candle 0.11 multiplies `w` (`[out, in]`) with its repacked x86 kernels
 /// (`quantized::repack_x86::select`: `in` a multiple of 256, `out` of 16, a CPU with AVX2
 /// and FMA; Q4_K and Q6_K, and Q8_0 only with AVX-512 VNNI or AVX-VNNI), which beat the
-/// f32 GEMM. Without them Candle's q8_0 product runs its generic kernel: on a Zen 3 CPU
-/// (AVX2 alone) GPT-2 124M q8_0 prefilled 111 tokens/s that way, a third of the f32 GEMM
-/// on the dequantized weight. Only speed depends on this guess, never the result.
+/// f32 GEMM. Without them Candle's q8_0 product runs its generic kernel, slower than the
+/// f32 GEMM on the dequantized weight. Only speed depends on this guess, never the result.
 fn candle_repacks(w: &QTensor, d_in: usize, d_out: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {

@@ -65,15 +65,13 @@ pub fn map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
 }
 
 /// How far into each stream of a [`hint`] a waiting helper reads ahead: two hints' streams
-/// (1 MiB) fit the second-level cache (1.25 MiB a core on the Ice Lake measured). 1 MiB
-/// measured the same (SmolLM-135M q8_0 decoding, 10 pairs: 0.99×); 64 KiB against none,
-/// 0.97× (6 pairs), where 256 KiB measured 1.04× (12).
+/// (1 MiB) fit a core's second-level cache (docs/PERFORMANCE.md, "Helper threads").
 const AHEAD: usize = 256 << 10;
 
 /// Tells a waiting helper what the next job will likely have it read (two streams of
 /// `(address, bytes)`), so that it brings the first [`AHEAD`] bytes of each into its cache
-/// while the caller works alone: the serial work between a decoding step's products was
-/// 14% of its time, each helper idle through it. Only a hint: the addresses are never
+/// while the caller works alone (the serial work between a decoding step's products, each
+/// helper idle through it). Only a hint: the addresses are never
 /// read, only prefetched, which cannot fault (a helper that reads the slots while the next
 /// hint is written prefetches a mix of the two, in vain).
 pub(crate) fn hint(streams: Streams) {
@@ -100,8 +98,7 @@ struct Order {
 }
 
 /// Below this many bytes of decoding products' weights, a model sits in the last-level
-/// cache (48 MiB on the Ice Lake measured, 32 MiB on the Zen 3), and reading ahead only
-/// costs: the built-in model's q5_0 decoding measured 0.96× with it (16 pairs).
+/// cache (of a desktop or server CPU), and reading ahead only costs.
 const STREAMED: usize = 32 << 20;
 
 /// Records that the decoding product `key`, reading `bytes` of weights, of which its

@@ -178,8 +178,7 @@ fn holds(t: &Option<Tensor>, (b, h, d): (usize, usize, usize), dtype: DType, dev
 
 /// `t` in `dtype`: f32 keys and values on the CPU narrowed to f16 four lanes at a time
 /// (`half`'s slice conversion, F16C where the CPU has it; the same rounding), where
-/// Candle's `to_dtype` converts a strided view one element at a time (2% of a GPT-2 f16
-/// prefill of 512 tokens on a Zen 3 CPU).
+/// Candle's `to_dtype` converts a strided view one element at a time.
 fn to_dtype(t: &Tensor, dtype: DType) -> Result<Tensor> {
     if dtype != DType::F16 || t.dtype() != DType::F32 || !t.device().is_cpu() {
         return t.to_dtype(dtype);

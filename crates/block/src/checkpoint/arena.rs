@@ -7,13 +7,12 @@ use candle_core::{bail, Result, Tensor};
 /// The blocks' float matrices of a model loaded for inference, read side by side into one
 /// buffer per precision (a [`gpt_kernels::memory::weight_vec`]), each matrix a view into it: q, k
 /// and v of a block next to each other, then its output projection, gate and up next to
-/// each other, then down. Read into buffers of their own (0.2–4.5 MiB each), the matrices
-/// had the two huge pages at their ends collapsed with whatever shared them (the
-/// allocator's gaps, freed temporaries; resident from then on), and fusing q/k/v and
-/// gate/up for inference copied them into new matrices. Here the fused matrices are views
-/// of the buffer as read, and only the buffer's own two end pages are shared. Measured
-/// (peak RSS, the same speed): SmolLM-135M f16 decoding 307 → 285 MiB, prefill 332 → 313;
-/// GPT-2 124M f16 decoding 286 → 270, f32 527 → 500.
+/// each other, then down. Read into buffers of their own (a small model's matrices are a
+/// few MiB or less), the matrices had the two huge pages at their ends collapsed with
+/// whatever shared them (the allocator's gaps, freed temporaries; resident from then on),
+/// and fusing q/k/v and gate/up for inference copied them into new matrices. Here the
+/// fused matrices are views of the buffer as read, and only the buffer's own two end pages
+/// are shared (docs/PERFORMANCE.md, "Memory").
 #[derive(Default)]
 pub(crate) struct FloatArena {
     /// Each matrix's buffer (1-D), the offset of its first element there, its `[rows, cols]`.

@@ -104,8 +104,8 @@ impl Embedding {
 }
 
 /// The token embedding of a tied model whose head was quantized and repacked: the head's
-/// matrix, looked up row by row, so the model holds one copy of the table (GPT-2's is 154
-/// MB in f32 beside 41 MB in q8_0); otherwise `wte` as it is.
+/// matrix, looked up row by row, so the model holds one copy of the table (the largest
+/// tensor of a small model); otherwise `wte` as it is.
 pub(super) fn shared_table(wte: Embedding, lm_head: &Proj, tied: bool) -> Embedding {
     match (tied, lm_head.packed()) {
         (true, Some(table)) => Embedding::Packed {

@@ -5,8 +5,8 @@ use candle_core::{DType, Result, Tensor};
 
 /// The stages of a forward pass (embeddings, each block), to name the first whose output
 /// is not finite when the logits are not. On the CPU each output is checked as the pass
-/// goes, a read with nothing kept: holding every block's output (as references) made a
-/// 512-token prefill peak 19 MiB higher for GPT-2 124M and 35 MiB for SmolLM-135M. On
+/// goes, a read with nothing kept: holding every block's output (as references) would
+/// raise a prefill's peak memory by all of them. On
 /// other devices the outputs are kept and read only if the logits are not finite: a check
 /// per stage would wait on the device at every block. Training skips all of it.
 pub(super) enum Stages {

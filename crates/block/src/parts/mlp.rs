@@ -216,10 +216,9 @@ impl Mlp {
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         // A long prompt through quantized weights goes 128 tokens at a time: its widest
         // temporaries (gate and up, 2·inner per token) are a quarter of a 512-token
-        // prefill's, and the allocator keeps less of them: peak 203–209 → 189–193 MiB
-        // prefilling 512 tokens of SmolLM-135M q8_0, at the same speed (the packed kernels
-        // read each weight tile once per 4 tokens anyway). Dense half-precision weights
-        // are widened per product, so there chunks cost 18% of the prefill: not chunked.
+        // prefill's, and the allocator keeps less of them, at the same speed (the packed
+        // kernels read each weight tile once per 4 tokens anyway). Dense half-precision
+        // weights are widened per product, where chunks would cost speed: not chunked.
         const CHUNK: usize = 128;
         let long = xs.rank() == 3 && xs.dim(0)? == 1 && xs.dim(1)? > 2 * CHUNK;
         if long && self.down.is_quantized() {
@@ -238,8 +237,7 @@ impl Mlp {
         // (b, t, inner)
         let hs = match (&self.gate, &self.gate_up) {
             // The activation applied as the product writes its outputs (a prefill through
-            // dense weights: no `[b, t, 2·inner]` gate-and-up tensor, 6 MiB per block of
-            // SmolLM-135M at 512 tokens), or right after it.
+            // dense weights: no `[b, t, 2·inner]` gate-and-up tensor), or right after it.
             (Some(_), Some(gate_up)) if self.act == Activation::Silu => {
                 gate_up.forward_act(xs, OutputAct::SwiGlu)?
             }

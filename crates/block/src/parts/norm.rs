@@ -85,8 +85,8 @@ impl RmsNorm {
         if xs.device().is_cpu() && xs.dtype() == DType::F32 && f32_weight {
             // One fused op whose backward recomputes the row scale (training). Inference
             // takes it too: its sum of squares is vectorised, where Candle's `rms_norm`
-            // adds one value at a time (11% of the calling thread's serial work between
-            // SmolLM-135M's decoding products went to norms).
+            // adds one value at a time, serial work on the calling thread between
+            // decoding products.
             return gpt_kernels::ops::rms_norm(xs, &self.weight, self.eps);
         }
         if !needs_grad && xs.is_contiguous() && xs.dtype() == DType::F32 {

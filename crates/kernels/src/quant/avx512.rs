@@ -818,9 +818,8 @@ pub(super) unsafe fn legacy_pair<const R: usize, const BITS: u8, const MIN: bool
 /// (q8_0, q4_0 or q5_0; with `MIN`, q4_1 or q5_1). Per block, tile and row of `x`:
 /// eight `vpdpbusd` (in two chains), one conversion and one multiply-add (two with
 /// minima); each tile's operands are loaded (and unpacked) once for the `R` rows. Two
-/// columns are read block by block together, two streams through memory where one
-/// left the reads waiting on each other (decoding GPT-2 124M q8_0 +13%, SmolLM-135M
-/// +8%, paired rounds).
+/// columns are read block by block together, two streams through memory where one left
+/// the reads waiting on each other.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
 pub(super) unsafe fn legacy_rows<
     const R: usize,

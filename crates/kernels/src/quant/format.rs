@@ -402,11 +402,11 @@ pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 impl Format {
     /// Whether `level` has kernels for this format. AVX2 has them for every format but
     /// q8_0, where the products through the blocks as stored spent as long reducing each
-    /// block's sums across lanes as multiplying them (`qmatvec`: SmolLM-135M q4_0 decoded
-    /// at 0.77× llama.cpp, which repacks q4_0 for AVX2 too), ran Candle's block product
-    /// (the k-quants' decoding) or kept a repacked copy (Candle's q4_K and q6_K prefill).
-    /// q8_0's values do not fit `vpmaddubsw`'s unsigned operand (and its decoding through
-    /// `qmatvec` leads llama.cpp's).
+    /// block's sums across lanes as multiplying them (`stored`, slower than llama.cpp,
+    /// which repacks q4_0 for AVX2 too), ran Candle's block product (the k-quants'
+    /// decoding) or kept a repacked copy (Candle's q4_K and q6_K prefill). q8_0's values do
+    /// not fit `vpmaddubsw`'s unsigned operand (and its decoding through `stored` leads
+    /// llama.cpp's).
     pub(super) fn kernels(self, level: Level) -> bool {
         match level {
             Level::Avx512Vnni => true,

@@ -43,9 +43,8 @@ impl QRows {
 }
 
 /// `x` quantized in blocks of `block` values by `f`, which writes each block's values, its
-/// scale and `sums` sums: one call for a few rows, a part per thread for a prefill's (512
-/// × 576 values for SmolLM; one thread quantizing GPT-2's 512 × 3072 MLP outputs as q8_K
-/// took 12% of a q5_K_M prefill's profile, beside 30% for the products).
+/// scale and `sums` sums: one call for a few rows, a part per thread for a prefill's (on one
+/// thread, quantizing a prefill's rows takes a fair share of the time its products do).
 pub(super) fn quantize_in_parts(
     x: &[f32],
     block: usize,
@@ -70,8 +69,8 @@ pub(super) fn quantize_in_parts(
 crate::simd::dispatch!(
     /// Blocks of 32 values of `x` quantized as ggml's q8_0: values `q`, scales `d` (rounded
     /// to f16), and each block's sum of `q`. Compiled for the vector width the CPU has:
-    /// built for baseline x86-64 it ran one value at a time, 3.4% of a SmolLM-135M q4_0
-    /// token on the calling thread while the pool waited.
+    /// built for baseline x86-64 it ran one value at a time, on the calling thread while
+    /// the pool waited.
     pub(super) quantize_blocks, quantize_blocks_impl,
     (x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) -> ()
 );
@@ -92,7 +91,7 @@ pub(super) fn quantize_blocks_impl(x: &[f32], q: &mut [i8], d: &mut [f32], sum: 
             // `round` (half away from zero, as ggml's `roundf`) without the call to libm's
             // `roundf` that `f32::round` compiles to on baseline x86-64: it stopped this
             // loop from vectorising, and quantizing a prefill's rows took longer than
-            // multiplying them (SmolLM q4_0, 16% of the profile). Adding the float just
+            // multiplying them. Adding the float just
             // below ½ with the value's sign and truncating is exact: it is the expansion
             // LLVM itself uses where it has no rounding instruction.
             let r = v * inv;
@@ -119,7 +118,7 @@ pub(super) fn abs_max(xs: &[f32]) -> f32 {
     }
     // The sixteen maxima folded in halves, with `>` as above: a fold with `f32::max` was
     // sixteen dependent scalar steps, each with its NaN test, and took most of the time of
-    // quantizing a decoding step's rows (1.6% of SmolLM-135M q8_0 decoding).
+    // quantizing a decoding step's rows.
     let mut w = 16;
     while w > 1 {
         w /= 2;
@@ -199,8 +198,8 @@ impl SuperRows {
         &self.sum32[r * self.k / QK..][..self.k / QK]
     }
 
-    /// Row `r`: its values, scales and sums of 16. (Inlined: the kernels look rows up
-    /// per call, four rows of one tile column, and the call was 5% of a q5_K prefill.)
+    /// Row `r`: its values, scales and sums of 16. (Inlined: the kernels look rows up per
+    /// call, four rows of one tile column.)
     #[inline(always)]
     pub(super) fn row(&self, r: usize) -> (&[i8], &[f32], &[i32]) {
         (
@@ -213,7 +212,7 @@ impl SuperRows {
 
 crate::simd::dispatch!(
     /// Super-blocks of 256 values of `x` quantized as ggml's q8_K (see [`SuperRows`]),
-    /// compiled for the vector width the CPU has (as `qmatvec::quantize_blocks`).
+    /// compiled for the vector width the CPU has (as [`quantize_blocks`]).
     pub(super) quantize_super, quantize_super_impl,
     (x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32]) -> ()
 );
@@ -230,7 +229,7 @@ pub(super) fn quantize_super_impl(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &
         // first of equals, and its sign sets the scale's.
         let amax = abs_max(xs);
         // (Whole chunks of 16 compared, which the compiler keeps in vectors, then the
-        // one that holds it: value by value this search was 40% of the quantizer.)
+        // one that holds it: value by value, this search took most of the quantizer.)
         let first = xs
             .chunks_exact(16)
             .find(|c| c.iter().fold(false, |hit, v| hit | (v.abs() == amax)))
@@ -244,7 +243,7 @@ pub(super) fn quantize_super_impl(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &
         let iscale = -127.0 / max;
         for (q, &v) in qs.iter_mut().zip(xs) {
             // Rounded half away from zero as `f32::round`, without its libm call (see
-            // `qmatvec::quantize_blocks`).
+            // `quantize_blocks_impl`).
             let r = iscale * v;
             *q = saturate_i8(r + 0.49999997f32.copysign(r));
         }
@@ -258,8 +257,7 @@ pub(super) fn quantize_super_impl(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &
 #[cfg(target_arch = "x86_64")]
 /// The pointers to rows `r..r + R` of `x` (values, scales, sums of 16), checked to
 /// hold `blocks` super-blocks.
-/// (A loop, inlined: an `array::from_fn` closure stayed a call per row, 2-4% of a
-/// q5_K prefill.)
+/// (A loop, inlined: an `array::from_fn` closure stayed a call per row.)
 #[inline(always)]
 pub(super) fn super_rows<const R: usize>(x: &SuperRows, r: usize, blocks: usize) -> [XRow; R] {
     let null = XRow {

@@ -29,12 +29,13 @@
 //! bytes for the k-quants, whose scales are unpacked). Rows past the end of the last tile
 //! have zero scales.
 //!
-//! Sums are exact integers per block (per super-block for the k-quants) and f32 across
-//! blocks, as in ggml. The kernels use AVX-512 VNNI, and for every format but q8_0 AVX2 (`vpmaddubsw` on each half of a tile, rows 0–7 and 8–15, in place of `vpdpbusd`);
-//! [`Packed::new`] packs only where the CPU has kernels for the format (elsewhere a matrix
-//! stays a `QTensor` on [`crate::quant::stored`] or Candle's kernels), and a
-//! scalar version of the same arithmetic is the tests' reference for the packing and the
-//! kernels, beside Candle's dequantized weights and products.
+//! Sums are exact integers per block (per super-block for the k-quants) and f32 across blocks,
+//! as in ggml. The kernels use AVX-512 VNNI, and for every format but q8_0 AVX2 (`vpmaddubsw`
+//! on each half of a tile, rows 0–7 and 8–15, in place of `vpdpbusd`); [`Packed::new`] packs
+//! only where the CPU has kernels for the format (elsewhere a matrix stays a `QTensor` on
+//! [`crate::quant::stored`] or Candle's kernels), and a scalar version of the same arithmetic
+//! is the tests' reference for the packing and the kernels, beside Candle's dequantized weights
+//! and products.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, Result};
@@ -118,20 +119,17 @@ impl Drop for Packed {
 static PACKED_BYTES: AtomicUsize = AtomicUsize::new(0);
 
 /// From this many packed bytes on, decoding reads the weights from memory rather than
-/// from the last-level cache (32 MiB on the machine measured), and each tile's successor
+/// from the last-level cache (the size of a desktop CPU's), and each tile's successor
 /// is prefetched (see [`Packed::product`]). The unit tests' small matrices take that path.
 const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 
 /// How a decoding thread asks for the weights it streams from memory before its kernels
 /// read them: the whole next tile column at once (`column`), or the k-quant kernels each
-/// super-block's successor an eighth at a time (`spread`). The column pays on AMD's Zen 5
-/// (decoding 10-20% faster, docs/PERFORMANCE.md) and measured level on Zen 3; on an Intel
-/// Ice Lake Xeon its 110-630 prefetches at once stall the thread (each holds a line fill
-/// buffer until its line arrives: 28% of a GPT-2 q4_0 decoding profile on the loop issuing
-/// them), decoding at 0.50x (q4_K_M) and 0.67x (q4_0) of the same build without them,
-/// where the spread requests took the k-quants 1.24-1.31x faster than none (the legacy
-/// formats' two streams gained nothing from them). So AMD CPUs take the column and others
-/// the spread requests; the unit tests take both.
+/// super-block's successor an eighth at a time (`spread`). The column pays on AMD CPUs;
+/// on Intel's its hundreds of prefetches at once stall the thread (each holds a line fill
+/// buffer until its line arrives), where the spread requests pay. So AMD CPUs take the
+/// column and others the spread requests; the unit tests take both. The measurements are
+/// in docs/PERFORMANCE.md ("Quantized products").
 #[derive(Clone, Copy)]
 struct Ahead {
     column: bool,
@@ -371,15 +369,13 @@ impl Packed {
             return vec![0.0; m * width];
         }
         // Not zeroed first: the tiles below write every output, and zeroing the head's
-        // (49 152 logits for SmolLM) was 0.3% of a decoding step, on the calling thread.
+        // would be serial work on the calling thread.
         let mut ys: Vec<f32> = Vec::with_capacity(m * width);
         let out = SharedOut(ys.as_mut_ptr());
         // A prefill unpacks each column of five- and six-bit tiles once, for all its rows
         // of `x`: the kernels would or in the bit planes again for every four rows. (Four-
-        // bit tiles take a mask or a shift per operand: unpacking them ahead measured the
-        // same, and q8_0 tiles are their operands.) With AVX2 too: whole prefills of 512
-        // tokens 1.06× (SmolLM-135M q4_K_M, its q5_0 and q6_K), 1.05× (GPT-2 124M q4_K_M),
-        // 1.01× (GPT-2 q3_K_M), paired medians of 5 on a Zen 3 CPU.
+        // bit tiles take a mask or a shift per operand, where unpacking ahead gains
+        // nothing, and q8_0 tiles are their operands.) With AVX2 too.
         let planes = matches!(
             self.format,
             Format::Q5_0 | Format::Q5_1 | Format::Q5K | Format::Q6K | Format::Q3K
@@ -402,20 +398,15 @@ impl Packed {
         let per = if unpack { self.k * TILE } else { 0 };
         let need = if pair { 2 * per } else { per };
         // Each thread takes a contiguous range of tiles (read as two streams when decoding
-        // the legacy formats, below). (Four
-        // parts per thread, as the dense decoding products take, measured slower here:
-        // SmolLM-135M decoding q4_K_M 188 → 183, q4_0 249 → 243, q8_0 157 → 151 tok/s,
-        // medians of 5; each part restarts the stream and its prefetching.)
+        // the legacy formats, below). (Not several parts per thread, as the dense decoding
+        // products take: each part restarts the stream and its prefetching.)
         let parts = ranges(t1 - t0, 4, (t1 - t0) * TILE * self.k);
-        // Decoding a model larger than the cache reads each tile from memory once: the
-        // hardware prefetchers alone kept 2 threads at 31-40 GB/s of a 47 GB/s floor
-        // (1536 × 768 matrices, q6_K-q8_0), the kernels' unpacking slowing the stream.
-        // Asking for the next tile while this one is worked on: 39-51 GB/s, and decoding
-        // GPT-2 q4_0, q4_K_M, q3_K_M, SmolLM-135M q4_K_M, q5_K_M, q2_K faster in most
-        // rounds (see docs/PERFORMANCE.md). Not for q8_0, whose plain bytes the hardware
-        // streams well (mixed results), nor where the weights sit in the cache: there the
-        // prefetches are pure cost (the built-in model in q4_K: 10-20% slower). That was
-        // an AMD CPU; on Intel's the burst of prefetches stalls instead (`Ahead`).
+        // Decoding a model larger than the cache reads each tile from memory once, and the
+        // hardware prefetchers alone fall short of the read floor while the kernels unpack:
+        // the next tile is asked for while this one is worked on. Not for q8_0, whose
+        // plain bytes the hardware streams well, nor where the weights sit in the cache:
+        // there the prefetches are pure cost. How they are asked for differs between AMD
+        // and Intel CPUs (`Ahead`).
         let stream = m < UNPACK_ROWS
             && self.format != Format::Q8_0
             && PACKED_BYTES.load(Ordering::Relaxed) >= STREAMED_BYTES;
@@ -464,8 +455,8 @@ impl Packed {
                 // Decoding through the legacy formats reads two columns of tiles together,
                 // tile j of the range's first half beside tile j of its second: two streams
                 // through memory (see `avx512::legacy_rows`), which replace the prefetch below
-                // (SmolLM-135M q4_0 with both 0.98×, with the streams alone 1.12×). The
-                // k-quants' decoding kernels (two columns: 0.88–1.07×) and a prefill's
+                // (the two together gain nothing). The k-quants' decoding kernels (for which
+                // two columns gain nothing) and a prefill's
                 // unpacked operands take the range in order: one column at a time, or
                 // two neighbours (`pair`).
                 let half = match pairs {
@@ -554,14 +545,14 @@ impl Packed {
     ) {
         let tiles = t.map(|t| self.tiles(t));
         let width = cols.len();
-        // (Made once: each pass writes its rows. Zeroed per pass, it was a `memset` call
-        // per four rows of `x`, 11% of a q5_K prefill.)
+        // (Made once: each pass writes its rows, and zeroing it per pass would be a
+        // `memset` call per four rows of `x`.)
         let mut y = [[[0f32; TILE]; 4]; T];
         let mut r = 0;
         while r < m {
             // Up to four rows of `x` per pass over the tiles' blocks (from L1): four
-            // independent sums in flight, each tile's loads shared. (Eight rows per pass
-            // prefilled 10-20% slower: registers run out.)
+            // independent sums in flight, each tile's loads shared. (Not eight: registers
+            // run out.)
             let rows = (m - r).min(4);
             tile_rows(
                 self.format,
@@ -583,8 +574,8 @@ impl Packed {
                     let at = (r + j) * width + c0 - cols.start;
                     // SAFETY: `at..at + c1 - c0` lies in row r + j of the output (m rows of
                     // `width`), and only the thread holding tile column t writes its columns.
-                    // (A whole tile, as nearly all are, is one copy of a known size: a
-                    // `memcpy` call per row and tile was 3% of a q5_K prefill.)
+                    // (A whole tile, as nearly all are, is one copy of a known size, not a
+                    // `memcpy` call per row and tile.)
                     unsafe {
                         let to = out.0.add(at);
                         if c1 - c0 == TILE {
@@ -622,26 +613,24 @@ const UNPACK_ROWS: usize = 8;
 
 /// From this many rows of `x` on, a product of q8_0, q4_0, q5_0, q4_1 or q5_1 tiles takes
 /// two columns at a time with AVX-512 VNNI (`avx512::legacy_pair`; the k-quants from
-/// [`UNPACK_ROWS`]). Against one column at a time (`examples/packed_prefill.rs`, GPT-2's
-/// shapes, 1 thread, pairs of runs): 8 rows 0.78–0.93×, 16 rows 0.95–1.41×, 32 rows
-/// 0.95–1.25× for q4_0 and q8_0, where q5_K measured 0.98–1.17× at 8 rows already.
+/// [`UNPACK_ROWS`]): below it one column at a time is faster for these formats
+/// (`examples/packed_prefill.rs`; docs/PERFORMANCE.md).
 const PAIR_ROWS_LEGACY: usize = 16;
 
 thread_local! {
     /// A column of tiles' operands, unpacked: 512 bytes per block of 32 values (16 bytes
-    /// per value of a row of the weight: 48 KiB for GPT-2's 3072-wide MLP output).
+    /// per value of a row of the weight).
     static OPERANDS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The decoding product's ranges of tile columns, taken by the team a unit at a time: a
-/// thread runs its own range from the front, then takes what is left of the others from
-/// their backs. One range per thread keeps each stream through memory whole (ranges cut
-/// into more parts measured slower, see [`Packed::product`]), while a thread that started
-/// late, or whose reads were slower, no longer holds the other up: in SmolLM-135M q8_0
-/// decoding the caller had waited for the helper's last tiles 5% of its time (p90 5–7 µs
-/// a product). With the legacy formats a unit is a pair of tile columns, `j` of the
-/// range's first half beside `j` of its second (two streams, see `avx512::legacy_rows`), and
-/// an odd last column is its owner's; with the others, one tile column.
+/// The decoding product's ranges of tile columns, taken by the team a unit at a time: a thread
+/// runs its own range from the front, then takes what is left of the others from their backs.
+/// One range per thread keeps each stream through memory whole (ranges cut into more parts
+/// decode slower, see [`Packed::product`]), while a thread that started late, or whose reads
+/// were slower, no longer holds the other up. With the legacy formats a unit is a pair of tile
+/// columns, `j` of the range's first half beside `j` of its second (two streams, see
+/// `avx512::legacy_rows`), and an odd last column is its owner's; with the others, one tile
+/// column.
 struct Units<'a> {
     parts: &'a [(usize, usize)],
     t0: usize,
@@ -1040,7 +1029,7 @@ mod tests {
 
     #[test]
     fn vector_super_quantizer_equals_the_scalar_code() {
-        // As `qmatvec`'s test of the q8_0 quantizer, for q8_K's super-blocks.
+        // As `stored`'s test of the q8_0 quantizer, for q8_K's super-blocks.
         crate::quant::stored::tests::assert_same_quantization(
             QK_K,
             QK_K / 16,

@@ -111,10 +111,8 @@ pub fn qmatmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Te
 /// `xs [m, in] · wᵀ` over output rows `rows` of a k-quant `w` (`[out, in]`: q2_K–q6_K, `in`
 /// a multiple of 256) by Candle's block product (`k_quants::matmul`: ggml's kernels, four
 /// weight rows per call) on the blocks as stored, or `None` for other weights. Candle's
-/// own `QMatMul` would repack a q4_K matrix into tiles on first use and multiply those:
-/// a second copy of the weight, and on an AVX2 CPU (Zen 3) a third of GPT-2 124M q4_K_M
-/// decoding time for the 40% of its bytes that are q4_K, where the q6_K rest took a
-/// quarter through this product.
+/// own `QMatMul` would repack a q4_K matrix into tiles on first use and multiply those: a
+/// second copy of the weight, and on an AVX2 CPU slower decoding than this product.
 pub fn kquant_matmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Tensor>> {
     struct Product;
     impl BlockProduct for Product {
@@ -224,12 +222,12 @@ fn product(level: Level, format: Format, w: &[u8], row_bytes: usize, x: &QRows) 
     let blocks = map_ranges(&parts, |lo, hi| {
         let n = hi - lo;
         let mut out = vec![0f32; m * n];
-        // Four weight rows at a time, one from each quarter of the range: rows lo + j,
-        // lo + q + j, lo + 2q + j and lo + 3q + j. Each quarter is then one stream read
-        // front to back, where four neighbouring rows would be four short streams of a
-        // row's bytes each (c_attn in q8_0 read at 7 against 17 GB/s when the four rows
-        // were neighbours). The block of `x` is loaded once for the four, and their sums
-        // reduce together. A missing row in the last quarter repeats the first row.
+        // Four weight rows at a time, one from each quarter of the range: rows lo + j, lo + q +
+        // j, lo + 2q + j and lo + 3q + j. Each quarter is then one stream read front to back,
+        // where four neighbouring rows would be four short streams of a row's bytes each, which
+        // the prefetchers follow at a fraction of the speed. The block of `x` is loaded once
+        // for the four, and their sums reduce together. A missing row in the last quarter
+        // repeats the first row.
         let q = n.div_ceil(4);
         for j in 0..q {
             let idx = [0, 1, 2, 3].map(|s| s * q + j);

@@ -112,13 +112,12 @@ pub fn widen<W: Load>(src: &[W], dst: &mut [f32]) {
 
 /// `out[j] = x · data[first + j·stride ..][..x.len()]` for every `j`, the rows read in
 /// order, each row's sum reduced as the next one loads. One call per range of rows,
-/// `dot` inlined: no call, feature check or generic tail code per row, which took a
-/// tenth of a `dot` call per row on SmolLM-135M's 576-wide rows (its f16 decoding
-/// +10–24%, bf16 +20–45%).
+/// `dot` inlined: no call, feature check or generic tail code per row, which on narrow
+/// rows (a small model's few hundred values) cost a good part of the row's own work.
 ///
 /// Row j of the range's first half is read beside row j of its second: two streams
 /// through memory, where one left each thread's reads waiting on each other (as the
-/// quantized tiles, `qpacked`). Each row's sum is `dot`'s, in the same order.
+/// quantized tiles, `quant::packed`). Each row's sum is `dot`'s, in the same order.
 ///
 /// # Safety
 /// The CPU has AVX-512F (the slices are bounds-checked).

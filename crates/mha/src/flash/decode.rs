@@ -19,12 +19,11 @@ use gpt_kernels::simd;
 const BLOCK: usize = 128;
 /// Key or value rows widened and multiplied together.
 const SUB: usize = 16;
-/// The fewest keys a range of a split cache holds (SmolLM-135M decoding after 300
-/// positions, q4_0: 348/365/352 tok/s against 335/340/333 with ranges of 64).
+/// The fewest keys a range of a split cache holds: shorter ranges cost more in merging
+/// than they gain in parallelism (docs/PERFORMANCE.md, "Attention").
 const MIN_RANGE: usize = 256;
 /// Calls with fewer (key, query head) pairs than this run on the calling thread. Even
-/// short caches gain from two threads (SmolLM-135M after 300 positions: 318–357 tok/s in
-/// parallel, 259–301 on one thread); below this the hand-off is all there is to measure.
+/// short caches gain from two threads; below this the hand-off is all there is to measure.
 const PARALLEL_PAIRS: usize = 512;
 
 /// The shapes of a call: `q [b, h, tq, d]`, `k [b, h_kv, tk, d]`, `v [b, h_kv, tk, dv]`.
@@ -169,8 +168,7 @@ impl Call<'_> {
         };
         // One query row (no heads sharing the keys): a half-precision cache is read in
         // place, widened as the products load it, rather than widened into `buf` and read
-        // again. Decoding GPT-2 124M q4_K_M with an f16 cache after 896 positions, the
-        // widening pass was 13% of the samples and attention 17.0%; in place, 14.7%.
+        // again: the widening pass cost nearly as much as the attention itself.
         let direct = nq == 1 && in_place(kp, d) && in_place(vp, dv);
         for j0 in range.clone().step_by(BLOCK) {
             let bc = BLOCK.min(range.end - j0);

@@ -8,7 +8,7 @@
 //! three views and their transposes, two rotations with their copies, two casts to the
 //! cache's dtype, two slice copies, the attention op's checks, the output's transpose),
 //! each with its allocations and locks: on a small model, bookkeeping the calling thread
-//! does while the other threads wait (SmolLM-135M q8_0 decoding, 4% of its samples).
+//! does while the other threads wait.
 //! Rotation and rounding are the general path's to the bit ([`rotate_pairs`], `half`'s
 //! conversions), which the tests check against it.
 
@@ -85,7 +85,7 @@ pub(crate) struct Heads {
 /// Makes room in `cache` for `t` new positions of `b` sequences and asks for the cache
 /// lines they will be written to: called before the q/k/v projection, so that its reads
 /// overlap with bringing in rows nothing has touched yet, where writing them after it
-/// waited on memory (80% of the samples of the cache writes, SmolLM-135M q8_0 decoding).
+/// waited on memory.
 pub(crate) fn prepare(cache: &mut KvCache, (b, t): (usize, usize), heads: Heads) -> Result<()> {
     let Heads { h_kv, d, .. } = heads;
     let dtype = cache.dtype().unwrap_or(DType::F32);

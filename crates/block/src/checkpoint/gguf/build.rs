@@ -132,11 +132,11 @@ impl Gguf {
         };
         // The largest matrices first: the bytes read and the tensor made of them are both
         // held for a moment, and early on the rest of the model is not there beside them
-        // (GPT-2 124M's q8_0 table is 41 MB; read last, it raised decoding's peak RSS).
+        // (read last, the token table raised decoding's peak memory).
         let table_name = format!("{}.weight", n.embed.gguf);
         let (wte, lm_head) = match self.packed(&table_name, &[v, d], device)? {
-            // A table packed for this CPU (q8_0, q4_0, q4_K, q6_K): looked up row by row, and a tied head
-            // multiplies by the same tiles.
+            // A table packed for this CPU (q8_0, q4_0, q4_K, q6_K): looked up row by row, and a
+            // tied head multiplies by the same tiles.
             Some(packed) => {
                 let table = Arc::new(packed);
                 let head = match cfg.tie_word_embeddings {

@@ -14,8 +14,8 @@ use super::{Gguf, Source};
 
 /// Reads a CPU tensor's blocks, from the file's current position, straight into the
 /// vector that keeps them. Candle's reader reads the bytes into a buffer and copies them
-/// into the blocks, so each tensor is briefly held twice, and the freed buffers stayed
-/// resident: GPT-2 124M in q8_0 peaked at 209 MiB for 130 MiB of weights. `None` for a
+/// into the blocks, so each tensor is briefly held twice, and the freed buffers stay
+/// resident. `None` for a
 /// format whose block size this does not know (the caller then uses Candle's reader). The
 /// byte range was checked when the file was opened.
 pub(super) fn read_in_place(
@@ -151,8 +151,8 @@ impl Gguf {
 
     /// A CPU tensor stored as f32, f16 or bf16 and wanted in that precision, read straight
     /// into the vector the tensor keeps; `None` otherwise (the caller goes through a
-    /// `QTensor`, which a float tensor would copy: GPT-2's f16 table, 74 MiB, was held
-    /// twice for a moment, and the allocator keeps what it once held).
+    /// `QTensor`, which a float tensor would copy: the tensor held twice for a moment, and
+    /// the allocator keeps what it once held).
     pub(super) fn float_in_place(
         &self,
         name: &str,
@@ -219,8 +219,7 @@ pub(super) fn stored_float(t: GgmlDType) -> Option<DType> {
 }
 
 /// A float tensor in `dtype`: its bytes as they are when the formats agree (dequantizing
-/// goes through f32, a transient 4 bytes an element: an f16 GPT-2's embedding alone made
-/// that 150 MiB), else dequantized and converted.
+/// goes through f32, a transient 4 bytes an element), else dequantized and converted.
 pub(super) fn float_tensor(q: &QTensor, dtype: DType, device: &Device) -> Result<Tensor> {
     if stored_float(q.dtype()) == Some(dtype) && device.is_cpu() {
         return Tensor::from_raw_buffer(&q.data()?, dtype, q.shape().dims(), device);

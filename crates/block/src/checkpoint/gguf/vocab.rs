@@ -44,8 +44,8 @@ pub struct GgufVocab {
 
 impl Gguf {
     /// Drops the tokenizer's arrays (token texts, scores, types, merges) from the parsed
-    /// metadata once a tokenizer is built from them: 50,257 strings and as many merges for
-    /// GPT-2, 14 MiB as Candle parses them, that would otherwise stay beside the weights.
+    /// metadata once a tokenizer is built from them: tens of thousands of strings and as
+    /// many merges, as Candle parses them, that would otherwise stay beside the weights.
     /// [`Self::vocab`] fails afterwards.
     pub fn release_vocab(&mut self) {
         for key in [
