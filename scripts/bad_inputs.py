@@ -1,4 +1,4 @@
-"""Writes the corpus of bad inputs under tests/bad-inputs/ (issue 7) and its manifest,
+"""Writes the corpus of bad inputs under tests/bad-inputs/ and its manifest,
 tests/bad-inputs/cases.json: for each case, the `gpt` arguments (paths relative to
 tests/bad-inputs/) and a piece of the one-line error it must give.
 
@@ -189,7 +189,7 @@ case("tensor storage shorter than its shape", generate(rezip(base, "nanogpt-shor
 case("model_args disagree with the tensors", generate(pt("nanogpt-wrong-width.pt", {"model": nano, "model_args": {**ARGS, "n_embd": 8, "n_head": 2}})), "config implies")
 case("model_args with a huge block size", generate(pt("nanogpt-huge-block.pt", {"model": nano, "model_args": {**ARGS, "block_size": 1 << 40}})), "block_size")
 
-# Other families (issue 13): the same checks before anything is allocated.
+# Other families: the same checks before anything is allocated.
 I = 8  # MLP width of the micro Llama and NeoX models
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds `gpt` with --features cuda on a machine with no GPU and no CUDA install, for a GPU
-# machine to run (as the H100 lent to one session ran it: docs/PERFORMANCE.md, "On an
+# machine to run (as an H100 ran it: docs/PERFORMANCE.md, "On an
 # NVIDIA GPU"). `.ci/cuda-toolkit`'s compiler, and to link against (`.ci/cuda-link`):
 # cuBLAS, cuRAND and NVRTC from the registry's wheels (pinned to CUDA 13.0 like the
 # toolkit) and a stub of the driver's libcuda.so, as the CUDA toolkit ships in lib/stubs

@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks, for a machine with an NVIDIA GPU (the `device` tool lends one to some
-# sessions). Builds `gpt` with --features cuda (toolkit: the system's, or the registry
+# GPU checks, for a machine with an NVIDIA GPU (when one is at hand). Builds `gpt` with --features cuda (toolkit: the system's, or the registry
 # wheels `.ci/cuda-toolkit` installs) unless $GPT names one built already, then:
 # - on every fixture model compares the GPU with the CPU: per-token log-probabilities of a
 #   fixed sequence within 1e-3 absolute (f32; 1e-1 for quantized files, the built-in model

@@ -4,7 +4,7 @@
 //! rotary layout), Qwen2 (q/k/v biases, tied head) and GPT-NeoX (partial rotary, parallel
 //! residual).
 //! - f32 files give transformers' logits within 1e-5 (measured ≤ 4.1e-6): closer than the
-//!   issue's bound against our own safetensors loading of the same model, with the
+//!   bound asked of our own safetensors loading of the same model, with the
 //!   reference outside this project;
 //! - quantized files (q8_0, q4_0, q4_K_M) give llama.cpp's logits on the same file within
 //!   a tolerance stated per format, and the greedy tokens llama.cpp picks on the f32 and

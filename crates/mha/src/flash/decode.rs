@@ -20,7 +20,7 @@ const BLOCK: usize = 128;
 /// Key or value rows widened and multiplied together.
 const SUB: usize = 16;
 /// The fewest keys a range of a split cache holds: shorter ranges cost more in merging
-/// than they gain in parallelism (docs/PERFORMANCE.md, "Attention").
+/// than they gain in parallelism (docs/PERFORMANCE.md, "Attention and small ops").
 const MIN_RANGE: usize = 256;
 /// Calls with fewer (key, query head) pairs than this run on the calling thread. Even
 /// short caches gain from two threads; below this the hand-off is all there is to measure.
