@@ -13,6 +13,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
 
+use super::metrics::Metrics;
+
 struct Entry {
     busy: Arc<AtomicUsize>,
     close: Arc<Notify>,
@@ -23,16 +25,27 @@ pub struct Conns {
     open: Mutex<BTreeMap<u64, Entry>>,
     next: AtomicU64,
     limit: usize,
+    /// The gauge of open connections, set under the registry's lock: an evicted connection
+    /// leaves it as its place is given away, so it never reads above `limit` while the
+    /// evicted one's task is still winding down.
+    gauge: Arc<Metrics>,
 }
 
 impl Conns {
-    /// A registry of at most `limit` connections.
-    pub fn new(limit: usize) -> Arc<Self> {
+    /// A registry of at most `limit` connections, counted in `metrics.connections`.
+    pub fn new(limit: usize, metrics: Arc<Metrics>) -> Arc<Self> {
         Arc::new(Self {
             open: Mutex::new(BTreeMap::new()),
             next: AtomicU64::new(0),
             limit,
+            gauge: metrics,
         })
+    }
+
+    fn count(&self, open: &BTreeMap<u64, Entry>) {
+        self.gauge
+            .connections
+            .store(open.len() as u64, Ordering::Relaxed);
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, Entry>> {
@@ -63,6 +76,7 @@ impl Conns {
                 close: close.clone(),
             },
         );
+        self.count(&open);
         Some(Conn {
             conns: self.clone(),
             id,
@@ -96,7 +110,9 @@ impl Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        self.conns.lock().remove(&self.id);
+        let mut open = self.conns.lock();
+        open.remove(&self.id);
+        self.conns.count(&open);
     }
 }
 
@@ -129,13 +145,18 @@ mod tests {
     /// connection busy, a new one is refused.
     #[test]
     fn the_oldest_idle_connection_makes_room() {
-        let conns = Conns::new(3);
+        let metrics = Arc::new(Metrics::default());
+        let gauge = || metrics.connections.load(Ordering::Relaxed);
+        let conns = Conns::new(3, metrics.clone());
         let a = conns.open().unwrap();
         let b = conns.open().unwrap();
         let c = conns.open().unwrap();
         let hold_a = a.busy.hold();
         let d = conns.open().unwrap(); // b (oldest idle) is evicted
         assert_eq!(conns.len(), 3);
+        // The gauge follows the registry: b's place is given away at once, whenever its
+        // task winds down.
+        assert_eq!(gauge(), 3);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()

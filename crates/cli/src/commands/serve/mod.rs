@@ -18,7 +18,7 @@ mod shared;
 mod tokenize;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -174,7 +174,7 @@ async fn serve_http(
     limits: Limits,
 ) -> Result<()> {
     let app = routes::router(shared.clone());
-    let conns = Conns::new(limits.connections);
+    let conns = Conns::new(limits.connections, shared.metrics.clone());
     let graceful = GracefulShutdown::new();
     let mut signal = std::pin::pin!(shutdown_signal());
     loop {
@@ -200,15 +200,12 @@ async fn serve_http(
             .header_read_timeout(limits.header_timeout)
             .serve_connection(TokioIo::new(stream), svc);
         let http = graceful.watch(http);
-        let metrics = shared.metrics.clone();
-        metrics.connections.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
             // Evicted: the connection is dropped, which closes it.
             tokio::select! {
                 _ = http => {}
                 _ = conn.evicted() => {}
             }
-            metrics.connections.fetch_sub(1, Ordering::Relaxed);
             drop(conn);
         });
     }
