@@ -1,9 +1,11 @@
-"""Small random-weight checkpoints of the Llama, Mistral, Qwen2, GPT-NeoX and GPT-Neo
-families, and what Hugging Face transformers computes with them. Read by
-crates/block/tests/families.rs.
+"""Small random-weight checkpoints of the Llama, Mistral, Qwen2, GPT-NeoX, GPT-Neo, Qwen3,
+SmolLM3, OLMo 2 and Granite families, and what Hugging Face transformers computes with
+them. Read by crates/block/tests/families.rs.
 
     python3 -m venv /tmp/ref && /tmp/ref/bin/pip install torch transformers safetensors
-    /tmp/ref/bin/python scripts/family_fixtures.py
+    /tmp/ref/bin/python scripts/family_fixtures.py [name ...]
+
+With names, only those fixtures are (re)written.
 
 Each crates/block/tests/fixtures/families/<name>/ gets what `save_pretrained` writes
 (config.json with transformers 5's `rope_parameters`, model.safetensors), the same config
@@ -24,6 +26,7 @@ a part. Attention is transformers' eager implementation.
 import json
 import math
 import os
+import sys
 
 import torch
 from safetensors.torch import save_file
@@ -33,13 +36,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaT
 ROOT = os.path.join(os.path.dirname(__file__), "..", "crates", "block", "tests", "fixtures",
                     "families")
 T = 12  # longer than every window below, so local attention changes the result
+ONLY = set(sys.argv[1:])
 
 
 def legacy(cfg):
     """config.json as the hub's pre-transformers-5 files spell it."""
     cfg = dict(cfg)
     rope = cfg.pop("rope_parameters", None)
-    cfg.pop("layer_types", None) if cfg["model_type"] == "qwen2" else None
+    if cfg["model_type"] in ("qwen2", "qwen3", "smollm3"):
+        cfg.pop("layer_types", None)
+    if cfg["model_type"] == "smollm3":
+        # The hub's files give the interval and let transformers list the layers.
+        cfg.pop("no_rope_layers", None)
     if rope is not None:
         kind = rope.get("rope_type", "default")
         if cfg["model_type"] == "gpt_neox":
@@ -56,6 +64,8 @@ def legacy(cfg):
 
 
 def build(name, family, seed, tokenizer=None, **kw):
+    if ONLY and name not in ONLY:
+        return
     torch.manual_seed(seed)
     config = AutoConfig.for_model(family, **kw)
     config._attn_implementation = "eager"
@@ -138,6 +148,25 @@ build("neox_sequential", "gpt_neox", 16, rotary_pct=0.5, rotary_emb_base=1000,
 build("neo_local", "gpt_neo", 17, vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
       attention_types=[[["global", "local"], 1]], window_size=4, max_position_embeddings=64,
       bos_token_id=1, eos_token_id=2)
+# RMSNorm over each head of q and k, heads of 16 over a width of 32 (wider than 32 / 4),
+# biases on all four projections, tied head, the second layer windowed.
+build("qwen3_qk_norm", "qwen3", 19, num_key_value_heads=2, head_dim=16, attention_bias=True,
+      tie_word_embeddings=True, use_sliding_window=True, sliding_window=5,
+      max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+      **common)
+# Every second layer without rotation (NoPE), GQA, tied head.
+build("smollm3_nope", "smollm3", 20, num_key_value_heads=2, no_rope_layer_interval=2,
+      tie_word_embeddings=True, pad_token_id=0,
+      **{**common, "num_hidden_layers": 4})
+# Norms on the outputs of attention and MLP, q/k RMSNorm over the whole projections, GQA.
+build("olmo2_post_norm", "olmo2", 21, num_key_value_heads=2, tie_word_embeddings=False,
+      pad_token_id=0, **common)
+# Multipliers on embeddings, scores, residual branches and logits, GQA, biases.
+build("granite_multipliers", "granite", 22, num_key_value_heads=2, attention_bias=True,
+      mlp_bias=True, embedding_multiplier=4.0, attention_multiplier=0.2,
+      residual_multiplier=0.5, logits_scaling=3.0, tie_word_embeddings=True, **common)
+if ONLY and "llama_tokenizer" not in ONLY:
+    sys.exit(0)
 
 
 # A SentencePiece-style BPE with byte fallback, as Llama's and TinyLlama's tokenizers are

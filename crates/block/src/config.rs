@@ -2,7 +2,7 @@
 //! family's `config.json` reader fills it ([`crate::family`]).
 
 use candle_core::{bail, Result};
-use mha::RopeConfig;
+use mha::{QkNorm, RopeConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::family::id::Family;
@@ -48,14 +48,19 @@ pub enum NormKind {
     RmsNorm,
 }
 
-/// Where each block applies its LayerNorms.
+/// Where each block applies its norms. All but `Post` end with a final norm after the
+/// last block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum NormPlacement {
-    /// `x + f(ln(x))`, GPT-2's, with a final LayerNorm after the last block.
+    /// `x + f(ln(x))`, GPT-2's and most models'.
     Pre,
-    /// `ln(x + f(x))`, the original Transformer's.
+    /// `ln(x + f(x))`, the original Transformer's (no final norm).
     Post,
+    /// `x + ln_post(f(ln(x)))`: a norm before and one after each branch (Gemma 2 and 3).
+    Sandwich,
+    /// `x + ln(f(x))`: the norm on each branch's output only (OLMo 2).
+    PostBranch,
 }
 
 /// A decoder-only model's shape and parts, family-free. The fields that GPT-2's
@@ -136,6 +141,32 @@ pub struct GptConfig {
     /// Biases on the MLP's projections (GPT-2's Conv1D always has them).
     #[serde(skip)]
     pub mlp_bias: bool,
+    /// Width of one attention head; `None` is `n_embd / n_head`. Qwen3 and Gemma 3 have
+    /// heads wider than that (the queries `n_head · head_dim` wide).
+    #[serde(skip)]
+    pub head_dim: Option<usize>,
+    /// RMSNorm of queries and keys before the rotation (Qwen3, Gemma 3, OLMo 2).
+    #[serde(skip)]
+    pub qk_norm: Option<QkNorm>,
+    /// The factor on the scores, when not `1/sqrt(head_dim)` (Granite's
+    /// `attention_multiplier`, Gemma's `query_pre_attn_scalar^-0.5`).
+    #[serde(skip)]
+    pub attn_scale: Option<f64>,
+    /// Factor on the token embeddings (Granite's `embedding_multiplier`, Gemma's
+    /// `sqrt(hidden_size)`); 1 for most.
+    #[serde(skip)]
+    pub embedding_multiplier: f64,
+    /// Factor on each branch's output before it joins the residual (Granite).
+    #[serde(skip)]
+    pub residual_multiplier: f64,
+    /// The logits are divided by it (Granite's `logits_scaling`).
+    #[serde(skip)]
+    pub logits_scaling: f64,
+    /// Blocks without rotary positions (SmolLM3's NoPE layers), as runs of a repeated
+    /// pattern like `windows`: `true` for a block that does not rotate. Empty: every block
+    /// of a rotary model rotates.
+    #[serde(skip)]
+    pub no_rope: Vec<(Vec<bool>, usize)>,
     /// Which blocks attend locally, as runs of a repeated pattern (GPT-Neo's
     /// `attention_types` form): `(pattern, repeat)` covers `pattern.len() · repeat` blocks,
     /// and block `i` of the run gets `pattern[i % pattern.len()]`: the number of keys a query
@@ -186,6 +217,13 @@ impl GptConfig {
             attn_out_bias: true,
             mlp_bias: true,
             windows: Vec::new(),
+            head_dim: None,
+            qk_norm: None,
+            attn_scale: None,
+            embedding_multiplier: 1.0,
+            residual_multiplier: 1.0,
+            logits_scaling: 1.0,
+            no_rope: Vec::new(),
         }
     }
 
@@ -242,18 +280,21 @@ impl GptConfig {
 
     /// The local-attention window of block `layer`, if it has one.
     pub fn window(&self, layer: usize) -> Option<usize> {
-        let mut first = 0usize;
-        for (pattern, repeat) in &self.windows {
-            let span = pattern.len().saturating_mul(*repeat);
-            if layer < first.saturating_add(span) {
-                return pattern
-                    .get((layer - first) % pattern.len().max(1))
-                    .copied()
-                    .flatten();
-            }
-            first = first.saturating_add(span);
+        run_entry(&self.windows, layer).flatten()
+    }
+
+    /// The rotary embedding of block `layer`: `rope`, unless the block is one of
+    /// `no_rope`'s.
+    pub fn layer_rope(&self, layer: usize) -> Option<RopeConfig> {
+        match run_entry(&self.no_rope, layer) {
+            Some(true) => None,
+            _ => self.rope,
         }
-        None
+    }
+
+    /// Width of one attention head after defaulting.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.n_embd / self.n_head.max(1))
     }
 
     /// MLP hidden width after defaulting.
@@ -286,8 +327,14 @@ impl GptConfig {
                 bail!("config: {name}={n} is larger than any model this can run")
             }
         }
-        if d == 0 || h == 0 || d % h != 0 {
-            bail!("config: n_head={h} must be positive and divide n_embd={d}")
+        match self.head_dim {
+            None if d == 0 || h == 0 || d % h != 0 => {
+                bail!("config: n_head={h} must be positive and divide n_embd={d}")
+            }
+            Some(hd) if d == 0 || h == 0 || hd == 0 || hd > u32::MAX as usize / h => {
+                bail!("config: head_dim={hd} and n_head={h} must be positive and their product below 2^32 (n_embd={d})")
+            }
+            _ => {}
         }
         if self.inner_dim() == 0 {
             bail!("config: n_inner must be positive")
@@ -320,7 +367,7 @@ impl GptConfig {
             bail!("config: num_key_value_heads={kv} must be positive and divide the {h} attention heads")
         }
         if let Some(rope) = &self.rope {
-            rope.validate(d / h).map_err(|e| {
+            rope.validate(self.head_dim()).map_err(|e| {
                 // The message alone: Candle's backtrace (under RUST_BACKTRACE) stays out of it.
                 let msg = match e {
                     candle_core::Error::WithBacktrace { inner, .. } => inner.to_string(),
@@ -339,10 +386,37 @@ impl GptConfig {
                 )
             }
         }
+        for (name, runs) in [("no_rope_layers", layers_covered(&self.no_rope))] {
+            if !self.no_rope.is_empty() && runs != Some(self.n_layer) {
+                bail!(
+                    "config: {name} describes {} layers but there are {}",
+                    runs.map_or("too many".to_string(), |n| n.to_string()),
+                    self.n_layer
+                )
+            }
+        }
+        for (name, x) in [
+            ("embedding_multiplier", self.embedding_multiplier),
+            ("residual_multiplier", self.residual_multiplier),
+            ("logits_scaling", self.logits_scaling),
+            ("the attention scale", self.attn_scale.unwrap_or(1.0)),
+        ] {
+            if !(x.is_finite() && x > 0.0) {
+                bail!("config: {name} must be a positive number, got {x}")
+            }
+        }
+        if let Some(n) = &self.qk_norm {
+            if !(n.eps > 0.0 && n.eps.is_finite()) {
+                bail!(
+                    "config: the q/k norm's epsilon must be positive, got {}",
+                    n.eps
+                )
+            }
+        }
         if self.windows.iter().any(|(p, _)| p.contains(&Some(0))) {
             bail!("config: an attention window (sliding_window / window_size) must be at least 1")
         }
-        if self.family != Family::Gpt2 && self.norm_placement != NormPlacement::Pre {
+        if self.family != Family::Gpt2 && self.norm_placement == NormPlacement::Post {
             bail!("config: only GPT-2 models can be post-norm")
         }
         if self.add_cross_attention {
@@ -352,8 +426,23 @@ impl GptConfig {
     }
 }
 
-/// How many blocks the window runs of [`GptConfig::windows`] cover; `None` past `usize`.
-pub(crate) fn layers_covered(runs: &[(Vec<Option<usize>>, usize)]) -> Option<usize> {
+/// The entry of block `layer` in runs of repeated patterns (`(pattern, repeat)` covers
+/// `pattern.len() · repeat` blocks); `None` past the runs.
+fn run_entry<T: Copy>(runs: &[(Vec<T>, usize)], layer: usize) -> Option<T> {
+    let mut first = 0usize;
+    for (pattern, repeat) in runs {
+        let span = pattern.len().saturating_mul(*repeat);
+        if layer < first.saturating_add(span) {
+            return pattern.get((layer - first) % pattern.len().max(1)).copied();
+        }
+        first = first.saturating_add(span);
+    }
+    None
+}
+
+/// How many blocks runs of repeated patterns (as [`GptConfig::windows`]) cover; `None`
+/// past `usize`.
+pub(crate) fn layers_covered<T>(runs: &[(Vec<T>, usize)]) -> Option<usize> {
     runs.iter().try_fold(0usize, |n, (pattern, repeat)| {
         n.checked_add(pattern.len().checked_mul(*repeat)?)
     })

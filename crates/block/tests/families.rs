@@ -23,7 +23,7 @@ use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
 use gpt_blocks::{read_config, Gpt, GptCache, LoadOptions, Logits};
 
-const MODELS: [&str; 7] = [
+const MODELS: [&str; 11] = [
     "llama_gqa_bias",
     "llama_mqa_linear",
     "mistral_window",
@@ -31,6 +31,10 @@ const MODELS: [&str; 7] = [
     "neox_parallel",
     "neox_sequential",
     "neo_local",
+    "qwen3_qk_norm",
+    "smollm3_nope",
+    "olmo2_post_norm",
+    "granite_multipliers",
 ];
 
 fn fixture(name: &str) -> PathBuf {
@@ -332,7 +336,8 @@ fn split_left_padded_prefill_equals_rows_alone() {
 }
 
 /// The hub's older field names (top-level `rope_theta`/`rope_scaling`, NeoX's `rotary_pct`
-/// and `rotary_emb_base`, Qwen2 without `layer_types`) read as the same model.
+/// and `rotary_emb_base`, Qwen2 and Qwen3 without `layer_types`, SmolLM3's
+/// `no_rope_layer_interval` without `no_rope_layers`) read as the same model.
 #[test]
 fn legacy_config_fields_give_the_same_model() {
     let tmp = tempfile::tempdir().unwrap();
@@ -354,6 +359,10 @@ fn legacy_config_fields_give_the_same_model() {
         // The same window per layer, however the runs are written.
         let per_layer = |c: &gpt_blocks::GptConfig| gpt_blocks::GptConfig {
             windows: vec![((0..c.n_layer).map(|i| c.window(i)).collect(), 1)],
+            no_rope: vec![(
+                (0..c.n_layer).map(|i| c.layer_rope(i).is_none()).collect(),
+                1,
+            )],
             ..c.clone()
         };
         assert_eq!(
@@ -442,11 +451,12 @@ fn bad_configs_are_one_line_errors_naming_the_field() {
     use serde_json::json;
     // (fixture, JSON pointer of the field, new value (null removes it), words expected)
     let cases = [
+        // head_dim given: 5 heads of 8 are a model, but not over 2 key/value heads.
         (
             "llama_gqa_bias",
             "/num_attention_heads",
             json!(5),
-            "num_attention_heads=5",
+            "num_key_value_heads=2 must be positive and divide the 5 attention heads",
         ),
         (
             "llama_gqa_bias",
@@ -466,7 +476,55 @@ fn bad_configs_are_one_line_errors_naming_the_field() {
             json!(null),
             "intermediate_size is missing",
         ),
-        ("llama_gqa_bias", "/head_dim", json!(16), "head_dim=16"),
+        (
+            "llama_gqa_bias",
+            "/head_dim",
+            json!(0),
+            "head_dim must be positive",
+        ),
+        ("qwen3_qk_norm", "/head_dim", json!(-1), "head_dim"),
+        (
+            "qwen3_qk_norm",
+            "/head_dim",
+            json!(1u64 << 31),
+            "head_dim=2147483648 and n_head=4",
+        ),
+        (
+            "smollm3_nope",
+            "/no_rope_layers",
+            json!([1, 0, 1]),
+            "no_rope_layers has 3 entries for num_hidden_layers=4",
+        ),
+        (
+            "smollm3_nope",
+            "/no_rope_layers",
+            json!([1, 0, 2, 1]),
+            "no_rope_layers entries must be 0 or 1",
+        ),
+        (
+            "granite_multipliers",
+            "/logits_scaling",
+            json!(0.0),
+            "logits_scaling must be a positive number",
+        ),
+        (
+            "granite_multipliers",
+            "/attention_multiplier",
+            json!("big"),
+            "attention_multiplier must be a number",
+        ),
+        (
+            "granite_multipliers",
+            "/residual_multiplier",
+            json!(-0.5),
+            "residual_multiplier must be a positive number",
+        ),
+        (
+            "olmo2_post_norm",
+            "/rms_norm_eps",
+            json!(0.0),
+            "layer_norm_epsilon must be positive",
+        ),
         (
             "llama_gqa_bias",
             "/hidden_act",

@@ -11,6 +11,7 @@ use crate::dropout::Dropout;
 use crate::flash::{self, step};
 use crate::layout::{self, Projections, QkvProj, WeightLayout};
 use crate::mask::Mask;
+use crate::qk_norm::QkNormWeights;
 use crate::rope::{Rope, RopeTables};
 use crate::sdpa::{sdpa, SdpaParams};
 use gpt_kernels::Proj;
@@ -53,6 +54,8 @@ pub struct MultiHeadAttention {
     rope: Option<Rope>,
     /// `bias_k`, `bias_v` (`[kv_width]` each) with `add_bias_kv`.
     bias_kv: Option<(Tensor, Tensor)>,
+    /// The weights of the config's `qk_norm`.
+    qk_norm: Option<QkNormWeights>,
 }
 
 /// Everything a call of [`MultiHeadAttention::forward_with`] takes beside its three inputs.
@@ -91,6 +94,7 @@ impl MultiHeadAttention {
         // A checkpoint (not a VarMap creating the layer) must hold bias_k/bias_v itself.
         let from_file = layout::layout_in_file(&vb).is_some();
         let proj = layout::load(cfg, layout, vb.clone())?;
+        let qk_norm = QkNormWeights::load(cfg, &vb)?;
         let bias_kv = match cfg.add_bias_kv {
             false => None,
             true => {
@@ -109,16 +113,53 @@ impl MultiHeadAttention {
                 Some((get("bias_k")?, get("bias_v")?))
             }
         };
-        Self::assemble(cfg, proj, bias_kv)
+        Ok(Self {
+            qk_norm,
+            ..Self::assemble(cfg, proj, bias_kv)?
+        })
     }
 
     /// Builds the layer from projections loaded elsewhere (a GGUF file's quantized
-    /// matrices, say), checking their widths and biases against `cfg`.
+    /// matrices, say), checking their widths and biases against `cfg`. A config with
+    /// `qk_norm` then needs [`Self::with_qk_norm`].
     pub fn from_projections(cfg: &MhaConfig, qkv: QkvProj, o: Proj) -> Result<Self> {
         if cfg.add_bias_kv {
             bail!("add_bias_kv needs bias_k and bias_v: build the layer with MultiHeadAttention::load")
         }
         Self::assemble(cfg, layout::from_projections(cfg, qkv, o)?, None)
+    }
+
+    /// The layer with the weights of its config's `qk_norm` (loaded elsewhere): `q` and `k`
+    /// `[head_dim]` each per head, or `[n_heads · head_dim]` and `[n_kv_heads · head_dim]`
+    /// over the whole projections.
+    pub fn with_qk_norm(self, q: Tensor, k: Tensor) -> Result<Self> {
+        Ok(Self {
+            qk_norm: Some(QkNormWeights::new(&self.cfg, q, k)?),
+            ..self
+        })
+    }
+
+    /// The weights of the q/k norm (queries', keys'), when the layer has one.
+    pub fn qk_norm(&self) -> Option<(&Tensor, &Tensor)> {
+        self.qk_norm.as_ref().map(|n| (&n.q, &n.k))
+    }
+
+    /// Queries `[b, t, n_heads · head_dim]` and keys `[b, t, n_kv_heads · head_dim]` through
+    /// the layer's q/k norm (unchanged when it has none), as its forward pass does between
+    /// the projections and the rotation.
+    pub fn normalize_qk(&self, q: &Tensor, k: &Tensor) -> Result<(Tensor, Tensor)> {
+        match self.qk_norm_weights()? {
+            Some(norm) => norm.apply(q, k, self.cfg.head_dim()),
+            None => Ok((q.clone(), k.clone())),
+        }
+    }
+
+    /// The q/k norm the config asks for, or an error when its weights were never given.
+    fn qk_norm_weights(&self) -> Result<Option<&QkNormWeights>> {
+        match (&self.cfg.qk_norm, &self.qk_norm) {
+            (Some(_), None) => bail!("attention: the config has qk_norm but the layer was built without its weights (MultiHeadAttention::with_qk_norm)"),
+            (_, w) => Ok(w.as_ref()),
+        }
     }
 
     fn assemble(
@@ -136,6 +177,7 @@ impl MultiHeadAttention {
             dropout: Dropout::new(cfg.dropout, cfg.seed)?,
             rope,
             bias_kv,
+            qk_norm: None,
         })
     }
 
@@ -200,7 +242,7 @@ impl MultiHeadAttention {
         &self.cfg
     }
 
-    /// The fused q/k/v projection, `[d_model, d_model + 2·kv_width]`, when the checkpoint
+    /// The fused q/k/v projection, `[d_model, q_width + 2·kv_width]`, when the checkpoint
     /// stored one (GPT-2's `c_attn`, PyTorch's `in_proj_weight`).
     pub fn fused_qkv(&self) -> Option<&Proj> {
         self.proj.qkv.as_ref()
@@ -254,7 +296,8 @@ impl MultiHeadAttention {
     /// # Shapes
     /// - `query`: `[batch, q_len, d_model]`
     /// - `key`: `[batch, kv_len, kdim]`, `value`: `[batch, kv_len, vdim]`
-    /// - returns `[batch, q_len, d_model]`
+    /// - returns `[batch, q_len, d_model]` (the heads' outputs, `n_heads · head_dim` wide,
+    ///   go through the output projection)
     pub fn forward(
         &self,
         query: &Tensor,
@@ -381,7 +424,7 @@ impl MultiHeadAttention {
         let ys = ys
             .to_dtype(dtype)?
             .transpose(1, 2)?
-            .reshape((b, tq, cfg.d_model))?;
+            .reshape((b, tq, cfg.q_width()))?;
         let weights = weights.map(|per_head| AttnWeights { per_head });
         Ok((self.proj.o.forward(&ys)?, weights))
     }
@@ -399,7 +442,6 @@ impl MultiHeadAttention {
         train: bool,
     ) -> bool {
         let cfg = &self.cfg;
-        let (h, h_kv, hd) = (cfg.n_heads, cfg.kv_heads(), cfg.head_dim());
         self.proj.qkv.is_some()
             && query.id() == key.id()
             && key.id() == value.id()
@@ -412,13 +454,12 @@ impl MultiHeadAttention {
             && self.bias_kv.is_none()
             && !cfg.add_zero_attn
             && mask.is_structural()
-            && cfg.d_model == h * hd
-            && cfg.kv_width() == h_kv * hd
     }
 
     /// A decoding step of self-attention ([`step`]): the fused projection's output
-    /// rotated, its keys and values written into `cache` in place, the heads' outputs
-    /// `[b, t, d_model]` before the output projection.
+    /// rotated (after the q/k norm, when the layer has one), its keys and values written
+    /// into `cache` in place, the heads' outputs `[b, t, q_width]` before the output
+    /// projection.
     fn step(
         &self,
         xs: &Tensor,
@@ -442,12 +483,19 @@ impl MultiHeadAttention {
             d: cfg.head_dim(),
         };
         step::prepare(cache, (b, t), heads)?;
-        let qkv = proj.forward(xs)?.contiguous()?;
+        let mut qkv = proj.forward(xs)?.contiguous()?;
         if qkv.dtype() != DType::F32 {
             bail!(
                 "attention: the fused projection gives {:?} for f32 inputs",
                 qkv.dtype()
             )
+        }
+        if let Some(norm) = self.qk_norm_weights()? {
+            let shape = qkv.shape().clone();
+            let mut values = qkv.flatten_all()?.to_vec1::<f32>()?;
+            let widths = (cfg.q_width(), cfg.kv_width(), cfg.kv_width());
+            norm.apply_fused(&mut values, widths, cfg.head_dim())?;
+            qkv = Tensor::from_vec(values, shape, xs.device())?;
         }
         step::attend(
             &qkv,
@@ -459,13 +507,14 @@ impl MultiHeadAttention {
         )
     }
 
-    /// Training self-attention on the CPU in f32: the heads' outputs `[b, t, d_model]` by
+    /// Training self-attention on the CPU in f32: the heads' outputs `[b, t, q_width]` by
     /// one op from a fused q/k/v projection's output
     /// ([`flash::flash_attn_cpu_train_qkv`], which also applies the rotary embeddings),
     /// computing what the general path's fused kernel does with a fraction of its gradient
     /// bookkeeping. Separate q, k and v projections are fused for it
     /// ([`Proj::concat_differentiable`]). `None` (nothing computed) where the general path
-    /// must run: inference, appended keys, additive masks, quantized projections.
+    /// must run: inference, appended keys, additive masks, quantized projections, a q/k
+    /// norm (the kernel rotates what the projection gives).
     #[allow(clippy::too_many_arguments)]
     fn train_from_qkv(
         &self,
@@ -489,8 +538,7 @@ impl MultiHeadAttention {
             && query.device().is_cpu()
             && query.dtype() == DType::F32
             && b * t > 0
-            && cfg.d_model == h * hd
-            && cfg.kv_width() == h_kv * hd;
+            && cfg.qk_norm.is_none();
         if !applies {
             return Ok(None);
         }
@@ -589,7 +637,7 @@ impl MultiHeadAttention {
         let ys = Tensor::cat(&ys, 0)?
             .to_dtype(dtype)?
             .transpose(1, 2)?
-            .reshape((rows, t, cfg.d_model))?;
+            .reshape((rows, t, cfg.q_width()))?;
         self.proj.o.forward(&ys)
     }
 
@@ -614,11 +662,11 @@ impl MultiHeadAttention {
             // One product for all three when the checkpoint stores them fused.
             (Some(qkv), true) => {
                 let qkv = qkv.forward(query)?;
-                let kv = cfg.kv_width();
+                let (qw, kv) = (cfg.q_width(), cfg.kv_width());
                 (
-                    qkv.narrow(2, 0, cfg.d_model)?,
-                    qkv.narrow(2, cfg.d_model, kv)?,
-                    qkv.narrow(2, cfg.d_model + kv, kv)?,
+                    qkv.narrow(2, 0, qw)?,
+                    qkv.narrow(2, qw, kv)?,
+                    qkv.narrow(2, qw + kv, kv)?,
                 )
             }
             _ => (
@@ -626,6 +674,10 @@ impl MultiHeadAttention {
                 self.proj.k.forward(key)?,
                 self.proj.v.forward(value)?,
             ),
+        };
+        let (q, k) = match self.qk_norm_weights()? {
+            Some(norm) => norm.apply(&q, &k, hd)?,
+            None => (q, k),
         };
         // (b, t, h·hd) -> (b, h, t, hd)
         let q = q.reshape((b, tq, h, hd))?.transpose(1, 2)?;

@@ -5,6 +5,18 @@ use serde::{Deserialize, Serialize};
 
 use crate::rope::RopeConfig;
 
+/// RMSNorm of the queries and keys after their projections and before the rotation, with
+/// learned weights (`q_norm.weight`, `k_norm.weight` in a checkpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QkNorm {
+    /// Over each head (`[head_dim]` weights: Qwen3, Gemma 3, LFM2), or over the whole
+    /// projection (`[n_heads · head_dim]` and `[n_kv_heads · head_dim]` weights: OLMo 2).
+    pub per_head: bool,
+    /// The epsilon added to the mean square.
+    pub eps: f64,
+}
+
 /// Configuration of [`crate::MultiHeadAttention`].
 ///
 /// Build it with struct update syntax:
@@ -41,6 +53,10 @@ pub struct MhaConfig {
     /// Number of query heads; must divide `d_model` (`num_heads` in PyTorch).
     #[serde(alias = "num_heads")]
     pub n_heads: usize,
+    /// Width of one head: `None` is `d_model / n_heads`. Set, the queries are
+    /// `n_heads · head_dim` wide whatever `d_model` is (Qwen3: 16 heads of 128 over a width
+    /// of 1024), and the output projection maps them back to `d_model`.
+    pub head_dim: Option<usize>,
     /// Number of key/value heads: `None` is `n_heads` (classic attention), `1` is multi-query
     /// attention, anything else that divides `n_heads` is grouped-query attention.
     #[serde(alias = "num_key_value_heads")]
@@ -63,6 +79,8 @@ pub struct MhaConfig {
     pub window: Option<usize>,
     /// Dropout probability on the attention weights (after softmax), in `[0, 1)`.
     pub dropout: f32,
+    /// RMSNorm of queries and keys before the rotation; `None` for none.
+    pub qk_norm: Option<QkNorm>,
     /// Factor applied to the scores `q·k`; `None` is `1/sqrt(head_dim)`.
     pub scale: Option<f64>,
     /// Seed of the dropout mask stream, so that training runs can be repeated.
@@ -87,6 +105,7 @@ impl MhaConfig {
         Self {
             d_model,
             n_heads,
+            head_dim: None,
             n_kv_heads: None,
             kdim: None,
             vdim: None,
@@ -94,6 +113,7 @@ impl MhaConfig {
             out_bias: None,
             rope: None,
             window: None,
+            qk_norm: None,
             dropout: 0.0,
             scale: None,
             seed: 0,
@@ -102,9 +122,15 @@ impl MhaConfig {
         }
     }
 
-    /// Width of one head: `d_model / n_heads`.
+    /// Width of one head after defaulting: `head_dim`, else `d_model / n_heads`.
     pub fn head_dim(&self) -> usize {
-        self.d_model / self.n_heads.max(1)
+        self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1))
+    }
+
+    /// Width of the queries and of the heads' outputs: `n_heads · head_dim` (`d_model`
+    /// unless `head_dim` says otherwise).
+    pub fn q_width(&self) -> usize {
+        self.n_heads * self.head_dim()
     }
 
     /// Number of key/value heads after defaulting.
@@ -144,8 +170,14 @@ impl MhaConfig {
         if d == 0 || h == 0 {
             bail!("attention needs d_model > 0 and n_heads > 0, got d_model={d}, n_heads={h}")
         }
-        if d % h != 0 {
-            bail!("n_heads={h} does not divide d_model={d}")
+        match self.head_dim {
+            None if d % h != 0 => bail!("n_heads={h} does not divide d_model={d}"),
+            Some(0) => bail!("head_dim must be positive"),
+            // Bounded so that n_heads · head_dim and every width after it fit easily.
+            Some(hd) if h.checked_mul(hd).is_none_or(|w| w > u32::MAX as usize) => {
+                bail!("n_heads={h} heads of head_dim={hd} are wider than any model this can run")
+            }
+            _ => {}
         }
         let kv = self.kv_heads();
         if kv == 0 || h % kv != 0 {
@@ -166,6 +198,11 @@ impl MhaConfig {
         }
         if let Some(rope) = &self.rope {
             rope.validate(self.head_dim())?;
+        }
+        if let Some(n) = &self.qk_norm {
+            if !(n.eps > 0.0 && n.eps.is_finite()) {
+                bail!("qk_norm eps must be positive, got {}", n.eps)
+            }
         }
         if let Some(s) = self.scale {
             if !s.is_finite() {

@@ -156,7 +156,7 @@ pub enum QkvProj {
 /// Checks the projections' widths against `cfg` and assembles them.
 pub(crate) fn from_projections(cfg: &MhaConfig, qkv: QkvProj, o: Proj) -> Result<Projections> {
     cfg.validate()?;
-    let (d, kv) = (cfg.d_model, cfg.kv_width());
+    let (d, qw, kv) = (cfg.d_model, cfg.q_width(), cfg.kv_width());
     let check = |name: &str, p: &Proj, want: (usize, usize), bias: bool| -> Result<()> {
         let got = p.dims()?;
         if got != want {
@@ -168,10 +168,10 @@ pub(crate) fn from_projections(cfg: &MhaConfig, qkv: QkvProj, o: Proj) -> Result
         }
         Ok(())
     };
-    check("output projection", &o, (d, d), cfg.o_bias())?;
+    check("output projection", &o, (qw, d), cfg.o_bias())?;
     match qkv {
         QkvProj::Separate([q, k, v]) => {
-            check("query projection", &q, (d, d), cfg.bias)?;
+            check("query projection", &q, (d, qw), cfg.bias)?;
             check("key projection", &k, (cfg.k_dim(), kv), cfg.bias)?;
             check("value projection", &v, (cfg.v_dim(), kv), cfg.bias)?;
             Ok(Projections {
@@ -186,7 +186,7 @@ pub(crate) fn from_projections(cfg: &MhaConfig, qkv: QkvProj, o: Proj) -> Result
             if cfg.k_dim() != d || cfg.v_dim() != d {
                 bail!("a fused q/k/v projection needs kdim = vdim = d_model = {d}")
             }
-            check("fused q/k/v projection", &qkv, (d, d + 2 * kv), cfg.bias)?;
+            check("fused q/k/v projection", &qkv, (d, qw + 2 * kv), cfg.bias)?;
             split_fused(qkv, o, cfg)
         }
     }
@@ -242,11 +242,11 @@ pub fn neox_to_fused(xs: &Tensor, n_heads: usize, inverse: bool) -> Result<Tenso
 
 /// Splits a fused `[in, q + 2·kv]` projection into views.
 fn split_fused(qkv: Proj, o: Proj, cfg: &MhaConfig) -> Result<Projections> {
-    let (d, kv) = (cfg.d_model, cfg.kv_width());
+    let (qw, kv) = (cfg.q_width(), cfg.kv_width());
     Ok(Projections {
-        q: qkv.narrow(0, d)?,
-        k: qkv.narrow(d, kv)?,
-        v: qkv.narrow(d + kv, kv)?,
+        q: qkv.narrow(0, qw)?,
+        k: qkv.narrow(qw, kv)?,
+        v: qkv.narrow(qw + kv, kv)?,
         o,
         qkv: Some(qkv),
     })
@@ -360,12 +360,15 @@ fn load_layout(cfg: &MhaConfig, layout: &WeightLayout, vb: &VarBuilder) -> Resul
     let vb = vb.clone();
     let (d, kv, kdim, vdim) = (cfg.d_model, cfg.kv_width(), cfg.k_dim(), cfg.v_dim());
     let same_width = kdim == d && vdim == d;
+    if cfg.q_width() != d && !matches!(layout, WeightLayout::Separate { .. }) {
+        bail!("heads of head_dim={} ({} wide in all, d_model={d}) need separate q/k/v/o projections (WeightLayout::Separate)", cfg.head_dim(), cfg.q_width())
+    }
     match layout {
         WeightLayout::Separate { q, k, v, o } => Ok(Projections {
-            q: linear(vb.pp(q), d, d, cfg.bias)?,
+            q: linear(vb.pp(q), d, cfg.q_width(), cfg.bias)?,
             k: linear(vb.pp(k), kdim, kv, cfg.bias)?,
             v: linear(vb.pp(v), vdim, kv, cfg.bias)?,
-            o: linear(vb.pp(o), d, d, cfg.o_bias())?,
+            o: linear(vb.pp(o), cfg.q_width(), d, cfg.o_bias())?,
             qkv: None,
         }),
         WeightLayout::HeadInterleavedQkv { qkv, o } => {

@@ -77,12 +77,13 @@ mod dropout;
 pub mod flash;
 mod layout;
 mod mask;
+mod qk_norm;
 mod rope;
 mod sdpa;
 
 pub use attention::{AttnWeights, ForwardArgs, MultiHeadAttention};
 pub use cache::KvCache;
-pub use config::MhaConfig;
+pub use config::{MhaConfig, QkNorm};
 pub use dropout::Dropout;
 // The linear layer of the projections (the kernels crate's), for the callers that build them.
 pub use gpt_kernels::{OutputAct, Proj};

@@ -32,7 +32,8 @@ pub(crate) fn for_each_tensor(
 ) -> Result<()> {
     let names = cfg.family.names();
     let (v, d, i) = (cfg.vocab_size, cfg.n_embd, cfg.inner_dim());
-    let kv = cfg.kv_heads() * (d / cfg.n_head.max(1));
+    let hd = cfg.head_dim();
+    let (qw, kv) = (cfg.n_head * hd, cfg.kv_heads() * hd);
     let mut one = |name: &str, shape: &[usize], is_bias| {
         f(Expected {
             name,
@@ -69,7 +70,20 @@ pub(crate) fn for_each_tensor(
         let p = format!("{}.{layer}", names.layers.hf);
         norm(&mut one, &format!("{p}.{}", names.attn_norm.hf))?;
         norm(&mut one, &format!("{p}.{}", names.mlp_norm.hf))?;
+        if cfg.norm_placement == NormPlacement::Sandwich {
+            norm(&mut one, &format!("{p}.{}", names.attn_post_norm.hf))?;
+            norm(&mut one, &format!("{p}.{}", names.mlp_post_norm.hf))?;
+        }
         let a = format!("{p}.{}", names.attn);
+        if let Some(n) = cfg.qk_norm {
+            let (qn, kn) = match n.per_head {
+                true => (hd, hd),
+                false => (qw, kv),
+            };
+            let an = &names.attn_proj;
+            one(&format!("{a}.{}.weight", an.q_norm.hf), &[qn], false)?;
+            one(&format!("{a}.{}.weight", an.k_norm.hf), &[kn], false)?;
+        }
         let (qkv_b, o_b) = (cfg.attn_bias, cfg.attn_out_bias);
         match names.attn_layout() {
             WeightLayout::Gpt2Conv1d => {
@@ -93,10 +107,10 @@ pub(crate) fn for_each_tensor(
                 proj(&mut one, &format!("{a}.{o}"), (d, d), false, o_b)?;
             }
             WeightLayout::Separate { q, k, v, o } => {
-                proj(&mut one, &format!("{a}.{q}"), (d, d), false, qkv_b)?;
+                proj(&mut one, &format!("{a}.{q}"), (d, qw), false, qkv_b)?;
                 proj(&mut one, &format!("{a}.{k}"), (d, kv), false, qkv_b)?;
                 proj(&mut one, &format!("{a}.{v}"), (d, kv), false, qkv_b)?;
-                proj(&mut one, &format!("{a}.{o}"), (d, d), false, o_b)?;
+                proj(&mut one, &format!("{a}.{o}"), (qw, d), false, o_b)?;
             }
             WeightLayout::TorchInProj => bail!("no model family stores torch in_proj weights"),
         }
@@ -115,7 +129,7 @@ pub(crate) fn for_each_tensor(
             )?;
         }
     }
-    if cfg.norm_placement == NormPlacement::Pre {
+    if cfg.norm_placement != NormPlacement::Post {
         norm(&mut one, names.final_norm.hf)?;
     }
     if !cfg.tie_word_embeddings {

@@ -221,6 +221,21 @@ pub(super) fn head_dim(
     }
 }
 
+/// The head width of a Llama-layout model: `head_dim` when the config gives it (Qwen3's
+/// and Gemma's heads are wider than `hidden / heads`), else `hidden / heads`. Returns it
+/// and what [`GptConfig::head_dim`] records (`None` when it is `hidden / heads`).
+pub(super) fn free_head_dim(f: &Fields, d: usize, h: usize) -> Result<(usize, Option<usize>)> {
+    match f.usize("head_dim")? {
+        Some(0) => bail!("config: head_dim must be positive"),
+        Some(hd) if d % h == 0 && hd == d / h => Ok((hd, None)),
+        Some(hd) => Ok((hd, Some(hd))),
+        None if d % h != 0 => {
+            bail!("config: num_attention_heads={h} must divide hidden_size={d} (or head_dim be given)")
+        }
+        None => Ok((d / h, None)),
+    }
+}
+
 /// Which layers attend locally: `layer_types` when the config lists them, else the first
 /// `global` layers global and the rest windowed (Mistral: none global; Qwen2:
 /// `max_window_layers`), as runs (see [`GptConfig::windows`]).

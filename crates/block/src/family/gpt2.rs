@@ -4,7 +4,7 @@ use candle_core::{bail, Result};
 use serde_json::Value;
 
 use super::fields::decimal;
-use super::names::{gguf, name, AttnNames, MlpNames, QkvLayout, TensorNames};
+use super::names::{gguf, name, AttnNames, MlpNames, QkvLayout, TensorNames, NONE};
 use crate::config::GptConfig;
 
 /// `transformer.h.{i}.attn.c_attn` (a fused Conv1D), `mlp.c_fc`, `mlp.c_proj`.
@@ -21,8 +21,12 @@ pub(super) const NAMES: TensorNames = TensorNames {
         v: name("", gguf::ATTN_V),
         qkv: name("c_attn", gguf::ATTN_QKV),
         o: name("c_proj", gguf::ATTN_OUTPUT),
+        q_norm: NONE,
+        k_norm: NONE,
     },
     mlp_norm: name("ln_2", gguf::FFN_NORM),
+    attn_post_norm: NONE,
+    mlp_post_norm: NONE,
     mlp: "mlp",
     mlp_proj: MlpNames {
         up: name("c_fc", gguf::FFN_UP),

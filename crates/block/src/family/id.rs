@@ -22,22 +22,39 @@ pub enum Family {
     GptNeox,
     /// GPT-Neo: learned positions, global and local layers, unscaled scores.
     GptNeo,
+    /// Qwen3: Llama's layout with an RMSNorm over each head of q and k, heads wider than
+    /// `hidden / heads`.
+    Qwen3,
+    /// SmolLM3: Llama's layout with layers that do not rotate (NoPE).
+    SmolLm3,
+    /// OLMo 2: norms on the outputs of attention and MLP instead of their inputs, q/k
+    /// RMSNorm over the whole projection.
+    Olmo2,
+    /// Granite 3: Llama's layout with multipliers on the embeddings, scores, residual
+    /// branches and logits.
+    Granite,
 }
 
 impl Family {
     /// Every family, in the order of the README's table.
-    pub const ALL: [Family; 6] = [
+    pub const ALL: [Family; 10] = [
         Self::Gpt2,
         Self::Llama,
         Self::Mistral,
         Self::Qwen2,
         Self::GptNeox,
         Self::GptNeo,
+        Self::Qwen3,
+        Self::SmolLm3,
+        Self::Olmo2,
+        Self::Granite,
     ];
 
     /// The `model_type` values read, in the order of the README's table.
-    pub const SUPPORTED: [&'static str; 6] =
-        ["gpt2", "llama", "mistral", "qwen2", "gpt_neox", "gpt_neo"];
+    pub const SUPPORTED: [&'static str; 10] = [
+        "gpt2", "llama", "mistral", "qwen2", "gpt_neox", "gpt_neo", "qwen3", "smollm3", "olmo2",
+        "granite",
+    ];
 
     /// The family of a `model_type`.
     pub fn from_model_type(t: &str) -> Result<Self> {
@@ -59,6 +76,10 @@ impl Family {
             Self::Qwen2 => "qwen2",
             Self::GptNeox => "gpt_neox",
             Self::GptNeo => "gpt_neo",
+            Self::Qwen3 => "qwen3",
+            Self::SmolLm3 => "smollm3",
+            Self::Olmo2 => "olmo2",
+            Self::Granite => "granite",
         }
     }
 
@@ -71,7 +92,21 @@ impl Family {
             Self::Qwen2 => Some("qwen2"),
             Self::GptNeox => Some("gptneox"),
             Self::GptNeo => None,
+            Self::Qwen3 => Some("qwen3"),
+            Self::SmolLm3 => Some("smollm3"),
+            Self::Olmo2 => Some("olmo2"),
+            Self::Granite => Some("granite"),
         }
+    }
+
+    /// Whether llama.cpp's converter reorders each head's query and key rows for its
+    /// rotation of adjacent pairs (its Llama-derived converters do); this model rotates
+    /// halves, so the rows go back on loading and are reordered again on writing.
+    pub(crate) fn gguf_permutes_qk(self) -> bool {
+        matches!(
+            self,
+            Self::Llama | Self::Mistral | Self::SmolLm3 | Self::Granite
+        )
     }
 
     /// The family a GGUF `general.architecture` runs as: the first that writes it.

@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::fields::Fields;
 use super::id::Family;
-use super::{gpt2, llama, neo, neox};
+use super::{gpt2, granite, llama, neo, neox, olmo2, qwen3, smollm3};
 use crate::config::GptConfig;
 
 impl GptConfig {
@@ -29,6 +29,10 @@ impl GptConfig {
             Family::Llama | Family::Mistral | Family::Qwen2 => llama::read(family, &f)?,
             Family::GptNeox => neox::read(&f)?,
             Family::GptNeo => neo::read(&f)?,
+            Family::Qwen3 => qwen3::read(&f)?,
+            Family::SmolLm3 => smollm3::read(&f)?,
+            Family::Olmo2 => olmo2::read(&f)?,
+            Family::Granite => granite::read(&f)?,
         };
         cfg.validate()?;
         Ok(cfg)

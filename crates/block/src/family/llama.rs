@@ -4,9 +4,9 @@
 use candle_core::{bail, Result};
 use mha::RopeScaling;
 
-use super::fields::{base, decimal, head_dim, layer_windows, Fields};
+use super::fields::{base, decimal, free_head_dim, layer_windows, Fields};
 use super::id::Family;
-use super::names::{gguf, name, AttnNames, MlpNames, QkvLayout, TensorNames};
+use super::names::{gguf, name, AttnNames, MlpNames, QkvLayout, TensorNames, NONE};
 use crate::config::{Activation, GptConfig, NormKind, NormPlacement};
 
 /// `model.layers.{i}.self_attn.q_proj`, SwiGLU's `gate_proj`/`up_proj`/`down_proj`.
@@ -23,8 +23,12 @@ pub(super) const NAMES: TensorNames = TensorNames {
         v: name("v_proj", gguf::ATTN_V),
         qkv: name("", gguf::ATTN_QKV),
         o: name("o_proj", gguf::ATTN_OUTPUT),
+        q_norm: name("q_norm", gguf::ATTN_Q_NORM),
+        k_norm: name("k_norm", gguf::ATTN_K_NORM),
     },
     mlp_norm: name("post_attention_layernorm", gguf::FFN_NORM),
+    attn_post_norm: NONE,
+    mlp_post_norm: NONE,
     mlp: "mlp",
     mlp_proj: MlpNames {
         up: name("up_proj", gguf::FFN_UP),
@@ -36,12 +40,13 @@ pub(super) const NAMES: TensorNames = TensorNames {
     head: name("lm_head", gguf::OUTPUT),
 };
 
-/// Reads the config of Llama, Mistral or Qwen2.
+/// Reads the config of Llama, Mistral, Qwen2, or the Llama-layout part of the families
+/// built on it (their own readers add the rest).
 pub(super) fn read(family: Family, f: &Fields) -> Result<GptConfig> {
     let d = f.need("hidden_size")?;
     let h = f.need("num_attention_heads")?;
     let n_layer = f.need("num_hidden_layers")?;
-    let hd = head_dim(f, ("hidden_size", d), ("num_attention_heads", h))?;
+    let (hd, head_dim) = free_head_dim(f, d, h)?;
     let attention_bias = f.bool("attention_bias")?.unwrap_or(false);
     // Qwen2 has q/k/v biases and none on o_proj, whatever the config says.
     let (qkv_bias, o_bias) = match family {
@@ -52,13 +57,19 @@ pub(super) fn read(family: Family, f: &Fields) -> Result<GptConfig> {
     let global = match family {
         // Mistral: every layer, when sliding_window is set.
         Family::Mistral => 0,
-        // Qwen2: from max_window_layers on, when use_sliding_window is set.
-        Family::Qwen2 if f.bool("use_sliding_window")?.unwrap_or(false) => {
+        // Qwen2 and 3: from max_window_layers on, when use_sliding_window is set.
+        Family::Qwen2 | Family::Qwen3 if f.bool("use_sliding_window")?.unwrap_or(false) => {
             f.usize("max_window_layers")?.unwrap_or(n_layer)
         }
         _ => n_layer,
     };
-    let windows = layer_windows(f, n_layer, window, global)?;
+    // Qwen3 and SmolLM3 have no window unless use_sliding_window says so, whatever
+    // sliding_window and layer_types say (transformers drops them).
+    let sliding = f.bool("use_sliding_window")?.unwrap_or(false);
+    let windows = match family {
+        Family::Qwen3 | Family::SmolLm3 if !sliding => Vec::new(),
+        _ => layer_windows(f, n_layer, window, global)?,
+    };
     Ok(GptConfig {
         n_embd: d,
         n_layer,
@@ -68,6 +79,7 @@ pub(super) fn read(family: Family, f: &Fields) -> Result<GptConfig> {
         activation_function: f.activation("hidden_act", Activation::Silu)?,
         layer_norm_epsilon: f.f64("rms_norm_eps")?.unwrap_or(1e-6),
         norm: NormKind::RmsNorm,
+        head_dim,
         rope: Some(f.rope(hd, 1.0, None, None)?),
         gated_mlp: true,
         parallel_residual: false,
@@ -84,8 +96,16 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
     let Some(rope) = &cfg.rope else {
         bail!("a Llama model without rotary positions cannot be saved as Llama")
     };
-    let head_dim = cfg.n_embd / cfg.n_head.max(1);
+    let head_dim = cfg.head_dim();
     let fits = cfg.norm == NormKind::RmsNorm
+        && cfg.qk_norm.is_none()
+        && cfg.no_rope.is_empty()
+        && cfg.attn_scale.is_none()
+        && [
+            cfg.embedding_multiplier,
+            cfg.residual_multiplier,
+            cfg.logits_scaling,
+        ] == [1.0; 3]
         && cfg.gated_mlp
         && !cfg.parallel_residual
         && cfg.norm_placement == NormPlacement::Pre
@@ -98,7 +118,7 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
         && !cfg.scale_attn_by_inverse_layer_idx
         && cfg.scale_attn_weights;
     if !fits {
-        bail!("this model has parts Llama's config.json cannot express (windows, partial rotary, LayerNorm, an ungated MLP, parallel residuals or unequal attention biases); it cannot be saved")
+        bail!("this model has parts Llama's config.json cannot express (windows, partial rotary, LayerNorm, an ungated MLP, parallel residuals, unequal attention biases, q/k norms, layers without rotation or multipliers); it cannot be saved")
     }
     let mut params = serde_json::json!({ "rope_theta": rope.theta, "rope_type": "default" });
     match rope.scaling {

@@ -5,12 +5,16 @@
 
 mod fields;
 mod gpt2;
+mod granite;
 pub(crate) mod id;
 mod json;
 mod llama;
 pub(crate) mod names;
 mod neo;
 mod neox;
+mod olmo2;
+mod qwen3;
+mod smollm3;
 
 pub use id::Family;
 
@@ -21,7 +25,13 @@ impl Family {
     pub(crate) fn names(self) -> &'static TensorNames {
         match self {
             Self::Gpt2 => &gpt2::NAMES,
-            Self::Llama | Self::Mistral | Self::Qwen2 => &llama::NAMES,
+            Self::Llama
+            | Self::Mistral
+            | Self::Qwen2
+            | Self::Qwen3
+            | Self::SmolLm3
+            | Self::Granite => &llama::NAMES,
+            Self::Olmo2 => &olmo2::NAMES,
             Self::GptNeox => &neox::NAMES,
             Self::GptNeo => &neo::NAMES,
         }

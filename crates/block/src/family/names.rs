@@ -20,6 +20,9 @@ pub(crate) const fn name(hf: &'static str, gguf: &'static str) -> Name {
     Name { hf, gguf }
 }
 
+/// A part the family does not have.
+pub(crate) const NONE: Name = name("", "");
+
 /// How a Hugging Face checkpoint stores the attention's projections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum QkvLayout {
@@ -42,6 +45,9 @@ pub(crate) struct AttnNames {
     /// `query_key_value`).
     pub qkv: Name,
     pub o: Name,
+    /// The q/k norms' weights (under the attention module), for families that have them.
+    pub q_norm: Name,
+    pub k_norm: Name,
 }
 
 /// The MLP's projections, and how their weights are stored.
@@ -64,14 +70,19 @@ pub(crate) struct TensorNames {
     pub positions: Name,
     /// Block `i` lives under `{layers}.{i}`.
     pub layers: Name,
-    /// Norm before attention (and, for post-norm models, after it).
+    /// Norm of the attention (before it; after it for post-norm models).
     pub attn_norm: Name,
     /// The attention module under the block (Hugging Face only: GGUF names are flat).
     pub attn: &'static str,
     /// The attention's projections, under `attn`.
     pub attn_proj: AttnNames,
-    /// Norm before the MLP.
+    /// Norm of the MLP (before it; after it for [`NormPlacement::PostBranch`]).
+    ///
+    /// [`NormPlacement::PostBranch`]: crate::config::NormPlacement::PostBranch
     pub mlp_norm: Name,
+    /// Sandwich norms: the norms on the attention's and the MLP's outputs.
+    pub attn_post_norm: Name,
+    pub mlp_post_norm: Name,
     /// The MLP module under the block (Hugging Face only).
     pub mlp: &'static str,
     /// The MLP's projections, under `mlp`.
@@ -128,4 +139,8 @@ pub(crate) mod gguf {
     pub const OUTPUT: &str = "output";
     /// Llama 3's per-frequency rotary divisors (no Hugging Face tensor: its config says it).
     pub const ROPE_FREQS: &str = "rope_freqs";
+    pub const ATTN_Q_NORM: &str = "attn_q_norm";
+    pub const ATTN_K_NORM: &str = "attn_k_norm";
+    pub const ATTN_POST_NORM: &str = "post_attention_norm";
+    pub const FFN_POST_NORM: &str = "post_ffw_norm";
 }

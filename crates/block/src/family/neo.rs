@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use super::fields::{base, head_dim, Fields};
 use super::id::Family;
-use super::names::{name, AttnNames, MlpNames, QkvLayout, TensorNames};
+use super::names::{name, AttnNames, MlpNames, QkvLayout, TensorNames, NONE};
 use crate::config::{layers_covered, Activation, GptConfig, NormKind};
 
 /// GPT-2's names, with `attn.attention.{q,k,v,out}_proj` as `nn.Linear`s.
@@ -23,8 +23,12 @@ pub(super) const NAMES: TensorNames = TensorNames {
         v: name("v_proj", ""),
         qkv: name("", ""),
         o: name("out_proj", ""),
+        q_norm: NONE,
+        k_norm: NONE,
     },
     mlp_norm: name("ln_2", ""),
+    attn_post_norm: NONE,
+    mlp_post_norm: NONE,
     mlp: "mlp",
     mlp_proj: MlpNames {
         up: name("c_fc", ""),

@@ -4,7 +4,7 @@ use candle_core::Result;
 
 use super::fields::{base, head_dim, Fields};
 use super::id::Family;
-use super::names::{gguf, name, AttnNames, MlpNames, QkvLayout, TensorNames};
+use super::names::{gguf, name, AttnNames, MlpNames, QkvLayout, TensorNames, NONE};
 use crate::config::{Activation, GptConfig, NormKind};
 
 /// `gpt_neox.layers.{i}.attention.query_key_value` (rows grouped by head), `embed_out`.
@@ -21,8 +21,12 @@ pub(super) const NAMES: TensorNames = TensorNames {
         v: name("", gguf::ATTN_V),
         qkv: name("query_key_value", gguf::ATTN_QKV),
         o: name("dense", gguf::ATTN_OUTPUT),
+        q_norm: NONE,
+        k_norm: NONE,
     },
     mlp_norm: name("post_attention_layernorm", gguf::FFN_NORM),
+    attn_post_norm: NONE,
+    mlp_post_norm: NONE,
     mlp: "mlp",
     mlp_proj: MlpNames {
         up: name("dense_h_to_4h", gguf::FFN_UP),

@@ -113,13 +113,13 @@ impl Gpt {
             .map(|i| block(i, layers.pp(i.to_string())))
             .collect::<Result<Vec<_>>>()?;
         let ln_f = match cfg.norm_placement {
-            NormPlacement::Pre => Some(Norm::new(
+            NormPlacement::Post => None,
+            _ => Some(Norm::new(
                 cfg.norm,
                 d,
                 cfg.layer_norm_epsilon,
                 vb.pp(names.final_norm.hf),
             )?),
-            NormPlacement::Post => None,
         };
         let head = format!("{}.weight", names.head.hf);
         let packed_head = match (tied_head.is_none(), quantize) {
@@ -181,8 +181,8 @@ impl Gpt {
         if h.len() != cfg.n_layer {
             bail!("{} blocks for n_layer = {}", h.len(), cfg.n_layer)
         }
-        if ln_f.is_some() != (cfg.norm_placement == NormPlacement::Pre) {
-            bail!("a final norm goes with pre-norm blocks, and only with them")
+        if ln_f.is_some() == (cfg.norm_placement == NormPlacement::Post) {
+            bail!("a final norm goes with every placement of norms but post-norm")
         }
         if lm_head.dims()? != (d, v) {
             bail!(

@@ -118,10 +118,10 @@ impl Gpt {
         self.ln_f.as_ref()
     }
 
-    /// The rotary tables of positions `pos` (`[b, t]`), shared by every block; `None` for
-    /// models with learned positions.
+    /// The rotary tables of positions `pos` (`[b, t]`), shared by every block that rotates;
+    /// `None` for models with learned positions.
     pub fn rope_tables(&self, pos: &Tensor) -> Result<Option<RopeTables>> {
-        match self.h.first().and_then(|b| b.parts().1.rope()) {
+        match self.h.iter().find_map(|b| b.parts().1.rope()) {
             Some(rope) => Ok(Some(rope.tables(pos)?)),
             None => Ok(None),
         }
@@ -267,7 +267,7 @@ impl Gpt {
         }
         let pos = self.positions(b, t, past, keep)?;
         // (b, t, d)
-        let mut xs = self.wte.rows(&ids)?;
+        let mut xs = self.embed(&ids)?;
         if let Some(wpe) = &self.wpe {
             xs = (xs + wpe.embedding_rows(&pos)?)?;
         }
@@ -294,6 +294,16 @@ impl Gpt {
         Ok((self.head(xs, logits, &stages, train)?, weights))
     }
 
+    /// The token embeddings of `ids` `[b, t]`, `[b, t, d]`, times the config's
+    /// `embedding_multiplier`.
+    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let xs = self.wte.rows(ids)?;
+        match self.cfg.embedding_multiplier {
+            1.0 => Ok(xs),
+            m => xs.affine(m, 0.0),
+        }
+    }
+
     /// Final norm and LM head on `xs [b, t, d]`; names the first stage whose output is not
     /// finite when the logits are not.
     fn head(&self, xs: Tensor, logits: Logits, stages: &Stages, train: bool) -> Result<Tensor> {
@@ -305,7 +315,10 @@ impl Gpt {
         if let Some(ln_f) = &self.ln_f {
             xs = ln_f.forward(&xs)?;
         }
-        let logits = self.lm_head.forward(&xs)?;
+        let mut logits = self.lm_head.forward(&xs)?;
+        if self.cfg.logits_scaling != 1.0 {
+            logits = logits.affine(1.0 / self.cfg.logits_scaling, 0.0)?;
+        }
         if !train && !all_finite(&logits)? {
             let culprit = stages
                 .first_non_finite()?
@@ -351,7 +364,7 @@ impl Gpt {
             .collect();
         let pos = Tensor::from_vec(pos, (rows, t), self.device())?;
         // (rows, t, d)
-        let mut xs = self.wte.rows(&ids)?;
+        let mut xs = self.embed(&ids)?;
         if let Some(wpe) = &self.wpe {
             xs = (xs + wpe.embedding_rows(&pos)?)?;
         }

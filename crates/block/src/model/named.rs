@@ -51,7 +51,24 @@ impl Gpt {
             let (ln_1, attn, ln_2, mlp) = block.parts();
             norm(&mut put, format!("{pre}.{}", names.attn_norm.hf), ln_1);
             norm(&mut put, format!("{pre}.{}", names.mlp_norm.hf), ln_2);
+            if let Some((post_attn, post_mlp)) = block.post_norms() {
+                norm(
+                    &mut put,
+                    format!("{pre}.{}", names.attn_post_norm.hf),
+                    post_attn,
+                );
+                norm(
+                    &mut put,
+                    format!("{pre}.{}", names.mlp_post_norm.hf),
+                    post_mlp,
+                );
+            }
             let a = format!("{pre}.{}", names.attn);
+            if let Some((q, k)) = attn.qk_norm() {
+                let (qn, kn) = (names.attn_proj.q_norm.hf, names.attn_proj.k_norm.hf);
+                put(format!("{a}.{qn}.weight"), q);
+                put(format!("{a}.{kn}.weight"), k);
+            }
             match (names.attn_layout(), attn.fused_qkv()) {
                 (mha::WeightLayout::Gpt2Conv1d, Some(qkv)) => {
                     let (q_name, o) = (names.attn_proj.qkv.hf, names.attn_proj.o.hf);

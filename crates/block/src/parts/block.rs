@@ -10,16 +10,23 @@ use super::norm::Norm;
 use crate::config::{GptConfig, NormPlacement};
 
 /// A decoder block (`h.{i}` in GPT-2 checkpoints, `layers.{i}` in others): a norm and
-/// attention, a norm and an MLP.
+/// attention, a norm and an MLP, and with sandwich norms one more norm after each.
 #[derive(Debug, Clone)]
 pub struct Block {
+    /// The attention's norm: before it, or after it ([`NormPlacement`]).
     ln_1: Norm,
     attn: MultiHeadAttention,
+    /// The MLP's norm.
     ln_2: Norm,
     mlp: Mlp,
+    /// With [`NormPlacement::Sandwich`]: the norms on the attention's and the MLP's
+    /// outputs.
+    post: Option<(Norm, Norm)>,
     resid_drop: Dropout,
     placement: NormPlacement,
     parallel: bool,
+    /// Factor on each branch's output (Granite's `residual_multiplier`).
+    residual_multiplier: f64,
 }
 
 impl Block {
@@ -30,14 +37,25 @@ impl Block {
         let (d, eps) = (cfg.n_embd, cfg.layer_norm_epsilon);
         let layout = names.attn_layout();
         let attn_cfg = Self::attn_config(cfg, layer_idx);
-        Self::from_parts(
+        let norm = |name: &str| Norm::new(cfg.norm, d, eps, vb.pp(name));
+        // The q/k norm's weights, when the config has one, are `q_norm` and `k_norm` under
+        // the attention module in every family that has them.
+        let attn = MultiHeadAttention::load(&attn_cfg, &layout, vb.pp(names.attn))?;
+        let block = Self::from_parts(
             cfg,
             layer_idx,
-            Norm::new(cfg.norm, d, eps, vb.pp(names.attn_norm.hf))?,
-            MultiHeadAttention::load(&attn_cfg, &layout, vb.pp(names.attn))?,
-            Norm::new(cfg.norm, d, eps, vb.pp(names.mlp_norm.hf))?,
+            norm(names.attn_norm.hf)?,
+            attn,
+            norm(names.mlp_norm.hf)?,
             Mlp::new(cfg, vb.pp(names.mlp))?,
-        )
+        )?;
+        match cfg.norm_placement {
+            NormPlacement::Sandwich => block.with_post_norms(
+                norm(names.attn_post_norm.hf)?,
+                norm(names.mlp_post_norm.hf)?,
+            ),
+            _ => Ok(block),
+        }
     }
 
     /// The block from parts loaded elsewhere (a GGUF file's, say); `attn` should be built
@@ -56,10 +74,29 @@ impl Block {
             attn,
             ln_2,
             mlp,
+            post: None,
             resid_drop: Dropout::new(cfg.resid_pdrop, seed.wrapping_add(1))?,
             placement: cfg.norm_placement,
             parallel: cfg.parallel_residual,
+            residual_multiplier: cfg.residual_multiplier,
         })
+    }
+
+    /// The block with the norms on its attention's and MLP's outputs, which
+    /// [`NormPlacement::Sandwich`] needs.
+    pub fn with_post_norms(self, attn: Norm, mlp: Norm) -> Result<Self> {
+        if self.placement != NormPlacement::Sandwich {
+            candle_core::bail!("only sandwich-norm blocks have norms after their branches")
+        }
+        Ok(Self {
+            post: Some((attn, mlp)),
+            ..self
+        })
+    }
+
+    /// The norms on the attention's and the MLP's outputs, for sandwich-norm blocks.
+    pub fn post_norms(&self) -> Option<(&Norm, &Norm)> {
+        self.post.as_ref().map(|(a, m)| (a, m))
     }
 
     /// The block's dropouts, in a fixed order: the attention weights', the residual
@@ -77,26 +114,37 @@ impl Block {
     /// The attention configuration of block `layer_idx`: heads, biases, rotary positions,
     /// its window and its scale.
     pub fn attn_config(cfg: &GptConfig, layer_idx: usize) -> MhaConfig {
-        let head_dim = (cfg.n_embd / cfg.n_head) as f64;
-        let mut scale = if cfg.scale_attn_weights {
-            1.0 / head_dim.sqrt()
-        } else {
-            1.0
+        let head_dim = cfg.head_dim() as f64;
+        let mut scale = match (cfg.attn_scale, cfg.scale_attn_weights) {
+            (Some(s), _) => s,
+            (None, true) => 1.0 / head_dim.sqrt(),
+            (None, false) => 1.0,
         };
         if cfg.scale_attn_by_inverse_layer_idx {
             scale /= (layer_idx + 1) as f64;
         }
         MhaConfig {
             n_kv_heads: cfg.n_kv_head,
+            head_dim: cfg.head_dim,
+            qk_norm: cfg.qk_norm,
             bias: cfg.attn_bias,
             out_bias: Some(cfg.attn_out_bias),
-            rope: cfg.rope,
+            rope: cfg.layer_rope(layer_idx),
             window: cfg.window(layer_idx),
             dropout: cfg.attn_pdrop,
             scale: Some(scale),
             seed: Self::seed(cfg, layer_idx),
             ..MhaConfig::new(cfg.n_embd, cfg.n_head)
         }
+    }
+
+    /// The widths of the q/k norm's weights (queries', keys') under `cfg`, when it has one.
+    pub fn qk_norm_widths(cfg: &GptConfig) -> Option<(usize, usize)> {
+        let hd = cfg.head_dim();
+        cfg.qk_norm.map(|n| match n.per_head {
+            true => (hd, hd),
+            false => (cfg.n_head * hd, cfg.kv_heads() * hd),
+        })
     }
 
     /// The block with its attention and MLP projections quantized to `dtype`.
@@ -110,9 +158,14 @@ impl Block {
 
     /// The block with its norms' weights in `dtype` (the projections as they are).
     pub fn norms_to_dtype(&self, dtype: DType) -> Result<Self> {
+        let post = match &self.post {
+            Some((a, m)) => Some((a.to_dtype(dtype)?, m.to_dtype(dtype)?)),
+            None => None,
+        };
         Ok(Self {
             ln_1: self.ln_1.to_dtype(dtype)?,
             ln_2: self.ln_2.to_dtype(dtype)?,
+            post,
             ..self.clone()
         })
     }
@@ -210,9 +263,38 @@ impl Block {
         attend: impl FnOnce(&Tensor) -> Result<(Tensor, Option<Tensor>)>,
         train: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let drop = |t: Tensor| self.resid_drop.forward(&t, train);
+        let drop = |t: Tensor| {
+            let t = match self.residual_multiplier {
+                1.0 => t,
+                m => t.affine(m, 0.0)?,
+            };
+            self.resid_drop.forward(&t, train)
+        };
         let add = gpt_kernels::ops::add;
         match (self.placement, self.parallel) {
+            (NormPlacement::Sandwich, false) => {
+                let Some((post_attn, post_mlp)) = &self.post else {
+                    candle_core::bail!(
+                        "a sandwich-norm block needs its post norms (Block::with_post_norms)"
+                    )
+                };
+                let (a, weights) = attend(&self.ln_1.forward(xs)?)?;
+                let xs = add(xs, &drop(post_attn.forward(&a)?)?)?;
+                let m = self.mlp.forward(&self.ln_2.forward(&xs)?)?;
+                Ok((add(&xs, &drop(post_mlp.forward(&m)?)?)?, weights))
+            }
+            (NormPlacement::PostBranch, false) => {
+                let (a, weights) = attend(xs)?;
+                let xs = add(xs, &drop(self.ln_1.forward(&a)?)?)?;
+                let m = self.mlp.forward(&xs)?;
+                Ok((add(&xs, &drop(self.ln_2.forward(&m)?)?)?, weights))
+            }
+            (NormPlacement::Sandwich | NormPlacement::PostBranch, true) => {
+                candle_core::bail!(
+                    "parallel residuals with {:?} norms are not supported",
+                    self.placement
+                )
+            }
             (NormPlacement::Pre, false) => {
                 let (a, weights) = attend(&self.ln_1.forward(xs)?)?;
                 let xs = add(xs, &drop(a)?)?;

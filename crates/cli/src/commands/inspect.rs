@@ -37,16 +37,24 @@ fn parts_of(cfg: &gpt_blocks::GptConfig) -> serde_json::Value {
     let positions = match &cfg.rope {
         None => "learned".to_string(),
         Some(r) => {
-            let dims = r.rotary_dim.unwrap_or(cfg.n_embd / cfg.n_head);
+            let dims = r.rotary_dim.unwrap_or(cfg.head_dim());
             let scaling = match r.scaling {
                 mha::RopeScaling::None => String::new(),
                 mha::RopeScaling::Linear { factor } => format!(", linear scaling {factor}"),
                 mha::RopeScaling::Llama3 { factor, .. } => format!(", llama3 scaling {factor}"),
             };
+            let nope: Vec<String> = (0..cfg.n_layer)
+                .filter(|&i| cfg.layer_rope(i).is_none())
+                .map(|i| i.to_string())
+                .collect();
+            let nope = match nope.is_empty() {
+                true => String::new(),
+                false => format!("; layers {} without rotation", nope.join(", ")),
+            };
             format!(
-                "rotary (theta {}, {dims} of {} dims{scaling})",
+                "rotary (theta {}, {dims} of {} dims{scaling}{nope})",
                 r.theta,
-                cfg.n_embd / cfg.n_head
+                cfg.head_dim()
             )
         }
     };
@@ -60,6 +68,15 @@ fn parts_of(cfg: &gpt_blocks::GptConfig) -> serde_json::Value {
         "mlp": format!("{} {:?} of width {}", if cfg.gated_mlp { "gated" } else { "plain" }, cfg.activation_function, cfg.inner_dim()),
         "residual": if cfg.parallel_residual { "parallel" } else { "sequential" },
         "kv_heads": cfg.kv_heads(),
+        "head_dim": cfg.head_dim(),
+        "qk_norm": cfg.qk_norm.map(|n| if n.per_head { "RMSNorm per head" } else { "RMSNorm over the projection" }),
+        "norm_placement": cfg.norm_placement,
+        "multipliers": serde_json::json!({
+            "embedding": cfg.embedding_multiplier,
+            "attention_scale": cfg.attn_scale,
+            "residual": cfg.residual_multiplier,
+            "logits_divided_by": cfg.logits_scaling,
+        }),
         "local_attention_windows": windows,
     })
 }

@@ -29,8 +29,8 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         model, tokenizer, ..
     } = model::load(margs)?;
     let cfg = model.config().clone();
-    if cfg.norm_placement != NormPlacement::Pre {
-        bail!("trace follows pre-norm blocks; this model is post-norm")
+    if cfg.norm_placement == NormPlacement::Post {
+        bail!("trace follows blocks with a final norm; this model is post-norm (GPT-2's ln(x + f(x)))")
     }
     let ids = a.prompt.ids(tokenizer.as_ref())?;
     if ids.is_empty() || ids.len() > cfg.n_positions {
@@ -50,7 +50,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         }
     }
     let (h, hk, d, f) = (cfg.n_head, cfg.kv_heads(), cfg.n_embd, cfg.inner_dim());
-    let dk = d / h;
+    let dk = cfg.head_dim();
     let s = ids.len();
     let dev = model.device().clone();
     let input = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
@@ -60,7 +60,8 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         format!(", H_kv = {hk} key/value heads")
     };
     println!(
-        "B = 1 sequence, S = {s} tokens, D = {d} (n_embd), H = {h} heads, d_k = D/H = {dk}{kv_note}, F = {f} (MLP), V = {}",
+        "B = 1 sequence, S = {s} tokens, D = {d} (n_embd), H = {h} heads, d_k = {dk}{}{kv_note}, F = {f} (MLP), V = {}",
+        if dk * h == d { " = D/H" } else { " (head_dim; H·d_k ≠ D)" },
         cfg.vocab_size
     );
     println!(
@@ -79,6 +80,14 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         "token embedding E[ids]                  [B, S, D]     = {}",
         shape(&xs)
     );
+    if cfg.embedding_multiplier != 1.0 {
+        xs = xs.affine(cfg.embedding_multiplier, 0.0)?;
+        println!(
+            "{:<40}[B, S, D]     = {}",
+            format!("· embedding multiplier {}", cfg.embedding_multiplier),
+            shape(&xs)
+        );
+    }
     match model.wpe() {
         Some(wpe) => {
             xs = (&xs + wpe.narrow(0, 0, s)?.unsqueeze(0)?)?;
@@ -87,7 +96,10 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
                 shape(&xs)
             );
         }
-        None => println!("positions: rotary, applied to q and k in every block"),
+        None if (0..cfg.n_layer).all(|i| cfg.layer_rope(i).is_some()) => {
+            println!("positions: rotary, applied to q and k in every block")
+        }
+        None => println!("positions: rotary, applied to q and k in the blocks that rotate"),
     }
     let rope = model.rope_tables(&Tensor::arange(0u32, s as u32, &dev)?.unsqueeze(0)?)?;
     for (i, block) in model.blocks().iter().enumerate() {
@@ -101,14 +113,34 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         if show {
             println!("block {i}:");
         }
-        let x_ln = ln_1.forward(&xs)?;
-        say(&format!("{}(x)", cfg.norm_name()), "[B, S, D]", &x_ln);
+        // OLMo 2 normalises the branches' outputs only; the others their inputs.
+        let post_branch = cfg.norm_placement == NormPlacement::PostBranch;
+        let x_ln = match post_branch {
+            true => xs.clone(),
+            false => {
+                let x_ln = ln_1.forward(&xs)?;
+                say(&format!("{}(x)", cfg.norm_name()), "[B, S, D]", &x_ln);
+                x_ln
+            }
+        };
         let [qp, kp, vp] = attn.qkv_proj();
         let (q, k, v) = (qp.forward(&x_ln)?, kp.forward(&x_ln)?, vp.forward(&x_ln)?);
-        say("q = x·W_q", "[B, S, D]", &q);
+        say("q = x·W_q", "[B, S, H·d_k]", &q);
         if hk != h {
             say("k = x·W_k, v = x·W_v", "[B, S, H_kv·d_k]", &k);
         }
+        let (q, k) = match attn.qk_norm() {
+            Some((qw, _)) => {
+                let (q, k) = attn.normalize_qk(&q, &k)?;
+                let over = match qw.dim(0)? == dk {
+                    true => "each head",
+                    false => "the whole projection",
+                };
+                say(&format!("q, k RMSNorm over {over}"), "[B, S, H·d_k]", &q);
+                (q, k)
+            }
+            None => (q, k),
+        };
         let q4 = q.reshape((1, s, h, dk))?;
         say("q split into heads", "[B, S, H, d_k]", &q4);
         let q = q4.transpose(1, 2)?.contiguous()?;
@@ -120,6 +152,12 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
                 let (q, k) = (r.apply(&q, tables)?, r.apply(&k, tables)?);
                 let what = format!("q, k rotated (RoPE, {} of {dk} dims)", r.rotary_dim());
                 say(&what, "[B, H, S, d_k]", &q);
+                (q, k)
+            }
+            (None, Some(_)) => {
+                if show {
+                    println!("  no rotation in this block (NoPE)");
+                }
                 (q, k)
             }
             _ => (q, k),
@@ -153,10 +191,25 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         say(&what, "[B, H, S, S]", &weights);
         let per_head = weights.matmul(&v)?;
         say("weights·v", "[B, H, S, d_k]", &per_head);
-        let merged = per_head.transpose(1, 2)?.reshape((1, s, d))?;
-        say("heads merged back", "[B, S, D]", &merged);
-        let projected = attn.out_proj().forward(&merged)?;
+        let merged = per_head.transpose(1, 2)?.reshape((1, s, h * dk))?;
+        say("heads merged back", "[B, S, H·d_k]", &merged);
+        let mut projected = attn.out_proj().forward(&merged)?;
         say("output projection (W_o)", "[B, S, D]", &projected);
+        let post = block.post_norms();
+        let branch_norm = match (post_branch, post) {
+            (true, _) => Some(ln_1),
+            (false, Some((post_attn, _))) => Some(post_attn),
+            _ => None,
+        };
+        if let Some(n) = branch_norm {
+            projected = n.forward(&projected)?;
+            say(&format!("{} of the output", cfg.norm_name()), "[B, S, D]", &projected);
+        }
+        let m = cfg.residual_multiplier;
+        if m != 1.0 {
+            projected = projected.affine(m, 0.0)?;
+            say(&format!("· residual multiplier {m}"), "[B, S, D]", &projected);
+        }
         // Parallel blocks feed the MLP the block's input, not the attention's output.
         let mlp_in = if block.is_parallel() {
             xs.clone()
@@ -165,8 +218,14 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
             say("x + attention (residual)", "[B, S, D]", &xs);
             xs.clone()
         };
-        let hid = ln_2.forward(&mlp_in)?;
-        say(&format!("{}(x)", cfg.norm_name()), "[B, S, D]", &hid);
+        let hid = match post_branch {
+            true => mlp_in,
+            false => {
+                let hid = ln_2.forward(&mlp_in)?;
+                say(&format!("{}(x)", cfg.norm_name()), "[B, S, D]", &hid);
+                hid
+            }
+        };
         let (projections, _) = mlp.projections();
         let act = mlp.activation();
         let hid = match projections.as_slice() {
@@ -192,12 +251,25 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         let Some(down) = down else {
             bail!("an MLP without projections")
         };
-        let hid = down.forward(&hid)?;
+        let mut hid = down.forward(&hid)?;
         say(
             &format!("MLP down ({})", projections[projections.len() - 1].0),
             "[B, S, D]",
             &hid,
         );
+        let branch_norm = match (post_branch, post) {
+            (true, _) => Some(ln_2),
+            (false, Some((_, post_mlp))) => Some(post_mlp),
+            _ => None,
+        };
+        if let Some(n) = branch_norm {
+            hid = n.forward(&hid)?;
+            say(&format!("{} of the output", cfg.norm_name()), "[B, S, D]", &hid);
+        }
+        if m != 1.0 {
+            hid = hid.affine(m, 0.0)?;
+            say(&format!("· residual multiplier {m}"), "[B, S, D]", &hid);
+        }
         if block.is_parallel() {
             xs = ((&xs + projected)? + hid)?;
             say("x + attention + MLP (parallel)", "[B, S, D]", &xs);
@@ -214,11 +286,19 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
             shape(&xs)
         );
     }
-    let logits = model.lm_head().forward(&xs)?;
+    let mut logits = model.lm_head().forward(&xs)?;
     println!(
         "logits = x·W_headᵀ (LM head)            [B, S, V]     = {}",
         shape(&logits)
     );
+    if cfg.logits_scaling != 1.0 {
+        logits = logits.affine(1.0 / cfg.logits_scaling, 0.0)?;
+        println!(
+            "{:<40}[B, S, V]     = {}",
+            format!("/ logits scaling {}", cfg.logits_scaling),
+            shape(&logits)
+        );
+    }
     let reference = model.infer(&input, None, None, gpt_blocks::Logits::All)?;
     let diff = (&logits - &reference)?
         .abs()?

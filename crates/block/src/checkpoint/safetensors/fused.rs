@@ -12,7 +12,7 @@ use super::files::FileTensors;
 use super::{in_file, with_prefix_fallback};
 use crate::checkpoint::arena::FloatArena;
 use crate::checkpoint::options::LoadOptions;
-use crate::config::GptConfig;
+use crate::config::{GptConfig, NormPlacement};
 use crate::model::Gpt;
 use crate::parts::{block::Block, mlp::Mlp, norm::Norm};
 
@@ -140,7 +140,7 @@ fn block_from_arena(
 ) -> Result<Block> {
     let names = cfg.family.names();
     let (d, inner) = (cfg.n_embd, cfg.inner_dim());
-    let kv = cfg.kv_heads() * (d / cfg.n_head);
+    let (qw, kv) = (cfg.n_head * cfg.head_dim(), cfg.kv_heads() * cfg.head_dim());
     // `(prefix, rows)` under `vb` read side by side: one `[Σ rows, cols]` view.
     // (The lock is held only here: the VarBuilder's reads take it too.)
     let span = |vb: &VarBuilder, parts: &[(&str, usize)], cols: usize| {
@@ -177,7 +177,7 @@ fn block_from_arena(
     let a = vb.pp(names.attn);
     let qkv = match &layout {
         WeightLayout::Separate { q, k, v, .. } => {
-            let parts = [(q.as_str(), d), (k.as_str(), kv), (v.as_str(), kv)];
+            let parts = [(q.as_str(), qw), (k.as_str(), kv), (v.as_str(), kv)];
             span(&a, &parts, d)?.map(|w| (w, parts))
         }
         _ => None,
@@ -185,8 +185,16 @@ fn block_from_arena(
     let attn = match (qkv, &layout) {
         (Some((w, parts)), WeightLayout::Separate { o, .. }) => {
             let qkv = Proj::from_linear(&w, biases(&a, &parts, cfg.attn_bias)?)?;
-            let o = linear(a.pp(o), (d, d), cfg.attn_out_bias)?;
-            MultiHeadAttention::from_projections(&attn_cfg, QkvProj::Fused(qkv), o)?
+            let o = linear(a.pp(o), (d, qw), cfg.attn_out_bias)?;
+            let attn = MultiHeadAttention::from_projections(&attn_cfg, QkvProj::Fused(qkv), o)?;
+            match Block::qk_norm_widths(cfg) {
+                Some((qn, kn)) => {
+                    let an = &names.attn_proj;
+                    let q = a.pp(an.q_norm.hf).get(qn, "weight")?;
+                    attn.with_qk_norm(q, a.pp(an.k_norm.hf).get(kn, "weight")?)?
+                }
+                None => attn,
+            }
         }
         _ => MultiHeadAttention::load(&attn_cfg, &layout, a)?.fused()?,
     };
@@ -209,7 +217,14 @@ fn block_from_arena(
     let eps = cfg.layer_norm_epsilon;
     let ln_1 = Norm::new(cfg.norm, d, eps, vb.pp(names.attn_norm.hf))?;
     let ln_2 = Norm::new(cfg.norm, d, eps, vb.pp(names.mlp_norm.hf))?;
-    Block::from_parts(cfg, i, ln_1, attn, ln_2, mlp)
+    let block = Block::from_parts(cfg, i, ln_1, attn, ln_2, mlp)?;
+    match cfg.norm_placement {
+        NormPlacement::Sandwich => block.with_post_norms(
+            Norm::new(cfg.norm, d, eps, vb.pp(names.attn_post_norm.hf))?,
+            Norm::new(cfg.norm, d, eps, vb.pp(names.mlp_post_norm.hf))?,
+        ),
+        _ => Ok(block),
+    }
 }
 
 /// The files' tensors, a block's matrices served as views of the [`FloatArena`] they were
