@@ -12,7 +12,11 @@ logits and for quantizing (q4_0, q4_K_M) with llama.cpp's own quantizer:
     pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d /tmp/lcp
     tar xzf /tmp/lcp/llama_cpp_python-0.3.36.tar.gz -C /tmp/lcp
     CMAKE_ARGS="-DGGML_NATIVE=ON" /tmp/ref/bin/pip install /tmp/lcp/llama_cpp_python-0.3.36.tar.gz
-    LLAMA_CPP=/tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp /tmp/ref/bin/python scripts/gguf_fixtures.py
+    LLAMA_CPP=/tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp /tmp/ref/bin/python scripts/gguf_fixtures.py [name ...]
+
+(A llama.cpp built from the same tree by cmake serves too: `pip install diskcache`, then
+LLAMA_CPP_LIB_PATH=<its bin/> PYTHONPATH=/tmp/lcp/llama_cpp_python-0.3.36.) With names,
+only those models are (re)written.
 
 Models (random weights, every parameter redrawn so that a dropped or swapped part shows):
 - gpt2: byte-level BPE tokenizer, learned positions, fused Conv1D attention;
@@ -23,7 +27,12 @@ Models (random weights, every parameter redrawn so that a dropped or swapped par
 - neox: byte-level BPE, rotary on a quarter of each head, parallel residual;
 - llama3: Llama 3.1's "llama3" RoPE scaling (the converter stores it as `rope_freqs`); its
   checkpoint is kept too (llama3_hf/) for the config.json path;
-- llama_wide: width 256 so that every matrix takes the k-quants (rows of 256).
+- llama_wide: width 256 so that every matrix takes the k-quants (rows of 256);
+- qwen3: q/k RMSNorm per head, heads of 32 over a width of 64 (wider than 64 / 4), tied;
+- smollm3: four layers, the fourth without rotation (llama.cpp's fixed NoPE step of 4);
+  the converter permutes q/k as for Llama;
+- olmo2: norms after attention and MLP, q/k RMSNorm over the whole projection;
+- granite: embedding, attention, residual and logit multipliers; q/k permuted as Llama's.
 Per model, in crates/block/tests/fixtures/gguf/: NAME.f32.gguf and NAME.q8_0.gguf
 (convert_hf_to_gguf.py --outtype), NAME.q4_0.gguf / NAME.q4_k_m.gguf (llama.cpp's
 quantizer: q4_1, q5_0 and q5_1 on the Llama; q2_k and q3_k_m on llama_wide: with q4_k_m they hold
@@ -58,6 +67,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ONLY = set(sys.argv[1:])
 OUT = os.path.join(HERE, "..", "crates", "block", "tests", "fixtures", "gguf")
 LLAMA_CPP = os.environ.get("LLAMA_CPP", "/tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp")
 SAMPLE = "ROMEO: But soft, what light through yonder window breaks? It is the east, and 42."
@@ -200,6 +210,8 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 
 def build(name, family, tokenizer, seed, work, kinds, chat_template=None, keep_hf=False, **kw):
+    if ONLY and name not in ONLY:
+        return
     cfg = AutoConfig.for_model(family, vocab_size=len(tokenizer), **kw)
     tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
@@ -261,8 +273,9 @@ def build(name, family, tokenizer, seed, work, kinds, chat_template=None, keep_h
 def gguf_models():
     os.makedirs(OUT, exist_ok=True)
     strings = corpus()
-    with open(os.path.join(OUT, "tokenizer_corpus.json"), "w") as f:
-        json.dump(strings, f, ensure_ascii=False, indent=0)
+    if not ONLY:
+        with open(os.path.join(OUT, "tokenizer_corpus.json"), "w") as f:
+            json.dump(strings, f, ensure_ascii=False, indent=0)
     import this  # noqa: F401  (the Zen of Python: a few hundred words of English)
     zen = "".join(this.d.get(c, c) for c in this.s)
     text = "\n".join([zen, SAMPLE] + strings[:400]) * 3
@@ -306,6 +319,18 @@ def gguf_models():
           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
           intermediate_size=512, max_position_embeddings=128, tie_word_embeddings=False,
           bos_token_id=1, eos_token_id=2)
+    build("qwen3", "qwen3", bpe, 7, work, ["f32", "q8_0", "q4_0"], num_key_value_heads=2,
+          head_dim=32, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+          rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, **small)
+    build("smollm3", "smollm3", bpe, 8, work, ["f32", "q8_0"], num_key_value_heads=2,
+          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+          **{**small, "num_hidden_layers": 4})
+    build("olmo2", "olmo2", bpe, 9, work, ["f32", "q8_0"], num_key_value_heads=2,
+          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, **small)
+    build("granite", "granite", bpe, 10, work, ["f32", "q8_0"], num_key_value_heads=2,
+          embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.5,
+          logits_scaling=3.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+          pad_token_id=0, **small)
 
 
 ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + "

@@ -70,7 +70,9 @@ fn cached_logits(model: &Gpt, ids: &Tensor, prefix: usize, cache: &mut GptCache)
 
 #[test]
 fn f32_files_give_transformers_logits() {
-    for name in ["gpt2", "llama", "qwen2", "neox", "llama3"] {
+    for name in [
+        "gpt2", "llama", "qwen2", "neox", "llama3", "qwen3", "smollm3", "olmo2", "granite",
+    ] {
         let exp = expected(name);
         let got = logits(&load(&format!("{name}.f32.gguf")), &exp["input_ids"]);
         println!(
@@ -105,7 +107,7 @@ fn f32_files_give_transformers_logits() {
 /// 0.83%, Qwen2 q8_0 1.3%, q4_0 1.1%.
 #[test]
 fn quantized_files_track_llama_cpp() {
-    let cases: [(&str, &str, f32); 15] = [
+    let cases: [(&str, &str, f32); 20] = [
         ("gpt2", "f32", 0.001),
         ("gpt2", "q8_0", 0.015),
         ("llama", "f32", 0.001),
@@ -121,6 +123,11 @@ fn quantized_files_track_llama_cpp() {
         ("llama_wide", "q2_k", 0.025),
         ("llama_wide", "q3_k_m", 0.025),
         ("llama_wide", "q4_k_m", 0.025),
+        ("qwen3", "q8_0", 0.015),
+        ("qwen3", "q4_0", 0.025),
+        ("smollm3", "q8_0", 0.015),
+        ("olmo2", "q8_0", 0.015),
+        ("granite", "q8_0", 0.015),
     ];
     for (name, kind, share) in cases {
         let exp = expected(name);
@@ -174,6 +181,10 @@ fn greedy_tokens_equal_llama_cpp() {
         ("qwen2", "f32"),
         ("qwen2", "q8_0"),
         ("neox", "q8_0"),
+        ("qwen3", "q8_0"),
+        ("smollm3", "f32"),
+        ("olmo2", "q8_0"),
+        ("granite", "q8_0"),
     ] {
         let exp = expected(name);
         let greedy: Vec<u32> = exp[&format!("llama_{kind}_greedy")]
@@ -239,6 +250,28 @@ fn metadata_becomes_the_checkpoint_config() {
         .config()
         .unwrap();
     assert_eq!((gpt2.n_positions, gpt2.rope), (128, None));
+    // Each newer family's parts from its metadata and tensors, as its config.json gives
+    // them (the HF checkpoint's config read the same way, but for the fields GGUF lacks).
+    let config = |f: &str| Gguf::open(&path(f)).unwrap().config().unwrap();
+    let qwen3 = config("qwen3.f32.gguf");
+    assert_eq!((qwen3.head_dim(), qwen3.head_dim), (32, Some(32)));
+    assert!(qwen3.qk_norm.is_some_and(|n| n.per_head));
+    let olmo2 = config("olmo2.f32.gguf");
+    assert!(olmo2.qk_norm.is_some_and(|n| !n.per_head));
+    assert_eq!(olmo2.norm_placement, gpt_blocks::NormPlacement::PostBranch);
+    let smol = config("smollm3.f32.gguf");
+    let rotating: Vec<bool> = (0..4).map(|i| smol.layer_rope(i).is_some()).collect();
+    assert_eq!(rotating, [true, true, true, false]);
+    let granite = config("granite.f32.gguf");
+    assert_eq!(
+        (
+            granite.embedding_multiplier,
+            granite.attn_scale,
+            granite.residual_multiplier,
+            granite.logits_scaling
+        ),
+        (4.0, Some(0.2), 0.5, 3.0)
+    );
 }
 
 #[test]
@@ -278,6 +311,10 @@ fn cached_decoding_equals_the_full_pass() {
         "qwen2.q4_0.gguf",
         "neox.f32.gguf",
         "gpt2.q8_0.gguf",
+        "qwen3.q4_0.gguf",
+        "smollm3.q8_0.gguf",
+        "olmo2.f32.gguf",
+        "granite.q8_0.gguf",
     ] {
         let model = load(file);
         let name = file.split('.').next().unwrap();

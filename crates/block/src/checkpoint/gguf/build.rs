@@ -12,9 +12,8 @@ use super::rope::{rotary_order, rotary_rows, select_rows};
 use super::{tensor_bytes, Gguf};
 use crate::checkpoint::arena::FloatArena;
 use crate::checkpoint::options::LoadOptions;
-use crate::config::{GptConfig, NormKind};
+use crate::config::{GptConfig, NormKind, NormPlacement};
 use crate::family::names::Name;
-use crate::family::Family;
 use crate::model::{Embedding, Gpt};
 use crate::parts::{block::Block, mlp::Mlp, norm::Norm};
 
@@ -48,8 +47,8 @@ impl Gguf {
         let (a, m) = (&n.attn_proj, &n.mlp_proj);
         let matrix = |t: GgmlDType| matrix_dtype(t, dtype, device);
         let (v, d, inner) = (cfg.vocab_size, cfg.n_embd, cfg.inner_dim());
-        let hd = d / cfg.n_head;
-        let kv = cfg.kv_heads() * hd;
+        let hd = cfg.head_dim();
+        let (qw, kv) = (cfg.n_head * hd, cfg.kv_heads() * hd);
         let bias = |name: String, len: usize, on: bool| -> Result<Option<Tensor>> {
             match on {
                 true => Ok(Some(self.dense(&name, &[len], dtype, device)?)),
@@ -58,7 +57,7 @@ impl Gguf {
         };
         // llama.cpp's Llama rotates adjacent pairs, so its converter reorders each head's
         // query and key rows; this model rotates halves, so the rows go back.
-        let unpermute = |heads: usize| cfg.family == Family::Llama && heads > 0;
+        let unpermute = |heads: usize| cfg.family.gguf_permutes_qk() && heads > 0;
         // A projection's bias, its rows in the order the matrix's are put in.
         let proj_bias = |stem: &str, d_out: usize, has_bias: bool, heads: usize| {
             let b = bias(format!("{stem}.bias"), d_out, has_bias)?;
@@ -186,25 +185,30 @@ impl Gguf {
             let blk = |part: Name| n.gguf_block(i, part);
             let attn_cfg = Block::attn_config(&cfg, i);
             let qkv_parts = [
-                (blk(a.q), d, cfg.n_head),
+                (blk(a.q), qw, cfg.n_head),
                 (blk(a.k), kv, cfg.kv_heads()),
                 (blk(a.v), kv, 0),
             ];
             let qkv = if self.shape(&format!("{}.weight", blk(a.qkv))).is_some() {
-                QkvProj::Fused(proj(blk(a.qkv), (d + 2 * kv, d), cfg.attn_bias, 0)?)
+                QkvProj::Fused(proj(blk(a.qkv), (qw + 2 * kv, d), cfg.attn_bias, 0)?)
             } else if let Some(w) = arena_take(&qkv_parts, d)? {
                 // q, k and v side by side as read: the fused projection is a view of them.
                 QkvProj::Fused(side_by_side(w, &qkv_parts, cfg.attn_bias)?)
             } else {
                 QkvProj::Separate([
-                    proj(blk(a.q), (d, d), cfg.attn_bias, cfg.n_head)?,
+                    proj(blk(a.q), (qw, d), cfg.attn_bias, cfg.n_head)?,
                     proj(blk(a.k), (kv, d), cfg.attn_bias, cfg.kv_heads())?,
                     proj(blk(a.v), (kv, d), cfg.attn_bias, 0)?,
                 ])
             };
-            let o = proj(blk(a.o), (d, d), cfg.attn_out_bias, 0)?;
-            let attn = MultiHeadAttention::from_projections(&attn_cfg, qkv, o)
+            let o = proj(blk(a.o), (d, qw), cfg.attn_out_bias, 0)?;
+            let mut attn = MultiHeadAttention::from_projections(&attn_cfg, qkv, o)
                 .map_err(|e| candle_core::Error::Msg(format!("block {i}: {e}")))?;
+            if let Some((qn, kn)) = Block::qk_norm_widths(&cfg) {
+                let q = self.dense(&format!("{}.weight", blk(a.q_norm)), &[qn], dtype, device)?;
+                let k = self.dense(&format!("{}.weight", blk(a.k_norm)), &[kn], dtype, device)?;
+                attn = attn.with_qk_norm(q, k)?;
+            }
             let gate = match (cfg.gated_mlp, m.gate) {
                 (true, None) => bail!("{:?} models have no gated MLP", cfg.family),
                 (gated, gate) => gate.filter(|_| gated),
@@ -232,6 +236,13 @@ impl Gguf {
             };
             let (ln_1, ln_2) = (norm(&blk(n.attn_norm))?, norm(&blk(n.mlp_norm))?);
             let block = Block::from_parts(&cfg, i, ln_1, attn, ln_2, mlp)?;
+            let block = match cfg.norm_placement {
+                NormPlacement::Sandwich => block.with_post_norms(
+                    norm(&blk(n.attn_post_norm))?,
+                    norm(&blk(n.mlp_post_norm))?,
+                )?,
+                _ => block,
+            };
             blocks.push(if fuse { block.fused()? } else { block });
         }
         let wpe = match cfg.rope {
@@ -241,7 +252,10 @@ impl Gguf {
                 Some(self.dense(&name, &[cfg.n_positions, d], dtype, device)?)
             }
         };
-        let ln_f = Some(norm(n.final_norm.gguf)?);
+        let ln_f = match cfg.norm_placement {
+            NormPlacement::Post => None,
+            _ => Some(norm(n.final_norm.gguf)?),
+        };
         let model = Gpt::from_parts(&cfg, wte, wpe, blocks, ln_f, lm_head)?;
         let mut read = self
             .read
@@ -308,25 +322,22 @@ impl Gguf {
             return Ok(arena);
         }
         let (d, inner) = (cfg.n_embd, cfg.inner_dim());
-        let kv = cfg.kv_heads() * (d / cfg.n_head.max(1));
+        let (qw, kv) = (cfg.n_head * cfg.head_dim(), cfg.kv_heads() * cfg.head_dim());
         let n = cfg.family.names();
         let (a, m) = (&n.attn_proj, &n.mlp_proj);
         // llama.cpp reorders a Llama's query and key rows for its rotation.
-        let rotary = |heads: usize| {
-            if cfg.family == Family::Llama {
-                heads
-            } else {
-                0
-            }
+        let rotary = |heads: usize| match cfg.family.gguf_permutes_qk() {
+            true => heads,
+            false => 0,
         };
         // A block's matrices in the order it uses them, with the shape it needs (checked
         // against the stored one as each is read) and the rotary heads to reorder.
         let mut order = vec![
-            (a.qkv, [d + 2 * kv, d], 0),
-            (a.q, [d, d], rotary(cfg.n_head)),
+            (a.qkv, [qw + 2 * kv, d], 0),
+            (a.q, [qw, d], rotary(cfg.n_head)),
             (a.k, [kv, d], rotary(cfg.kv_heads())),
             (a.v, [kv, d], 0),
-            (a.o, [d, d], 0),
+            (a.o, [d, qw], 0),
         ];
         order.extend(m.gate.map(|g| (g, [inner, d], 0)));
         order.extend([(m.up, [inner, d], 0), (m.down, [d, inner], 0)]);

@@ -19,15 +19,17 @@ impl Gguf {
         let d = self.need(&key("embedding_length"))?;
         let n_head = self.need(&key("attention.head_count"))?;
         let n_layer = self.need(&key("block_count"))?;
-        if d % n_head != 0 {
-            bail!("metadata {arch}.attention.head_count={n_head} must divide {arch}.embedding_length={d}")
-        }
-        let head_dim = d / n_head;
-        for k in ["attention.key_length", "attention.value_length"] {
-            if let Some(n) = self.size(&key(k))? {
-                if n != head_dim {
-                    bail!("metadata {arch}.{k}={n} differs from embedding_length / head_count = {head_dim}; such models are not supported")
-                }
+        // Heads may be wider than embedding_length / head_count (Qwen3, Gemma): key_length
+        // says so; keys and values of different widths are not supported.
+        let head_dim = match self.size(&key("attention.key_length"))? {
+            Some(0) => bail!("metadata {arch}.attention.key_length must be positive"),
+            Some(n) => n,
+            None if d % n_head != 0 => bail!("metadata {arch}.attention.head_count={n_head} must divide {arch}.embedding_length={d}"),
+            None => d / n_head,
+        };
+        if let Some(n) = self.size(&key("attention.value_length"))? {
+            if n != head_dim {
+                bail!("metadata {arch}.attention.value_length={n} differs from the key length {head_dim}; such models are not supported")
             }
         }
         let n = family.names();
@@ -73,9 +75,19 @@ impl Gguf {
                 })
             }
         };
-        let eps_key = match family {
-            Family::Llama | Family::Qwen2 => "attention.layer_norm_rms_epsilon",
-            _ => "attention.layer_norm_epsilon",
+        let llama_layout = matches!(
+            family,
+            Family::Llama
+                | Family::Mistral
+                | Family::Qwen2
+                | Family::Qwen3
+                | Family::SmolLm3
+                | Family::Olmo2
+                | Family::Granite
+        );
+        let eps_key = match llama_layout {
+            true => "attention.layer_norm_rms_epsilon",
+            false => "attention.layer_norm_epsilon",
         };
         let token = |k: &str| -> Result<Option<u32>> {
             Ok(self.uint(k)?.and_then(|n| u32::try_from(n).ok()))
@@ -101,10 +113,11 @@ impl Gguf {
             embd_pdrop: 0.0,
             attn_pdrop: 0.0,
             rope,
+            head_dim: (n_head * head_dim != d).then_some(head_dim),
             ..GptConfig::gpt2()
         };
         let cfg = match family {
-            Family::Llama | Family::Qwen2 => GptConfig {
+            _ if llama_layout => GptConfig {
                 activation_function: Activation::Silu,
                 norm: NormKind::RmsNorm,
                 gated_mlp: true,
@@ -124,6 +137,43 @@ impl Gguf {
                 mlp_bias: true,
                 ..cfg
             },
+            _ => cfg,
+        };
+        let eps = cfg.layer_norm_epsilon;
+        let qk_norm = |per_head| Some(mha::QkNorm { per_head, eps });
+        let cfg = match family {
+            Family::Qwen3 => GptConfig {
+                qk_norm: qk_norm(true),
+                ..cfg
+            },
+            Family::Olmo2 => GptConfig {
+                qk_norm: qk_norm(false),
+                norm_placement: crate::config::NormPlacement::PostBranch,
+                ..cfg
+            },
+            // llama.cpp's SmolLM3 leaves out the rotation in every fourth layer, a step it
+            // fixes rather than reads (the hub's models all have it).
+            Family::SmolLm3 => {
+                let (whole, rest) = (n_layer / 4, n_layer % 4);
+                let mut no_rope = vec![(vec![false, false, false, true], whole)];
+                if rest > 0 {
+                    no_rope.push((vec![false; rest], 1));
+                }
+                no_rope.retain(|(_, r)| *r > 0);
+                GptConfig { no_rope, ..cfg }
+            }
+            Family::Granite => {
+                let scale = |k: &str| -> Result<Option<f64>> {
+                    Ok(self.float(&key(k))?.filter(|&x| x != 0.0))
+                };
+                GptConfig {
+                    embedding_multiplier: scale("embedding_scale")?.unwrap_or(1.0),
+                    residual_multiplier: scale("residual_scale")?.unwrap_or(1.0),
+                    attn_scale: scale("attention.scale")?,
+                    logits_scaling: scale("logit_scale")?.unwrap_or(1.0),
+                    ..cfg
+                }
+            }
             _ => cfg,
         };
         cfg.validate()?;
