@@ -256,6 +256,19 @@ case("llama: unsupported RoPE scaling", generate(model_dir("llama-yarn", config=
 case("llama: key/value heads that do not divide", generate(model_dir("llama-kv-heads", config={**LLAMA, "num_key_value_heads": 3}, weights=llama)), "num_key_value_heads=3")
 case("gpt_neox: query_key_value of the wrong shape", generate(model_dir("neox-qkv-shape", config=NEOX, weights=safetensors(neox_state(qkv_rows=2 * D)))), "query_key_value.weight")
 case("unknown model_type", generate(model_dir("unknown-model-type", config={**LLAMA, "model_type": "mamba"}, weights=llama)), "model_type \"mamba\"")
+# The newer families' fields, on the micro Llama's weights (no allocation follows a bad value).
+case("qwen3: heads of 2^31", generate(model_dir("qwen3-huge-head-dim", config={**LLAMA, "model_type": "qwen3", "head_dim": 1 << 31}, weights=llama)), "head_dim=2147483648")
+case("qwen3: heads of width 0", generate(model_dir("qwen3-zero-head-dim", config={**LLAMA, "model_type": "qwen3", "head_dim": 0}, weights=llama)), "head_dim must be positive")
+case("qwen3: no q/k norm weights", generate(model_dir("qwen3-no-qk-norm", config={**LLAMA, "model_type": "qwen3"}, weights=llama)), "model.layers.0.self_attn.q_norm.weight")
+case("qwen3: a window of 0", generate(model_dir("qwen3-window-0", config={**LLAMA, "model_type": "qwen3", "use_sliding_window": True, "sliding_window": 0, "max_window_layers": 0}, weights=llama)), "window")
+case("smollm3: no_rope_layers of the wrong length", generate(model_dir("smollm3-no-rope-length", config={**LLAMA, "model_type": "smollm3", "no_rope_layers": [1, 0, 1]}, weights=llama)), "no_rope_layers has 3 entries for num_hidden_layers=1")
+case("smollm3: a NoPE interval of 0", generate(model_dir("smollm3-interval-0", config={**LLAMA, "model_type": "smollm3", "no_rope_layer_interval": 0}, weights=llama)), "no_rope_layer_interval must be positive")
+case("smollm3: a NoPE interval of 2^60 over a billion layers", generate(model_dir("smollm3-huge-interval", config={**LLAMA, "model_type": "smollm3", "no_rope_layer_interval": 1 << 60, "num_hidden_layers": 1_000_000_000}, weights=llama)), "no_rope_layer_interval must be a non-negative integer below 2^32")
+case("smollm3: a NoPE interval of 2^31 over a billion layers", generate(model_dir("smollm3-billion-layers", config={**LLAMA, "model_type": "smollm3", "no_rope_layer_interval": 1 << 31, "num_hidden_layers": 1_000_000_000}, weights=llama)), "no tensor model.layers.1.")
+case("olmo2: no post-branch norm weights", generate(model_dir("olmo2-llama-weights", config={**LLAMA, "model_type": "olmo2"}, weights=llama)), "post_feedforward_layernorm")
+case("granite: logits divided by 0", generate(model_dir("granite-logits-0", config={**LLAMA, "model_type": "granite", "logits_scaling": 0}, weights=llama)), "logits_scaling must be a positive number")
+case("granite: an infinite embedding multiplier", generate(model_dir("granite-inf-multiplier", config=b'{"model_type": "granite", "vocab_size": 8, "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4, "embedding_multiplier": 1e999}', weights=llama)), "number out of range")
+case("granite: a negative residual multiplier", generate(model_dir("granite-negative-residual", config={**LLAMA, "model_type": "granite", "residual_multiplier": -0.5}, weights=llama)), "residual_multiplier must be a positive number")
 
 
 # GGUF (llama.cpp's format): a micro Llama written here field by field, then broken.

@@ -167,6 +167,11 @@ pub struct GptConfig {
     /// of a rotary model rotates.
     #[serde(skip)]
     pub no_rope: Vec<(Vec<bool>, usize)>,
+    /// Every `k`-th block (blocks `k - 1`, `2k - 1`, ...) without rotary positions, beside
+    /// `no_rope` (SmolLM3's `no_rope_layer_interval`; llama.cpp's fixed step of 4): a
+    /// period that costs nothing however large the config claims it.
+    #[serde(skip)]
+    pub no_rope_every: Option<usize>,
     /// Which blocks attend locally, as runs of a repeated pattern (GPT-Neo's
     /// `attention_types` form): `(pattern, repeat)` covers `pattern.len() · repeat` blocks,
     /// and block `i` of the run gets `pattern[i % pattern.len()]`: the number of keys a query
@@ -224,6 +229,7 @@ impl GptConfig {
             residual_multiplier: 1.0,
             logits_scaling: 1.0,
             no_rope: Vec::new(),
+            no_rope_every: None,
         }
     }
 
@@ -286,8 +292,12 @@ impl GptConfig {
     /// The rotary embedding of block `layer`: `rope`, unless the block is one of
     /// `no_rope`'s.
     pub fn layer_rope(&self, layer: usize) -> Option<RopeConfig> {
+        let periodic = self
+            .no_rope_every
+            .is_some_and(|k| k > 0 && (layer + 1) % k == 0);
         match run_entry(&self.no_rope, layer) {
             Some(true) => None,
+            _ if periodic => None,
             _ => self.rope,
         }
     }
@@ -394,6 +404,9 @@ impl GptConfig {
                     self.n_layer
                 )
             }
+        }
+        if self.no_rope_every == Some(0) {
+            bail!("config: no_rope_layer_interval must be positive")
         }
         for (name, x) in [
             ("embedding_multiplier", self.embedding_multiplier),

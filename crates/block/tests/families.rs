@@ -363,6 +363,7 @@ fn legacy_config_fields_give_the_same_model() {
                 (0..c.n_layer).map(|i| c.layer_rope(i).is_none()).collect(),
                 1,
             )],
+            no_rope_every: None,
             ..c.clone()
         };
         assert_eq!(

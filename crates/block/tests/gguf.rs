@@ -613,7 +613,9 @@ fn matrices_of_the_wrong_shape_or_unused_are_refused_when_loading_for_inference(
 #[test]
 fn written_files_load_back_as_the_same_model() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["gpt2", "llama", "qwen2", "neox", "llama3"] {
+    for name in [
+        "gpt2", "llama", "qwen2", "neox", "llama3", "qwen3", "smollm3", "olmo2", "granite",
+    ] {
         let model = load(&format!("{name}.f32.gguf"));
         let ids = &expected(name)["input_ids"];
         let want = logits(&model, ids);

@@ -100,6 +100,7 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
     let fits = cfg.norm == NormKind::RmsNorm
         && cfg.qk_norm.is_none()
         && cfg.no_rope.is_empty()
+        && cfg.no_rope_every.is_none()
         && cfg.attn_scale.is_none()
         && [
             cfg.embedding_multiplier,

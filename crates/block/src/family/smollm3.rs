@@ -14,7 +14,7 @@ use crate::config::GptConfig;
 pub(super) fn read(f: &Fields) -> Result<GptConfig> {
     let cfg = llama::read(Family::SmolLm3, f)?;
     let n = cfg.n_layer;
-    let no_rope = match f.get("no_rope_layers") {
+    let (no_rope, no_rope_every) = match f.get("no_rope_layers") {
         Some(Value::Array(flags)) => {
             if flags.len() != n {
                 bail!(
@@ -30,26 +30,18 @@ pub(super) fn read(f: &Fields) -> Result<GptConfig> {
                     _ => bail!("config: no_rope_layers entries must be 0 or 1, got {v}"),
                 })
                 .collect::<Result<Vec<bool>>>()?;
-            vec![(pattern, 1)]
+            (vec![(pattern, 1)], None)
         }
         Some(v) => bail!("config: no_rope_layers must be a list, got {v}"),
         // transformers: layer i rotates unless (i + 1) % interval == 0.
-        None => {
-            let every = match f.usize("no_rope_layer_interval")? {
-                Some(0) => bail!("config: no_rope_layer_interval must be positive"),
-                Some(k) => k,
-                None => 4,
-            };
-            let mut pattern = vec![false; every];
-            pattern[every - 1] = true;
-            let (whole, rest) = (n / every, n % every);
-            let mut runs = vec![(pattern, whole)];
-            if rest > 0 {
-                runs.push((vec![false; rest], 1));
-            }
-            runs.retain(|(p, r)| !p.is_empty() && *r > 0);
-            runs
-        }
+        None => match f.usize("no_rope_layer_interval")? {
+            Some(0) => bail!("config: no_rope_layer_interval must be positive"),
+            every => (Vec::new(), Some(every.unwrap_or(4))),
+        },
     };
-    Ok(GptConfig { no_rope, ..cfg })
+    Ok(GptConfig {
+        no_rope,
+        no_rope_every,
+        ..cfg
+    })
 }

@@ -203,12 +203,20 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         };
         if let Some(n) = branch_norm {
             projected = n.forward(&projected)?;
-            say(&format!("{} of the output", cfg.norm_name()), "[B, S, D]", &projected);
+            say(
+                &format!("{} of the output", cfg.norm_name()),
+                "[B, S, D]",
+                &projected,
+            );
         }
         let m = cfg.residual_multiplier;
         if m != 1.0 {
             projected = projected.affine(m, 0.0)?;
-            say(&format!("· residual multiplier {m}"), "[B, S, D]", &projected);
+            say(
+                &format!("· residual multiplier {m}"),
+                "[B, S, D]",
+                &projected,
+            );
         }
         // Parallel blocks feed the MLP the block's input, not the attention's output.
         let mlp_in = if block.is_parallel() {
@@ -264,7 +272,11 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         };
         if let Some(n) = branch_norm {
             hid = n.forward(&hid)?;
-            say(&format!("{} of the output", cfg.norm_name()), "[B, S, D]", &hid);
+            say(
+                &format!("{} of the output", cfg.norm_name()),
+                "[B, S, D]",
+                &hid,
+            );
         }
         if m != 1.0 {
             hid = hid.affine(m, 0.0)?;

@@ -237,10 +237,8 @@ impl Gguf {
             let (ln_1, ln_2) = (norm(&blk(n.attn_norm))?, norm(&blk(n.mlp_norm))?);
             let block = Block::from_parts(&cfg, i, ln_1, attn, ln_2, mlp)?;
             let block = match cfg.norm_placement {
-                NormPlacement::Sandwich => block.with_post_norms(
-                    norm(&blk(n.attn_post_norm))?,
-                    norm(&blk(n.mlp_post_norm))?,
-                )?,
+                NormPlacement::Sandwich => block
+                    .with_post_norms(norm(&blk(n.attn_post_norm))?, norm(&blk(n.mlp_post_norm))?)?,
                 _ => block,
             };
             blocks.push(if fuse { block.fused()? } else { block });

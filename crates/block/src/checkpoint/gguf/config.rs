@@ -153,15 +153,10 @@ impl Gguf {
             },
             // llama.cpp's SmolLM3 leaves out the rotation in every fourth layer, a step it
             // fixes rather than reads (the hub's models all have it).
-            Family::SmolLm3 => {
-                let (whole, rest) = (n_layer / 4, n_layer % 4);
-                let mut no_rope = vec![(vec![false, false, false, true], whole)];
-                if rest > 0 {
-                    no_rope.push((vec![false; rest], 1));
-                }
-                no_rope.retain(|(_, r)| *r > 0);
-                GptConfig { no_rope, ..cfg }
-            }
+            Family::SmolLm3 => GptConfig {
+                no_rope_every: Some(4),
+                ..cfg
+            },
             Family::Granite => {
                 let scale = |k: &str| -> Result<Option<f64>> {
                     Ok(self.float(&key(k))?.filter(|&x| x != 0.0))

@@ -46,7 +46,9 @@ fn file_type(dtype: GgmlDType) -> u32 {
 /// llama.cpp's rotary order. Written to a temporary name and renamed.
 ///
 /// Families and options llama.cpp cannot express are refused: GPT-Neo, sliding windows,
-/// post-norm blocks, GPT-2 without its tanh GELU or with per-layer score scaling.
+/// norms placed otherwise than the architecture's, q/k norms, rotation-free layers or
+/// multipliers where it has none, GPT-2 without its tanh GELU or with per-layer score
+/// scaling.
 pub fn save_gguf(
     model: &Gpt,
     path: &Path,
@@ -64,8 +66,45 @@ pub fn save_gguf(
     if (0..cfg.n_layer.min(4096)).any(|i| cfg.window(i).is_some()) {
         bail!("llama.cpp's {arch} architecture has no sliding-window attention")
     }
-    if cfg.norm_placement != NormPlacement::Pre || cfg.scale_attn_by_inverse_layer_idx {
-        bail!("llama.cpp's {arch} architecture has pre-norm blocks and plain 1/sqrt(d) scores only")
+    let placement = match cfg.family {
+        Family::Olmo2 => NormPlacement::PostBranch,
+        _ => NormPlacement::Pre,
+    };
+    if cfg.norm_placement != placement || cfg.scale_attn_by_inverse_layer_idx {
+        bail!(
+            "llama.cpp's {arch} architecture has {placement:?} norms and its own score scale only"
+        )
+    }
+    let qk_norm = match cfg.family {
+        Family::Qwen3 => Some(true),
+        Family::Olmo2 => Some(false),
+        _ => None,
+    };
+    if cfg.qk_norm.map(|n| n.per_head) != qk_norm {
+        bail!(
+            "llama.cpp's {arch} architecture reads q/k norms {}",
+            match qk_norm {
+                Some(true) => "over each head",
+                Some(false) => "over the whole projection",
+                None => "nowhere",
+            }
+        )
+    }
+    // llama.cpp's SmolLM3 leaves out the rotation in every fourth layer, and only there.
+    let nope = |i: usize| cfg.family == Family::SmolLm3 && (i + 1) % 4 == 0;
+    if cfg.rope.is_some()
+        && (0..cfg.n_layer.min(4096)).any(|i| cfg.layer_rope(i).is_none() != nope(i))
+    {
+        bail!("llama.cpp's {arch} architecture cannot say which layers rotate (its SmolLM3 skips every fourth)")
+    }
+    let scaled = cfg.attn_scale.is_some()
+        || [
+            cfg.embedding_multiplier,
+            cfg.residual_multiplier,
+            cfg.logits_scaling,
+        ] != [1.0; 3];
+    if scaled && cfg.family != Family::Granite {
+        bail!("llama.cpp's {arch} architecture has no embedding, attention, residual or logit multipliers")
     }
     if cfg.family == Family::Gpt2 && cfg.activation_function != Activation::GeluNew {
         bail!(
@@ -92,7 +131,7 @@ pub fn save_gguf(
         // [in, out] -> [out, in]
         let mut w = p.weight_t()?.t()?.contiguous()?;
         let mut b = p.bias().cloned();
-        if heads > 0 && cfg.family != Family::Qwen2 && arch == "llama" {
+        if heads > 0 && cfg.family.gguf_permutes_qk() {
             let order = rotary_order(w.dim(0)?, heads, true)?;
             w = select_rows(&w, &order)?;
             b = b.map(|b| select_rows(&b, &order)).transpose()?;
@@ -114,6 +153,10 @@ pub fn save_gguf(
         let (ln_1, attn, ln_2, mlp) = block.parts();
         norm(&mut biases, &blk(n.attn_norm), ln_1);
         norm(&mut biases, &blk(n.mlp_norm), ln_2);
+        if let Some((q, k)) = attn.qk_norm() {
+            biases.push((format!("{}.weight", blk(a.q_norm)), q.clone()));
+            biases.push((format!("{}.weight", blk(a.k_norm)), k.clone()));
+        }
         let mut parts = Vec::new();
         match attn.fused_qkv() {
             Some(qkv) => parts.push(proj(blk(a.qkv), qkv, 0)?),
@@ -154,7 +197,7 @@ pub fn save_gguf(
     ) = cfg.rope
     {
         // llama.cpp reads Llama 3's scaling as one divisor per frequency.
-        let dim = rope.rotary_dim.unwrap_or(cfg.n_embd / cfg.n_head);
+        let dim = rope.rotary_dim.unwrap_or(cfg.head_dim());
         let divisors: Vec<f32> = inv_freqs(rope.theta, dim)
             .into_iter()
             .map(|f| f / rope.scaling.apply(f))
@@ -172,7 +215,7 @@ pub fn save_gguf(
             .map(Value::U32)
             .map_err(|_| candle_core::Error::Msg(format!("{n} does not fit a GGUF u32")))
     };
-    let head_dim = cfg.n_embd / cfg.n_head;
+    let head_dim = cfg.head_dim();
     let mut meta: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
         (
@@ -201,6 +244,21 @@ pub fn save_gguf(
         if let RopeScaling::Linear { factor } = rope.scaling {
             meta.push((key("rope.scaling.type"), Value::String("linear".into())));
             meta.push((key("rope.scaling.factor"), Value::F32(factor as f32)));
+        }
+    }
+    if cfg.head_dim.is_some() {
+        meta.push((key("attention.key_length"), u32v(head_dim)?));
+        meta.push((key("attention.value_length"), u32v(head_dim)?));
+    }
+    if cfg.family == Family::Granite {
+        let scales = [
+            ("embedding_scale", cfg.embedding_multiplier),
+            ("residual_scale", cfg.residual_multiplier),
+            ("attention.scale", cfg.attn_scale.unwrap_or(0.0)),
+            ("logit_scale", cfg.logits_scaling),
+        ];
+        for (k, x) in scales {
+            meta.push((key(k), Value::F32(x as f32)));
         }
     }
     if cfg.family == Family::GptNeox {
