@@ -294,7 +294,7 @@ impl GptConfig {
     pub fn layer_rope(&self, layer: usize) -> Option<RopeConfig> {
         let periodic = self
             .no_rope_every
-            .is_some_and(|k| k > 0 && (layer + 1) % k == 0);
+            .is_some_and(|k| k > 0 && (layer + 1).is_multiple_of(k));
         match run_entry(&self.no_rope, layer) {
             Some(true) => None,
             _ if periodic => None,

@@ -78,7 +78,7 @@ impl QkNormWeights {
     ) -> Result<()> {
         let (qw, kw, vw) = widths;
         let row = qw + 2 * kw;
-        if vw != kw || row == 0 || qkv.len() % row != 0 {
+        if vw != kw || row == 0 || !qkv.len().is_multiple_of(row) {
             bail!(
                 "attention: a fused q/k/v output of {} values is not rows of {row}",
                 qkv.len()

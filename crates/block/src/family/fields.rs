@@ -227,9 +227,9 @@ pub(super) fn head_dim(
 pub(super) fn free_head_dim(f: &Fields, d: usize, h: usize) -> Result<(usize, Option<usize>)> {
     match f.usize("head_dim")? {
         Some(0) => bail!("config: head_dim must be positive"),
-        Some(hd) if d % h == 0 && hd == d / h => Ok((hd, None)),
+        Some(hd) if d.is_multiple_of(h) && hd == d / h => Ok((hd, None)),
         Some(hd) => Ok((hd, Some(hd))),
-        None if d % h != 0 => {
+        None if !d.is_multiple_of(h) => {
             bail!("config: num_attention_heads={h} must divide hidden_size={d} (or head_dim be given)")
         }
         None => Ok((d / h, None)),

@@ -91,7 +91,7 @@ pub fn save_gguf(
         )
     }
     // llama.cpp's SmolLM3 leaves out the rotation in every fourth layer, and only there.
-    let nope = |i: usize| cfg.family == Family::SmolLm3 && (i + 1) % 4 == 0;
+    let nope = |i: usize| cfg.family == Family::SmolLm3 && (i + 1).is_multiple_of(4);
     if cfg.rope.is_some()
         && (0..cfg.n_layer.min(4096)).any(|i| cfg.layer_rope(i).is_none() != nope(i))
     {
