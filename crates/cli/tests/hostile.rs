@@ -594,7 +594,9 @@ fn sigterm_under_slow_clients_exits_within_the_grace_period() {
     let long = json!({"prompt": PROMPT, "max_tokens": 2000, "stream": true, "temperature": 0});
     let mut read = stream_until(&addr, &long, 1);
     slow.push(stream_until(&addr, &long, 1));
-    let whole = json!({"prompt": PROMPT, "max_tokens": 2000}).to_string();
+    // Greedy, as the streams: a sampled continuation may draw the end token early and
+    // finish inside the grace period.
+    let whole = json!({"prompt": PROMPT, "max_tokens": 2000, "temperature": 0}).to_string();
     let mut w = connect(&addr);
     w.write_all(head("/v1/completions", Some(whole.len()), "").as_bytes())
         .unwrap();
