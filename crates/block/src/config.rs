@@ -396,14 +396,13 @@ impl GptConfig {
                 )
             }
         }
-        for (name, runs) in [("no_rope_layers", layers_covered(&self.no_rope))] {
-            if !self.no_rope.is_empty() && runs != Some(self.n_layer) {
-                bail!(
-                    "config: {name} describes {} layers but there are {}",
-                    runs.map_or("too many".to_string(), |n| n.to_string()),
-                    self.n_layer
-                )
-            }
+        let covered = layers_covered(&self.no_rope);
+        if !self.no_rope.is_empty() && covered != Some(self.n_layer) {
+            bail!(
+                "config: no_rope_layers describes {} layers but there are {}",
+                covered.map_or("too many".to_string(), |n| n.to_string()),
+                self.n_layer
+            )
         }
         if self.no_rope_every == Some(0) {
             bail!("config: no_rope_layer_interval must be positive")

@@ -13,6 +13,8 @@ pub(crate) struct QkNormWeights {
     pub q: Tensor,
     pub k: Tensor,
     pub norm: QkNorm,
+    /// `q` and `k` as f32 values, read once for the decoding step's in-place pass.
+    host: (Vec<f32>, Vec<f32>),
 }
 
 impl QkNormWeights {
@@ -30,11 +32,19 @@ impl QkNormWeights {
             return Ok(None);
         };
         let (qw, kw) = Self::widths(cfg, &norm);
-        Ok(Some(Self {
-            q: vb.get_with_hints(qw, "q_norm.weight", Init::Const(1.0))?,
-            k: vb.get_with_hints(kw, "k_norm.weight", Init::Const(1.0))?,
+        let q = vb.get_with_hints(qw, "q_norm.weight", Init::Const(1.0))?;
+        let k = vb.get_with_hints(kw, "k_norm.weight", Init::Const(1.0))?;
+        Ok(Some(Self::with(q, k, norm)?))
+    }
+
+    fn with(q: Tensor, k: Tensor, norm: QkNorm) -> Result<Self> {
+        let host = |t: &Tensor| t.to_dtype(DType::F32)?.to_vec1::<f32>();
+        Ok(Self {
+            host: (host(&q)?, host(&k)?),
+            q,
+            k,
             norm,
-        }))
+        })
     }
 
     /// Weights loaded elsewhere, checked against `cfg`.
@@ -50,7 +60,7 @@ impl QkNormWeights {
                 k.dims()
             )
         }
-        Ok(Self { q, k, norm })
+        Self::with(q, k, norm)
     }
 
     /// Normalises queries `[b, t, n_heads · head_dim]` and keys `[b, t, n_kv_heads ·
@@ -84,13 +94,12 @@ impl QkNormWeights {
                 qkv.len()
             )
         }
-        let q = self.q.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        let k = self.k.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let (q, k) = &self.host;
         let eps = self.norm.eps as f32;
         let group = |w: &[f32]| if self.norm.per_head { hd } else { w.len() };
         for r in qkv.chunks_exact_mut(row) {
             let (qs, rest) = r.split_at_mut(qw);
-            for (xs, w) in [(qs, &q), (&mut rest[..kw], &k)] {
+            for (xs, w) in [(qs, q), (&mut rest[..kw], k)] {
                 for x in xs.chunks_exact_mut(group(w)) {
                     let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
                     let s = 1.0 / (ms + eps).sqrt();

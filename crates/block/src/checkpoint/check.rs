@@ -9,6 +9,7 @@ use candle_core::{bail, DType, Result};
 use mha::WeightLayout;
 
 use crate::config::{GptConfig, NormKind, NormPlacement};
+use crate::parts::block::Block;
 
 /// One tensor a checkpoint of a configuration holds.
 pub(crate) struct Expected<'a> {
@@ -75,11 +76,7 @@ pub(crate) fn for_each_tensor(
             norm(&mut one, &format!("{p}.{}", names.mlp_post_norm.hf))?;
         }
         let a = format!("{p}.{}", names.attn);
-        if let Some(n) = cfg.qk_norm {
-            let (qn, kn) = match n.per_head {
-                true => (hd, hd),
-                false => (qw, kv),
-            };
+        if let Some((qn, kn)) = Block::qk_norm_widths(cfg) {
             let an = &names.attn_proj;
             one(&format!("{a}.{}.weight", an.q_norm.hf), &[qn], false)?;
             one(&format!("{a}.{}.weight", an.k_norm.hf), &[kn], false)?;
