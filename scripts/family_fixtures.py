@@ -1,5 +1,5 @@
 """Small random-weight checkpoints of the Llama, Mistral, Qwen2, GPT-NeoX, GPT-Neo, Qwen3,
-SmolLM3, OLMo 2 and Granite families, and what Hugging Face transformers computes with
+SmolLM3, OLMo 2, Granite and Gemma 3 families, and what Hugging Face transformers computes with
 them. Read by crates/block/tests/families.rs.
 
     python3 -m venv /tmp/ref && /tmp/ref/bin/pip install torch transformers safetensors
@@ -10,7 +10,8 @@ With names, only those fixtures are (re)written.
 Each crates/block/tests/fixtures/families/<name>/ gets what `save_pretrained` writes
 (config.json with transformers 5's `rope_parameters`, model.safetensors), the same config
 in the field names of the hub's older files (config.legacy.json: top-level `rope_theta` and
-`rope_scaling`, NeoX's `rotary_pct`/`rotary_emb_base`, Qwen2 without `layer_types`), and
+`rope_scaling`, NeoX's `rotary_pct`/`rotary_emb_base`, Qwen2 without `layer_types`, Gemma 3's
+`rope_local_base_freq` and `sliding_window_pattern`), and
 expected.safetensors:
 - input_ids [2, T] (i64), logits [2, T, vocab] (f32): model(input_ids).logits
 - loss (f32 scalar): model(input_ids[:1], labels=input_ids[:1]).loss
@@ -18,7 +19,8 @@ expected.safetensors:
 - margins [N]: top-1 minus top-2 logit at each greedy step (near ties may be skipped)
 
 Weights are redrawn at scales that make every part matter (matrices with std
-1/sqrt(fan_in), norms 1 + 0.1·noise, biases 0.1·noise): the default init (std 0.02, unit
+1/sqrt(fan_in), norms 1 + 0.1·noise (Gemma's, stored as w for 1 + w: 0.1·noise), biases
+0.1·noise): the default init (std 0.02, unit
 norms, zero biases) gives near-uniform logits and would hide a loader that drops or swaps
 a part. Attention is transformers' eager implementation.
 """
@@ -48,6 +50,20 @@ def legacy(cfg):
     if cfg["model_type"] == "smollm3":
         # The hub's files give the interval and let transformers list the layers.
         cfg.pop("no_rope_layers", None)
+    if cfg["model_type"] == "gemma3_text":
+        # The hub's Gemma 3 files: a period instead of the list, the local base beside the
+        # global one, the global scaling as rope_scaling.
+        types = cfg.pop("layer_types")
+        p = next(p for p in range(1, len(types) + 2)
+                 if types == ["sliding_attention" if (i + 1) % p else "full_attention"
+                              for i in range(len(types))])
+        cfg["sliding_window_pattern"] = p
+        cfg["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        full = dict(rope["full_attention"])
+        cfg["rope_theta"] = full.pop("rope_theta")
+        if full.get("rope_type", "default") != "default":
+            cfg["rope_scaling"] = {"type": full.pop("rope_type"), **full}
+        return cfg
     if rope is not None:
         kind = rope.get("rope_type", "default")
         if cfg["model_type"] == "gpt_neox":
@@ -76,7 +92,8 @@ def build(name, family, seed, tokenizer=None, **kw):
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
             elif "norm" in pname or "ln" in pname:
                 if pname.endswith("weight"):
-                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                    shift = 0.0 if family == "gemma3_text" else 1.0
+                    p.copy_(shift + 0.1 * torch.randn_like(p))
                 else:
                     p.copy_(0.1 * torch.randn_like(p))
             else:  # biases
@@ -165,6 +182,17 @@ build("olmo2_post_norm", "olmo2", 21, num_key_value_heads=2, tie_word_embeddings
 build("granite_multipliers", "granite", 22, num_key_value_heads=2, attention_bias=True,
       mlp_bias=True, embedding_multiplier=4.0, attention_multiplier=0.2,
       residual_multiplier=0.5, logits_scaling=3.0, tie_word_embeddings=True, **common)
+# Gemma 3: sandwich norms, per-head q/k norms, GeGLU, heads of 16 over a width of 32,
+# every second layer global (window 4 < T on the others), the local layers at base 100 and
+# the global ones at 10000 with linear scaling, scores by query_pre_attn_scalar 24,
+# soft-capped logits, tied head.
+build("gemma3_local_global", "gemma3_text", 23, num_key_value_heads=2, head_dim=16,
+      sliding_window=4, sliding_window_pattern=2, query_pre_attn_scalar=24,
+      final_logit_softcapping=3.0, pad_token_id=0,
+      rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 10000.0,
+                                          "factor": 2.0},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+      **{**common, "num_hidden_layers": 4})
 if ONLY and "llama_tokenizer" not in ONLY:
     sys.exit(0)
 

@@ -162,6 +162,13 @@ pub struct GptConfig {
     /// The logits are divided by it (Granite's `logits_scaling`).
     #[serde(skip)]
     pub logits_scaling: f64,
+    /// The rotary embedding of the windowed blocks when it differs from `rope` (Gemma 3's
+    /// local layers: `rope_local_base_freq`, `rope_parameters.sliding_attention`).
+    #[serde(skip)]
+    pub rope_local: Option<RopeConfig>,
+    /// The logits become `cap · tanh(logits / cap)` (Gemma's `final_logit_softcapping`).
+    #[serde(skip)]
+    pub final_logit_softcapping: Option<f64>,
     /// Blocks without rotary positions (SmolLM3's NoPE layers), as runs of a repeated
     /// pattern like `windows`: `true` for a block that does not rotate. Empty: every block
     /// of a rotary model rotates.
@@ -230,6 +237,8 @@ impl GptConfig {
             logits_scaling: 1.0,
             no_rope: Vec::new(),
             no_rope_every: None,
+            rope_local: None,
+            final_logit_softcapping: None,
         }
     }
 
@@ -289,8 +298,8 @@ impl GptConfig {
         run_entry(&self.windows, layer).flatten()
     }
 
-    /// The rotary embedding of block `layer`: `rope`, unless the block is one of
-    /// `no_rope`'s.
+    /// The rotary embedding of block `layer`: `rope`, or `rope_local` for a windowed block
+    /// when the model has one, unless the block is one of `no_rope`'s.
     pub fn layer_rope(&self, layer: usize) -> Option<RopeConfig> {
         let periodic = self
             .no_rope_every
@@ -298,6 +307,7 @@ impl GptConfig {
         match run_entry(&self.no_rope, layer) {
             Some(true) => None,
             _ if periodic => None,
+            _ if self.window(layer).is_some() => self.rope_local.or(self.rope),
             _ => self.rope,
         }
     }
@@ -376,7 +386,10 @@ impl GptConfig {
         if kv == 0 || h % kv != 0 {
             bail!("config: num_key_value_heads={kv} must be positive and divide the {h} attention heads")
         }
-        if let Some(rope) = &self.rope {
+        if self.rope_local.is_some() && self.rope.is_none() {
+            bail!("config: a local rotary embedding needs a global one")
+        }
+        for rope in [&self.rope, &self.rope_local].into_iter().flatten() {
             rope.validate(self.head_dim()).map_err(|e| {
                 // The message alone: Candle's backtrace (under RUST_BACKTRACE) stays out of it.
                 let msg = match e {
@@ -408,6 +421,10 @@ impl GptConfig {
             bail!("config: no_rope_layer_interval must be positive")
         }
         for (name, x) in [
+            (
+                "final_logit_softcapping",
+                self.final_logit_softcapping.unwrap_or(1.0),
+            ),
             ("embedding_multiplier", self.embedding_multiplier),
             ("residual_multiplier", self.residual_multiplier),
             ("logits_scaling", self.logits_scaling),
@@ -450,6 +467,35 @@ fn run_entry<T: Copy>(runs: &[(Vec<T>, usize)], layer: usize) -> Option<T> {
         first = first.saturating_add(span);
     }
     None
+}
+
+/// The longest period of windowed and global layers kept when it repeats within the
+/// model (the runs hold one period whole).
+const MAX_PERIOD: usize = 1 << 16;
+
+/// Every `p`-th block global and the others windowed (`window` keys): blocks
+/// `p - 1, 2p - 1, ...` global, as Gemma's `sliding_window_pattern` and llama.cpp's
+/// `set_swa_pattern` place them; every block windowed when `p` exceeds `n_layer`. As runs
+/// (see [`GptConfig::windows`]).
+pub(crate) fn periodic_windows(
+    p: usize,
+    n_layer: usize,
+    window: usize,
+) -> Result<Vec<(Vec<Option<usize>>, usize)>> {
+    if p > n_layer {
+        return Ok(vec![(vec![Some(window)], n_layer)]);
+    }
+    if p > MAX_PERIOD {
+        bail!("config: a sliding-window pattern of period {p} (over {MAX_PERIOD} layers) is not supported")
+    }
+    let p = p.max(1);
+    let mut pattern = vec![Some(window); p];
+    pattern[p - 1] = None;
+    let mut runs = vec![(pattern, n_layer / p)];
+    if !n_layer.is_multiple_of(p) {
+        runs.push((vec![Some(window)], n_layer % p));
+    }
+    Ok(runs)
 }
 
 /// How many blocks runs of repeated patterns (as [`GptConfig::windows`]) cover; `None`

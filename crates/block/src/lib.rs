@@ -64,7 +64,9 @@ pub use family::Family;
 pub use generate::{
     argmax, generate, left_padded, GenerateOptions, Sampler, SamplingParams, SplitMix64,
 };
-pub use model::{next_token_loss, token_logprobs, Embedding, Gpt, GptCache, Logits};
+pub use model::{
+    next_token_loss, softcap, token_logprobs, Embedding, Gpt, GptCache, Logits, RopeSet,
+};
 pub use optim::{AdamW, AdamWParams};
 pub use parts::block::Block;
 pub use parts::mlp::Mlp;

@@ -127,8 +127,9 @@ impl RopeConfig {
     }
 }
 
-/// The angles of one layer's rotary embedding; cheap to clone.
-#[derive(Debug, Clone)]
+/// The angles of one layer's rotary embedding; cheap to clone. Two are equal when they
+/// turn every feature by the same angles (they can share [`RopeTables`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct Rope {
     /// `[rotary_dim / 2]`, f32 as transformers computes them.
     inv_freq: Vec<f32>,

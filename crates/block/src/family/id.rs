@@ -33,11 +33,15 @@ pub enum Family {
     /// Granite 3: Llama's layout with multipliers on the embeddings, scores, residual
     /// branches and logits.
     Granite,
+    /// Gemma 3 (text): norms before and after attention and MLP (stored as `w` for
+    /// `1 + w`), per-head q/k norms, GeGLU, scaled embeddings, local and global layers
+    /// rotating at different bases, soft-capped logits.
+    Gemma3,
 }
 
 impl Family {
     /// Every family, in the order of the README's table.
-    pub const ALL: [Family; 10] = [
+    pub const ALL: [Family; 11] = [
         Self::Gpt2,
         Self::Llama,
         Self::Mistral,
@@ -48,12 +52,22 @@ impl Family {
         Self::SmolLm3,
         Self::Olmo2,
         Self::Granite,
+        Self::Gemma3,
     ];
 
     /// The `model_type` values read, in the order of the README's table.
-    pub const SUPPORTED: [&'static str; 10] = [
-        "gpt2", "llama", "mistral", "qwen2", "gpt_neox", "gpt_neo", "qwen3", "smollm3", "olmo2",
+    pub const SUPPORTED: [&'static str; 11] = [
+        "gpt2",
+        "llama",
+        "mistral",
+        "qwen2",
+        "gpt_neox",
+        "gpt_neo",
+        "qwen3",
+        "smollm3",
+        "olmo2",
         "granite",
+        "gemma3_text",
     ];
 
     /// The family of a `model_type`.
@@ -80,6 +94,7 @@ impl Family {
             Self::SmolLm3 => "smollm3",
             Self::Olmo2 => "olmo2",
             Self::Granite => "granite",
+            Self::Gemma3 => "gemma3_text",
         }
     }
 
@@ -96,6 +111,16 @@ impl Family {
             Self::SmolLm3 => Some("smollm3"),
             Self::Olmo2 => Some("olmo2"),
             Self::Granite => Some("granite"),
+            Self::Gemma3 => Some("gemma3"),
+        }
+    }
+
+    /// What the family's Hugging Face files store of each norm weight less what the norm
+    /// multiplies by: Gemma's RMSNorm multiplies by `1 + w` (its GGUF files hold `1 + w`).
+    pub(crate) fn norm_weight_shift(self) -> f64 {
+        match self {
+            Self::Gemma3 => 1.0,
+            _ => 0.0,
         }
     }
 

@@ -4,6 +4,7 @@
 //! decides the parts and their names; one model runs them all.
 
 mod fields;
+mod gemma3;
 mod gpt2;
 mod granite;
 pub(crate) mod id;
@@ -32,6 +33,7 @@ impl Family {
             | Self::SmolLm3
             | Self::Granite => &llama::NAMES,
             Self::Olmo2 => &olmo2::NAMES,
+            Self::Gemma3 => &gemma3::NAMES,
             Self::GptNeox => &neox::NAMES,
             Self::GptNeo => &neo::NAMES,
         }

@@ -6,15 +6,17 @@ mod cache;
 mod embedding;
 mod loss;
 mod named;
+mod rope_set;
 mod stages;
 
 use candle_core::{bail, DType, Device, ModuleT, Result, Tensor};
-use mha::{Dropout, KvCache, Mask, Proj, RopeTables};
+use mha::{Dropout, KvCache, Mask, Proj};
 
 pub use cache::GptCache;
 pub use embedding::Embedding;
 use embedding::EmbeddingRows;
 pub use loss::{next_token_loss, token_logprobs};
+pub use rope_set::RopeSet;
 
 use crate::config::GptConfig;
 use crate::family::Family;
@@ -118,13 +120,11 @@ impl Gpt {
         self.ln_f.as_ref()
     }
 
-    /// The rotary tables of positions `pos` (`[b, t]`), shared by every block that rotates;
-    /// `None` for models with learned positions.
-    pub fn rope_tables(&self, pos: &Tensor) -> Result<Option<RopeTables>> {
-        match self.h.iter().find_map(|b| b.parts().1.rope()) {
-            Some(rope) => Ok(Some(rope.tables(pos)?)),
-            None => Ok(None),
-        }
+    /// The rotary tables of positions `pos` (`[b, t]`) for every distinct rotation among
+    /// the blocks (empty for models with learned positions); a block finds its own with
+    /// `RopeSet::get(block.parts().1.rope())`.
+    pub fn rope_tables(&self, pos: &Tensor) -> Result<RopeSet> {
+        RopeSet::new(self.h.iter().filter_map(|b| b.parts().1.rope()), pos)
     }
 
     /// Language-model head: `[.., d]` to `[.., vocab]`.
@@ -282,12 +282,14 @@ impl Gpt {
         stages.push(|| "the embeddings".into(), &xs)?;
         for (i, block) in self.h.iter().enumerate() {
             xs = if need_weights {
-                let (ys, w) = block.forward_with_weights(&xs, &mask, rope.as_ref(), train)?;
+                let tables = rope.get(block.parts().1.rope());
+                let (ys, w) = block.forward_with_weights(&xs, &mask, tables, train)?;
                 weights.push(w);
                 ys
             } else {
                 let layer_cache = cache.as_mut().map(|c| &mut c.layers[i]);
-                block.forward(&xs, &mask, rope.as_ref(), layer_cache, train)?
+                let tables = rope.get(block.parts().1.rope());
+                block.forward(&xs, &mask, tables, layer_cache, train)?
             };
             stages.push(|| format!("block {i}"), &xs)?;
         }
@@ -318,6 +320,9 @@ impl Gpt {
         let mut logits = self.lm_head.forward(&xs)?;
         if self.cfg.logits_scaling != 1.0 {
             logits = logits.affine(1.0 / self.cfg.logits_scaling, 0.0)?;
+        }
+        if let Some(cap) = self.cfg.final_logit_softcapping {
+            logits = softcap(&logits, cap)?;
         }
         if !train && !all_finite(&logits)? {
             let culprit = stages
@@ -374,7 +379,7 @@ impl Gpt {
         for (i, block) in self.h.iter().enumerate() {
             let mut layer: Vec<&mut KvCache> =
                 caches.iter_mut().map(|c| &mut c.layers[i]).collect();
-            xs = block.forward_rows(&xs, rope.as_ref(), &mut layer)?;
+            xs = block.forward_rows(&xs, rope.get(block.parts().1.rope()), &mut layer)?;
             stages.push(|| format!("block {i}"), &xs)?;
         }
         self.head(xs, logits, &stages, false)
@@ -403,4 +408,9 @@ impl ModuleT for Gpt {
     fn forward_t(&self, ids: &Tensor, train: bool) -> Result<Tensor> {
         Ok(self.run(ids, None, None, train, false, Logits::All)?.0)
     }
+}
+
+/// `cap · tanh(xs / cap)`: Gemma's soft cap on the logits.
+pub fn softcap(xs: &Tensor, cap: f64) -> Result<Tensor> {
+    xs.affine(1.0 / cap, 0.0)?.tanh()?.affine(cap, 0.0)
 }

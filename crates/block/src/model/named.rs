@@ -11,12 +11,25 @@ use crate::parts::norm::Norm;
 
 impl Gpt {
     /// Every weight under its Hugging Face name for the model's family (for GPT-2 the
-    /// `transformer.` prefix, no `lm_head` when tied), as `save_pretrained` writes them.
+    /// `transformer.` prefix, no `lm_head` when tied), as `save_pretrained` writes them
+    /// (Gemma's norms as the `w` of their `1 + w`).
     pub fn named_tensors(&self) -> Result<HashMap<String, Tensor>> {
         let names = self.cfg.family.names();
         let mut out = HashMap::new();
         let mut put = |name: String, t: &Tensor| {
             out.insert(name, t.clone());
+        };
+        let shift = self.cfg.family.norm_weight_shift();
+        // A norm's weight as stored: the factor it multiplies by, less the family's shift
+        // (in f32, where it is exact for factors in [0.5, 2]).
+        let stored = |w: &Tensor| -> Result<Tensor> {
+            match shift {
+                0.0 => Ok(w.clone()),
+                s => w
+                    .to_dtype(candle_core::DType::F32)?
+                    .affine(1.0, -s)?
+                    .to_dtype(w.dtype()),
+            }
         };
         // A half-precision table as it is stored; a block-quantized one dequantized.
         let wte = match &self.wte {
@@ -40,34 +53,35 @@ impl Gpt {
             }
             Ok(())
         };
-        let norm = |put: &mut dyn FnMut(String, &Tensor), name: String, n: &Norm| {
-            put(format!("{name}.weight"), n.weight());
+        let norm = |put: &mut dyn FnMut(String, &Tensor), name: String, n: &Norm| -> Result<()> {
+            put(format!("{name}.weight"), &stored(n.weight())?);
             if let Some(b) = n.bias() {
                 put(format!("{name}.bias"), b);
             }
+            Ok(())
         };
         for (i, block) in self.h.iter().enumerate() {
             let pre = format!("{}.{i}", names.layers.hf);
             let (ln_1, attn, ln_2, mlp) = block.parts();
-            norm(&mut put, format!("{pre}.{}", names.attn_norm.hf), ln_1);
-            norm(&mut put, format!("{pre}.{}", names.mlp_norm.hf), ln_2);
+            norm(&mut put, format!("{pre}.{}", names.attn_norm.hf), ln_1)?;
+            norm(&mut put, format!("{pre}.{}", names.mlp_norm.hf), ln_2)?;
             if let Some((post_attn, post_mlp)) = block.post_norms() {
                 norm(
                     &mut put,
                     format!("{pre}.{}", names.attn_post_norm.hf),
                     post_attn,
-                );
+                )?;
                 norm(
                     &mut put,
                     format!("{pre}.{}", names.mlp_post_norm.hf),
                     post_mlp,
-                );
+                )?;
             }
             let a = format!("{pre}.{}", names.attn);
             if let Some((q, k)) = attn.qk_norm() {
                 let (qn, kn) = (names.attn_proj.q_norm.hf, names.attn_proj.k_norm.hf);
-                put(format!("{a}.{qn}.weight"), q);
-                put(format!("{a}.{kn}.weight"), k);
+                put(format!("{a}.{qn}.weight"), &stored(q)?);
+                put(format!("{a}.{kn}.weight"), &stored(k)?);
             }
             match (names.attn_layout(), attn.fused_qkv()) {
                 (mha::WeightLayout::Gpt2Conv1d, Some(qkv)) => {
@@ -102,7 +116,7 @@ impl Gpt {
             }
         }
         if let Some(ln_f) = &self.ln_f {
-            norm(&mut put, names.final_norm.hf.to_string(), ln_f);
+            norm(&mut put, names.final_norm.hf.to_string(), ln_f)?;
         }
         match &self.lm_head_weight {
             Some(w) => put(format!("{}.weight", names.head.hf), w),

@@ -147,14 +147,14 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         let k = k.reshape((1, s, hk, dk))?.transpose(1, 2)?.contiguous()?;
         let v = v.reshape((1, s, hk, dk))?.transpose(1, 2)?.contiguous()?;
         say("q, k, v with heads first", "[B, H, S, d_k]", &q);
-        let (q, k) = match (attn.rope(), &rope) {
+        let (q, k) = match (attn.rope(), rope.get(attn.rope())) {
             (Some(r), Some(tables)) => {
                 let (q, k) = (r.apply(&q, tables)?, r.apply(&k, tables)?);
                 let what = format!("q, k rotated (RoPE, {} of {dk} dims)", r.rotary_dim());
                 say(&what, "[B, H, S, d_k]", &q);
                 (q, k)
             }
-            (None, Some(_)) => {
+            (None, _) if !rope.is_empty() => {
                 if show {
                     println!("  no rotation in this block (NoPE)");
                 }
@@ -308,6 +308,14 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         println!(
             "{:<40}[B, S, V]     = {}",
             format!("/ logits scaling {}", cfg.logits_scaling),
+            shape(&logits)
+        );
+    }
+    if let Some(cap) = cfg.final_logit_softcapping {
+        logits = gpt_blocks::softcap(&logits, cap)?;
+        println!(
+            "{:<40}[B, S, V]     = {}",
+            format!("soft cap: {cap}·tanh(logits / {cap})"),
             shape(&logits)
         );
     }

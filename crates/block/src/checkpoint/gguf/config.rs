@@ -6,7 +6,7 @@ use mha::{RopeConfig, RopeScaling};
 
 use super::rope::llama3_from_factors;
 use super::Gguf;
-use crate::config::{Activation, GptConfig, NormKind};
+use crate::config::{periodic_windows, Activation, GptConfig, NormKind, NormPlacement};
 use crate::family::names::gguf;
 use crate::family::Family;
 
@@ -84,6 +84,7 @@ impl Gguf {
                 | Family::SmolLm3
                 | Family::Olmo2
                 | Family::Granite
+                | Family::Gemma3
         );
         let eps_key = match llama_layout {
             true => "attention.layer_norm_rms_epsilon",
@@ -148,7 +149,7 @@ impl Gguf {
             },
             Family::Olmo2 => GptConfig {
                 qk_norm: qk_norm(false),
-                norm_placement: crate::config::NormPlacement::PostBranch,
+                norm_placement: NormPlacement::PostBranch,
                 ..cfg
             },
             // llama.cpp's SmolLM3 leaves out the rotation in every fourth layer, a step it
@@ -169,9 +170,75 @@ impl Gguf {
                     ..cfg
                 }
             }
+            Family::Gemma3 => self.gemma3(arch, cfg)?,
             _ => cfg,
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Gemma 3 as llama.cpp runs it: GeGLU, sandwich norms (their weights stored as the
+    /// factors, `1 + w`), per-head q/k norms, embeddings times `sqrtf(embedding_length)`,
+    /// scores times `1/sqrtf(key_length)` (`embedding_length / head_count` for the 62-layer
+    /// 27B, which llama.cpp fixes by its layer count), windowed layers by
+    /// `attention.sliding_window_pattern` (a flag per layer, or a period whose last layer
+    /// is global; 6 when absent) rotating at `rope.freq_base_swa` (10000 when absent),
+    /// soft-capped logits.
+    fn gemma3(&self, arch: &str, cfg: GptConfig) -> Result<GptConfig> {
+        let key = |k: &str| format!("{arch}.{k}");
+        let n = cfg.n_layer;
+        let windows = match self.size(&key("attention.sliding_window"))? {
+            None | Some(0) => Vec::new(),
+            Some(w) => match self.value(&key("attention.sliding_window_pattern")) {
+                Some(candle_core::quantized::gguf_file::Value::Array(flags)) => {
+                    if flags.len() != n {
+                        bail!("metadata {arch}.attention.sliding_window_pattern has {} entries for {n} layers", flags.len())
+                    }
+                    let pattern = flags
+                        .iter()
+                        .map(|f| match f.to_bool() {
+                            Ok(true) => Ok(Some(w)),
+                            Ok(false) => Ok(None),
+                            Err(_) => bail!("metadata {arch}.attention.sliding_window_pattern must hold booleans"),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    vec![(pattern, 1)]
+                }
+                _ => {
+                    let p = self
+                        .size(&key("attention.sliding_window_pattern"))?
+                        .unwrap_or(6);
+                    // llama.cpp's set_swa_pattern: every layer windowed for a period of 0.
+                    periodic_windows(if p == 0 { usize::MAX } else { p }, n, w)?
+                }
+            },
+        };
+        let swa_theta = self.float(&key("rope.freq_base_swa"))?.unwrap_or(10_000.0);
+        let rope = cfg.rope.map(|r| RopeConfig {
+            theta: swa_theta,
+            scaling: RopeScaling::None,
+            ..r
+        });
+        let head_dim = match n {
+            62 => cfg.n_embd / cfg.n_head.max(1),
+            _ => cfg.head_dim(),
+        };
+        let softcap = self
+            .float(&key("final_logit_softcapping"))?
+            .filter(|&c| c != 0.0);
+        Ok(GptConfig {
+            activation_function: Activation::GeluNew,
+            qk_norm: Some(mha::QkNorm {
+                per_head: true,
+                eps: cfg.layer_norm_epsilon,
+            }),
+            norm_placement: NormPlacement::Sandwich,
+            embedding_multiplier: (cfg.n_embd as f32).sqrt() as f64,
+            attn_scale: Some((1.0 / (head_dim as f32).sqrt()) as f64),
+            final_logit_softcapping: softcap,
+            rope_local: rope,
+            windows,
+            ..cfg
+        })
     }
 }

@@ -63,11 +63,30 @@ pub fn save_gguf(
             cfg.family.model_type()
         )
     };
-    if (0..cfg.n_layer.min(4096)).any(|i| cfg.window(i).is_some()) {
-        bail!("llama.cpp's {arch} architecture has no sliding-window attention")
+    // llama.cpp's Gemma 3 reads one window and a flag per layer; the others none.
+    let windows: Vec<Option<usize>> = (0..cfg.n_layer).map(|i| cfg.window(i)).collect();
+    let window = windows.iter().flatten().next().copied();
+    if let Some(w) = window {
+        if cfg.family != Family::Gemma3 {
+            bail!("llama.cpp's {arch} architecture has no sliding-window attention")
+        }
+        if windows.iter().flatten().any(|&x| x != w) {
+            bail!("llama.cpp's {arch} architecture has one window for all its windowed layers")
+        }
+    }
+    let gemma = cfg.family == Family::Gemma3;
+    if let Some(local) = cfg.rope_local {
+        let same_dims = cfg.rope.map(|r| r.rotary_dim) == Some(local.rotary_dim);
+        if !gemma || local.scaling != RopeScaling::None || !same_dims {
+            bail!("llama.cpp's {arch} architecture cannot rotate windowed layers differently (its Gemma 3 takes another base, unscaled)")
+        }
+    }
+    if cfg.final_logit_softcapping.is_some() && !gemma {
+        bail!("llama.cpp's {arch} architecture has no soft cap on the logits")
     }
     let placement = match cfg.family {
         Family::Olmo2 => NormPlacement::PostBranch,
+        Family::Gemma3 => NormPlacement::Sandwich,
         _ => NormPlacement::Pre,
     };
     if cfg.norm_placement != placement || cfg.scale_attn_by_inverse_layer_idx {
@@ -76,7 +95,7 @@ pub fn save_gguf(
         )
     }
     let qk_norm = match cfg.family {
-        Family::Qwen3 => Some(true),
+        Family::Qwen3 | Family::Gemma3 => Some(true),
         Family::Olmo2 => Some(false),
         _ => None,
     };
@@ -103,7 +122,22 @@ pub fn save_gguf(
             cfg.residual_multiplier,
             cfg.logits_scaling,
         ] != [1.0; 3];
-    if scaled && cfg.family != Family::Granite {
+    if gemma {
+        // llama.cpp fixes Gemma 3's scales: embeddings times sqrtf(width), scores times
+        // 1/sqrtf(head width) (the 62-layer 27B: width / heads).
+        let head = match cfg.n_layer {
+            62 => cfg.n_embd / cfg.n_head.max(1),
+            _ => cfg.head_dim(),
+        };
+        let near = |x: f64, y: f32| (x - y as f64).abs() <= 1e-6 * x.abs();
+        let fits = near(cfg.embedding_multiplier, (cfg.n_embd as f32).sqrt())
+            && near(cfg.attn_scale.unwrap_or(0.0), 1.0 / (head as f32).sqrt())
+            && [cfg.residual_multiplier, cfg.logits_scaling] == [1.0; 2]
+            && cfg.activation_function == Activation::GeluNew;
+        if !fits {
+            bail!("llama.cpp's gemma3 architecture fixes the embedding scale (sqrt of the width), the score scale (1/sqrt of the head width) and the tanh GELU; this model differs")
+        }
+    } else if scaled && cfg.family != Family::Granite {
         bail!("llama.cpp's {arch} architecture has no embedding, attention, residual or logit multipliers")
     }
     if cfg.family == Family::Gpt2 && cfg.activation_function != Activation::GeluNew {
@@ -153,6 +187,10 @@ pub fn save_gguf(
         let (ln_1, attn, ln_2, mlp) = block.parts();
         norm(&mut biases, &blk(n.attn_norm), ln_1);
         norm(&mut biases, &blk(n.mlp_norm), ln_2);
+        if let Some((post_attn, post_mlp)) = block.post_norms() {
+            norm(&mut biases, &blk(n.attn_post_norm), post_attn);
+            norm(&mut biases, &blk(n.mlp_post_norm), post_mlp);
+        }
         if let Some((q, k)) = attn.qk_norm() {
             biases.push((format!("{}.weight", blk(a.q_norm)), q.clone()));
             biases.push((format!("{}.weight", blk(a.k_norm)), k.clone()));
@@ -260,6 +298,17 @@ pub fn save_gguf(
         for (k, x) in scales {
             meta.push((key(k), Value::F32(x as f32)));
         }
+    }
+    if let Some(w) = window {
+        meta.push((key("attention.sliding_window"), u32v(w)?));
+        let flags = windows.iter().map(|w| Value::Bool(w.is_some())).collect();
+        meta.push((key("attention.sliding_window_pattern"), Value::Array(flags)));
+    }
+    if let Some(local) = cfg.rope_local {
+        meta.push((key("rope.freq_base_swa"), Value::F32(local.theta as f32)));
+    }
+    if let Some(cap) = cfg.final_logit_softcapping {
+        meta.push((key("final_logit_softcapping"), Value::F32(cap as f32)));
     }
     if cfg.family == Family::GptNeox {
         meta.push((

@@ -39,7 +39,8 @@ pub(super) fn load(
         files: st.clone(),
         arena: arena.clone(),
     };
-    let vb = VarBuilder::from_backend(Box::new(backend), dtype, device.clone());
+    let backend = super::norm_shift::for_family(cfg, Box::new(backend));
+    let vb = VarBuilder::from_backend(backend, dtype, device.clone());
     let model = Gpt::build_with(
         cfg,
         with_prefix_fallback(vb, cfg, prefixed),

@@ -4,6 +4,7 @@
 
 mod files;
 mod fused;
+mod norm_shift;
 mod save;
 
 use std::collections::{BTreeSet, HashMap};
@@ -169,7 +170,11 @@ pub fn load_bytes(
         .iter()
         .map(|(n, v)| (n.as_str(), v.dtype(), v.shape()));
     let prefixed = check_header(&cfg, infos, dtype)?;
-    let vb = VarBuilder::from_backend(Box::new(st), dtype, device.clone());
+    let vb = VarBuilder::from_backend(
+        norm_shift::for_family(&cfg, Box::new(st)),
+        dtype,
+        device.clone(),
+    );
     Gpt::build(
         &cfg,
         with_prefix_fallback(vb, &cfg, prefixed),
@@ -214,7 +219,8 @@ pub fn load_files(
     if opts.fused {
         return fused::load(cfg, st, prefixed, opts, device);
     }
-    let vb = VarBuilder::from_backend(Box::new(st), opts.dtype, device.clone());
+    let backend = norm_shift::for_family(cfg, Box::new(st));
+    let vb = VarBuilder::from_backend(backend, opts.dtype, device.clone());
     Gpt::build(
         cfg,
         with_prefix_fallback(vb, cfg, prefixed),
