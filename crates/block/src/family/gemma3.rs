@@ -42,13 +42,13 @@ pub(super) fn read(f: &Fields) -> Result<GptConfig> {
     let cfg = llama::read(Family::Gemma3, f)?;
     let n = cfg.n_layer;
     let hd = cfg.head_dim();
-    let window = Some(f.usize("sliding_window")?.unwrap_or(4096));
+    let window = f.usize("sliding_window")?.unwrap_or(4096);
     let windows = match f.get("layer_types") {
-        Some(_) => layer_windows(f, n, window, n)?,
+        Some(_) => layer_windows(f, n, Some(window), n)?,
         // transformers: layer i slides unless (i + 1) % p == 0.
         None => match f.usize("sliding_window_pattern")?.unwrap_or(6) {
             0 => bail!("config: sliding_window_pattern must be positive"),
-            p => periodic_windows(p, n, window.unwrap_or(4096))?,
+            p => periodic_windows(p, n, window)?,
         },
     };
     let (global, local) = rope_params(f)?;
@@ -59,7 +59,7 @@ pub(super) fn read(f: &Fields) -> Result<GptConfig> {
         Fields { obj: &obj }.rope(hd, 1.0, None, None)
     };
     let scalar = f.f64("query_pre_attn_scalar")?.unwrap_or(256.0);
-    if !(scalar > 0.0) {
+    if scalar <= 0.0 {
         bail!("config: query_pre_attn_scalar must be positive, got {scalar}")
     }
     Ok(GptConfig {
