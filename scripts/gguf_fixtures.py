@@ -32,7 +32,12 @@ Models (random weights, every parameter redrawn so that a dropped or swapped par
 - smollm3: four layers, the fourth without rotation (llama.cpp's fixed NoPE step of 4);
   the converter permutes q/k as for Llama;
 - olmo2: norms after attention and MLP, q/k RMSNorm over the whole projection;
-- granite: embedding, attention, residual and logit multipliers; q/k permuted as Llama's.
+- granite: embedding, attention, residual and logit multipliers; q/k permuted as Llama's;
+- gemma3: six layers, the sixth global and the others windowed (window 4, llama.cpp's
+  fixed period of 6), local and global bases 100 and 1000, sandwich norms (the converter
+  adds Gemma's 1 to them), per-head q/k norms, heads of 32 over a width of 64, one kv
+  head, query_pre_attn_scalar equal to the head width (llama.cpp fixes it so),
+  soft-capped logits.
 Per model, in crates/block/tests/fixtures/gguf/: NAME.f32.gguf and NAME.q8_0.gguf
 (convert_hf_to_gguf.py --outtype), NAME.q4_0.gguf / NAME.q4_k_m.gguf (llama.cpp's
 quantizer: q4_1, q5_0 and q5_1 on the Llama; q2_k and q3_k_m on llama_wide: with q4_k_m they hold
@@ -105,7 +110,9 @@ def perturb(model, seed):
                 fan_in = p.shape[-1] if "c_" not in name else p.shape[0]
                 p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
             elif "norm" in name or "ln_" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+                # Gemma's RMSNorm multiplies by 1 + w: its w near 0.
+                shift = 0.0 if model.config.model_type == "gemma3_text" else 1.0
+                p.copy_(shift + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
@@ -331,6 +338,13 @@ def gguf_models():
           embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.5,
           logits_scaling=3.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
           pad_token_id=0, **small)
+    build("gemma3", "gemma3_text", bpe, 11, work, ["f32", "q8_0", "q4_0"],
+          num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=4,
+          sliding_window_pattern=6, final_logit_softcapping=5.0, tie_word_embeddings=True,
+          bos_token_id=0, eos_token_id=0, pad_token_id=0,
+          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                           "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+          **{**small, "num_hidden_layers": 6})
 
 
 ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + "
