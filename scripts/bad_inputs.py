@@ -269,6 +269,16 @@ case("olmo2: no post-branch norm weights", generate(model_dir("olmo2-llama-weigh
 case("granite: logits divided by 0", generate(model_dir("granite-logits-0", config={**LLAMA, "model_type": "granite", "logits_scaling": 0}, weights=llama)), "logits_scaling must be a positive number")
 case("granite: an infinite embedding multiplier", generate(model_dir("granite-inf-multiplier", config=b'{"model_type": "granite", "vocab_size": 8, "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4, "embedding_multiplier": 1e999}', weights=llama)), "number out of range")
 case("granite: a negative residual multiplier", generate(model_dir("granite-negative-residual", config={**LLAMA, "model_type": "granite", "residual_multiplier": -0.5}, weights=llama)), "residual_multiplier must be a positive number")
+GEMMA = {**LLAMA, "model_type": "gemma3_text"}
+case("gemma3: a window of 0", generate(model_dir("gemma3-window-0", config={**GEMMA, "sliding_window": 0}, weights=llama)), "window")
+case("gemma3: a window pattern of period 0", generate(model_dir("gemma3-pattern-0", config={**GEMMA, "sliding_window_pattern": 0}, weights=llama)), "sliding_window_pattern must be positive")
+case("gemma3: a window pattern of period 2^31 over a billion layers", generate(model_dir("gemma3-huge-pattern", config={**GEMMA, "sliding_window_pattern": 1 << 31, "num_hidden_layers": 1_000_000_000}, weights=llama)), "no tensor model.layers.0.pre_feedforward_layernorm")
+case("gemma3: a window pattern of period 2^20 within a billion layers", generate(model_dir("gemma3-long-pattern", config={**GEMMA, "sliding_window_pattern": 1 << 20, "num_hidden_layers": 1_000_000_000}, weights=llama)), "sliding-window pattern of period 1048576")
+case("gemma3: layer_types of the wrong length", generate(model_dir("gemma3-layer-types", config={**GEMMA, "layer_types": ["sliding_attention", "full_attention"]}, weights=llama)), "layer_types has 2 entries for num_hidden_layers=1")
+case("gemma3: soft-capped attention scores", generate(model_dir("gemma3-attn-softcap", config={**GEMMA, "attn_logit_softcapping": 50.0}, weights=llama)), "attn_logit_softcapping=50 (soft-capped attention scores, Gemma 2's) is not supported")
+case("gemma3: a logit cap of 0", generate(model_dir("gemma3-cap-0", config={**GEMMA, "final_logit_softcapping": 0}, weights=llama)), "final_logit_softcapping must be a positive number")
+case("gemma3: a local rope that is not an object", generate(model_dir("gemma3-rope-local", config={**GEMMA, "rope_parameters": {"full_attention": {"rope_theta": 1e4}, "sliding_attention": 5}}, weights=llama)), "rope_parameters.sliding_attention must be an object")
+case("gemma3: a negative query_pre_attn_scalar", generate(model_dir("gemma3-qpas", config={**GEMMA, "query_pre_attn_scalar": -4}, weights=llama)), "query_pre_attn_scalar must be positive")
 
 
 # GGUF (llama.cpp's format): a micro Llama written here field by field, then broken.
