@@ -51,8 +51,12 @@ fn parts_of(cfg: &gpt_blocks::GptConfig) -> serde_json::Value {
                 true => String::new(),
                 false => format!("; layers {} without rotation", nope.join(", ")),
             };
+            let local = match &cfg.rope_local {
+                Some(l) => format!("; windowed layers at theta {}", l.theta),
+                None => String::new(),
+            };
             format!(
-                "rotary (theta {}, {dims} of {} dims{scaling}{nope})",
+                "rotary (theta {}, {dims} of {} dims{scaling}{nope}{local})",
                 r.theta,
                 cfg.head_dim()
             )
@@ -76,6 +80,7 @@ fn parts_of(cfg: &gpt_blocks::GptConfig) -> serde_json::Value {
             "attention_scale": cfg.attn_scale,
             "residual": cfg.residual_multiplier,
             "logits_divided_by": cfg.logits_scaling,
+            "logit_soft_cap": cfg.final_logit_softcapping,
         }),
         "local_attention_windows": windows,
     })
