@@ -1211,6 +1211,11 @@ fn every_subcommand_runs_on_every_family() {
         ("qwen2_bias_window", "qwen2"),
         ("neox_parallel", "gpt_neox"),
         ("neo_local", "gpt_neo"),
+        ("qwen3_qk_norm", "qwen3"),
+        ("smollm3_nope", "smollm3"),
+        ("olmo2_post_norm", "olmo2"),
+        ("granite_multipliers", "granite"),
+        ("gemma3_local_global", "gemma3_text"),
     ] {
         let dir = fixture(&format!("families/{name}"));
         let model = dir.to_str().unwrap();
