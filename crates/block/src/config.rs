@@ -307,8 +307,10 @@ impl GptConfig {
         match run_entry(&self.no_rope, layer) {
             Some(true) => None,
             _ if periodic => None,
-            _ if self.window(layer).is_some() => self.rope_local.or(self.rope),
-            _ => self.rope,
+            _ if self.window(layer).is_some() => {
+                self.rope_local.clone().or_else(|| self.rope.clone())
+            }
+            _ => self.rope.clone(),
         }
     }
 

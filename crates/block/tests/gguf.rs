@@ -661,7 +661,7 @@ fn written_files_load_back_as_the_same_model() {
         assert_close(&logits(&again, ids), &want, atol, 0.0, name);
         let mut read = again.config().clone();
         if name == "llama3" {
-            read.rope = model.config().rope;
+            read.rope = model.config().rope.clone();
         }
         assert_eq!(&read, model.config(), "{name}");
 
@@ -822,7 +822,7 @@ fn llama3_rope_scaling_matches_transformers() {
         .unwrap()
         .config()
         .unwrap();
-    let (a, b) = (from_json.config().rope.unwrap(), from_gguf.rope.unwrap());
+    let (a, b) = (from_json.config().rope.clone().unwrap(), from_gguf.rope.unwrap());
     assert!(matches!(b.scaling, mha::RopeScaling::Llama3 { factor, .. } if factor == 4.0));
     for i in 0..8 {
         let f = 1.0 / 500f32.powf(2.0 * i as f32 / 16.0);

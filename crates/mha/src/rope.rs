@@ -14,7 +14,7 @@ use gpt_kernels::storage::with_values;
 
 /// How the frequencies are stretched for contexts longer than the model was trained on
 /// (`rope_scaling` / `rope_parameters.rope_type` in `config.json`).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum RopeScaling {
     /// The frequencies as trained.
     None,
@@ -74,7 +74,7 @@ impl RopeScaling {
 }
 
 /// Configuration of rotary embeddings for one attention layer.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RopeConfig {
     /// The base of the frequencies (`rope_theta`, NeoX's `rotary_emb_base`), > 1.
     pub theta: f64,

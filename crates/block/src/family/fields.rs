@@ -180,7 +180,7 @@ impl Fields<'_> {
                         };
                         // Its own checks, named as the config names them.
                         RopeConfig {
-                            scaling,
+                            scaling: scaling.clone(),
                             ..Default::default()
                         }
                         .validate(2)

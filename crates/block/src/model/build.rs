@@ -165,7 +165,7 @@ impl Gpt {
                 wte.dims()?
             )
         }
-        match (&wpe, cfg.rope) {
+        match (&wpe, &cfg.rope) {
             (None, Some(_)) => {}
             (Some(p), None) if p.dims() == [cfg.n_positions, d] => {}
             (p, _) => bail!(

@@ -214,10 +214,10 @@ impl Gguf {
             },
         };
         let swa_theta = self.float(&key("rope.freq_base_swa"))?.unwrap_or(10_000.0);
-        let rope = cfg.rope.map(|r| RopeConfig {
+        let rope = cfg.rope.as_ref().map(|r| RopeConfig {
             theta: swa_theta,
             scaling: RopeScaling::None,
-            ..r
+            ..r.clone()
         });
         let head_dim = match n {
             62 => cfg.n_embd / cfg.n_head.max(1),

@@ -69,7 +69,7 @@ pub(super) fn llama3_from_factors(factors: &[f32], theta: f64, dim: usize) -> Re
         original_max_position_embeddings: a,
     };
     let ok = RopeConfig {
-        scaling,
+        scaling: scaling.clone(),
         ..Default::default()
     }
     .validate(2)

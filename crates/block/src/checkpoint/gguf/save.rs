@@ -75,8 +75,8 @@ pub fn save_gguf(
         }
     }
     let gemma = cfg.family == Family::Gemma3;
-    if let Some(local) = cfg.rope_local {
-        let same_dims = cfg.rope.map(|r| r.rotary_dim) == Some(local.rotary_dim);
+    if let Some(local) = &cfg.rope_local {
+        let same_dims = cfg.rope.as_ref().map(|r| r.rotary_dim) == Some(local.rotary_dim);
         if !gemma || local.scaling != RopeScaling::None || !same_dims {
             bail!("llama.cpp's {arch} architecture cannot rotate windowed layers differently (its Gemma 3 takes another base, unscaled)")
         }
@@ -232,7 +232,7 @@ pub fn save_gguf(
             scaling: RopeScaling::Llama3 { .. },
             ..
         },
-    ) = cfg.rope
+    ) = &cfg.rope
     {
         // llama.cpp reads Llama 3's scaling as one divisor per frequency.
         let dim = rope.rotary_dim.unwrap_or(cfg.head_dim());
@@ -273,7 +273,7 @@ pub fn save_gguf(
         NormKind::RmsNorm => meta.push((key("attention.layer_norm_rms_epsilon"), eps)),
         NormKind::LayerNorm => meta.push((key("attention.layer_norm_epsilon"), eps)),
     }
-    if let Some(rope) = cfg.rope {
+    if let Some(rope) = &cfg.rope {
         meta.push((key("rope.freq_base"), Value::F32(rope.theta as f32)));
         meta.push((
             key("rope.dimension_count"),
@@ -304,7 +304,7 @@ pub fn save_gguf(
         let flags = windows.iter().map(|w| Value::Bool(w.is_some())).collect();
         meta.push((key("attention.sliding_window_pattern"), Value::Array(flags)));
     }
-    if let Some(local) = cfg.rope_local {
+    if let Some(local) = &cfg.rope_local {
         meta.push((key("rope.freq_base_swa"), Value::F32(local.theta as f32)));
     }
     if let Some(cap) = cfg.final_logit_softcapping {
