@@ -269,6 +269,10 @@ case("olmo2: no post-branch norm weights", generate(model_dir("olmo2-llama-weigh
 case("granite: logits divided by 0", generate(model_dir("granite-logits-0", config={**LLAMA, "model_type": "granite", "logits_scaling": 0}, weights=llama)), "logits_scaling must be a positive number")
 case("granite: an infinite embedding multiplier", generate(model_dir("granite-inf-multiplier", config=b'{"model_type": "granite", "vocab_size": 8, "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4, "embedding_multiplier": 1e999}', weights=llama)), "number out of range")
 case("granite: a negative residual multiplier", generate(model_dir("granite-negative-residual", config={**LLAMA, "model_type": "granite", "residual_multiplier": -0.5}, weights=llama)), "residual_multiplier must be a positive number")
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 2}
+case("longrope: factors of the wrong length", generate(model_dir("longrope-short-length", config={**LLAMA, "rope_parameters": {**LONGROPE, "short_factor": [1.0, 1.0, 1.0], "long_factor": [1.0]}}, weights=llama)), "longrope short_factor has 3 entries for 1 frequencies")
+case("longrope: a factor of 0", generate(model_dir("longrope-zero-factor", config={**LLAMA, "rope_parameters": {**LONGROPE, "short_factor": [0.0], "long_factor": [1.0]}}, weights=llama)), "short_factor entries must be positive numbers")
+case("longrope: no long factors", generate(model_dir("longrope-no-long", config={**LLAMA, "rope_parameters": {**LONGROPE, "short_factor": [1.0]}}, weights=llama)), "longrope needs long_factor")
 GEMMA = {**LLAMA, "model_type": "gemma3_text"}
 case("gemma3: a window of 0", generate(model_dir("gemma3-window-0", config={**GEMMA, "sliding_window": 0}, weights=llama)), "window")
 case("gemma3: a window pattern of period 0", generate(model_dir("gemma3-pattern-0", config={**GEMMA, "sliding_window_pattern": 0}, weights=llama)), "sliding_window_pattern must be positive")

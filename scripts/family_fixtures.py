@@ -73,7 +73,12 @@ def legacy(cfg):
             cfg["rope_theta"] = rope["rope_theta"]
             if "partial_rotary_factor" in rope:
                 cfg["partial_rotary_factor"] = rope["partial_rotary_factor"]
-        if kind != "default":
+        if kind == "longrope":
+            # Phi-3's files: the factors under rope_scaling, the original context on top.
+            cfg["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+            cfg["rope_scaling"] = {"type": kind, "short_factor": rope["short_factor"],
+                                   "long_factor": rope["long_factor"]}
+        elif kind != "default":
             # Older files say "type"; newer pre-5 files "rope_type". Both are read.
             cfg["rope_scaling"] = {"type": kind, "factor": rope["factor"]}
     return cfg
@@ -136,6 +141,7 @@ def build(name, family, seed, tokenizer=None, **kw):
     n = sum(p.numel() for p in model.parameters())
     print(f"{name}: {family}, {n} parameters, loss {loss.item():.6f}, "
           f"smallest greedy margin {margins.min().item():.2e}")
+    return model, input_ids, out
 
 
 common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -182,6 +188,22 @@ build("olmo2_post_norm", "olmo2", 21, num_key_value_heads=2, tie_word_embeddings
 build("granite_multipliers", "granite", 22, num_key_value_heads=2, attention_bias=True,
       mlp_bias=True, embedding_multiplier=4.0, attention_multiplier=0.2,
       residual_multiplier=0.5, logits_scaling=3.0, tie_word_embeddings=True, **common)
+# LongRoPE (Phi-3's): an original context of 8 within 64, so the full pass (T = 12) takes
+# the long factors and its first 8 positions alone the short ones; the greedy continuation
+# of 5 ids crosses from one to the other. logits_short: the first 8 ids alone.
+built = build("llama_longrope", "llama", 24, num_key_value_heads=2, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                               "original_max_position_embeddings": 8,
+                               "short_factor": [1.0, 1.5, 2.0, 3.0],
+                               "long_factor": [1.0, 4.0, 9.0, 16.0]}, **common)
+if built is not None:
+    model, input_ids, out = built
+    path = os.path.join(out, "expected.safetensors")
+    from safetensors.torch import load_file
+    exp = load_file(path)
+    with torch.no_grad():
+        exp["logits_short"] = model(input_ids[:, :8]).logits.float().contiguous()
+    save_file(exp, path)
 # Gemma 3: sandwich norms, per-head q/k norms, GeGLU, heads of 16 over a width of 32,
 # every second layer global (window 4 < T on the others), the local layers at base 100 and
 # the global ones at 10000 with linear scaling, scores by query_pre_attn_scalar 24,

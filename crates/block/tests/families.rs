@@ -61,6 +61,57 @@ fn logits_loss_and_greedy_tokens_match_transformers() {
     }
 }
 
+/// LongRoPE (Phi-3's scaling) as transformers runs it: the short factors while a sequence
+/// stays within the original context (8 here), the long ones once a forward pass reaches
+/// past it (the full pass of 12 ids), the cosines and sines times the attention factor
+/// (sqrt(1 + ln 8 / ln 8) for a context of 64 over 8); the greedy continuation crosses
+/// from one to the other through the cache, as transformers' does. The hub's older fields
+/// (`rope_scaling` `type: longrope`, a top-level `original_max_position_embeddings`) give
+/// the same model. (Within a row, cached keys keep the factors they were rotated with, as
+/// in transformers: cached decoding across the boundary is not the full pass, by design.)
+#[test]
+fn longrope_matches_transformers_below_and_beyond_the_original_context() {
+    let name = "llama_longrope";
+    let model = load(&fixture(name), DType::F32);
+    let exp = expected(name);
+    reference::matches_transformers(&model, &exp, 1e-4, name);
+    let short = exp["input_ids"].narrow(1, 0, 8).unwrap();
+    let got = model.infer(&short, None, None, Logits::All).unwrap();
+    assert_close(
+        &got,
+        &exp["logits_short"],
+        1e-4,
+        0.0,
+        "below the original context",
+    );
+    let long = model
+        .infer(&exp["input_ids"], None, None, Logits::All)
+        .unwrap();
+    let first8 = long.narrow(1, 0, 8).unwrap();
+    assert!(
+        max_abs_diff(&first8, &exp["logits_short"]) > 1e-2,
+        "the long factors must change the first positions' logits"
+    );
+    match &model.config().rope.as_ref().unwrap().scaling {
+        mha::RopeScaling::LongRope {
+            attention_factor, ..
+        } => assert!((attention_factor - 2f64.sqrt()).abs() < 1e-12),
+        other => panic!("{other:?}"),
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture(name).join("config.legacy.json"),
+        tmp.path().join("config.json"),
+    )
+    .unwrap();
+    std::fs::copy(
+        fixture(name).join("model.safetensors"),
+        tmp.path().join("model.safetensors"),
+    )
+    .unwrap();
+    assert_eq!(load(tmp.path(), DType::F32).config(), model.config());
+}
+
 /// Prefill of part of the sequence, then one token at a time through the cache, equals
 /// the full causal pass: the cache holds rotated keys, and windows slide past the prefill.
 /// With q/k/v fused too ([`Gpt::fused`], as `gpt` runs them), whose decoding steps write

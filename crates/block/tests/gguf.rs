@@ -822,7 +822,10 @@ fn llama3_rope_scaling_matches_transformers() {
         .unwrap()
         .config()
         .unwrap();
-    let (a, b) = (from_json.config().rope.clone().unwrap(), from_gguf.rope.unwrap());
+    let (a, b) = (
+        from_json.config().rope.clone().unwrap(),
+        from_gguf.rope.unwrap(),
+    );
     assert!(matches!(b.scaling, mha::RopeScaling::Llama3 { factor, .. } if factor == 4.0));
     for i in 0..8 {
         let f = 1.0 / 500f32.powf(2.0 * i as f32 / 16.0);

@@ -37,14 +37,29 @@ pub enum RopeScaling {
         /// The context the model was first trained with.
         original_max_position_embeddings: f64,
     },
+    /// Phi-3's `"longrope"` (`"su"`): frequency `i` divided by its own factor, `short[i]`
+    /// while a sequence stays within `original_max_position_embeddings` and `long[i]` once
+    /// its furthest position passes it (transformers decides at each forward pass, by the
+    /// largest position of the row), and the cosines and sines times `attention_factor`.
+    LongRope {
+        /// One divisor per frequency (`rotary_dim / 2`) within the original context.
+        short_factor: Vec<f64>,
+        /// One divisor per frequency beyond it.
+        long_factor: Vec<f64>,
+        /// The context the model was first trained with.
+        original_max_position_embeddings: usize,
+        /// Factor on the cosines and sines (so on every score, squared).
+        attention_factor: f64,
+    },
 }
 
 impl RopeScaling {
     /// An inverse frequency `inv_freq` (f32) after scaling, computed as transformers does:
     /// unchanged, divided by the linear factor, or in Llama 3's bands.
+    /// LongRoPE's factors are per frequency: [`Rope::new`] applies them.
     pub fn apply(&self, inv_freq: f32) -> f32 {
         match *self {
-            Self::None => inv_freq,
+            Self::None | Self::LongRope { .. } => inv_freq,
             Self::Linear { factor } => inv_freq / factor as f32,
             Self::Llama3 {
                 factor,
@@ -123,6 +138,30 @@ impl RopeConfig {
                 bail!("rope: the linear scaling factor must be > 0, got {factor}")
             }
         }
+        if let RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings: old,
+            attention_factor,
+        } = &self.scaling
+        {
+            for (name, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                if f.len() != dim / 2 {
+                    bail!("rope: longrope {name} has {} entries for {} frequencies (rotary_dim {dim} / 2)", f.len(), dim / 2)
+                }
+                if !f.iter().all(|x| x.is_finite() && *x > 0.0) {
+                    bail!("rope: longrope {name} entries must be positive numbers")
+                }
+            }
+            if *old == 0 || *old > u32::MAX as usize {
+                bail!(
+                    "rope: longrope original_max_position_embeddings must be in 1..2^32, got {old}"
+                )
+            }
+            if !(attention_factor.is_finite() && *attention_factor > 0.0) {
+                bail!("rope: longrope attention_factor must be a positive number, got {attention_factor}")
+            }
+        }
         Ok(())
     }
 }
@@ -134,6 +173,11 @@ pub struct Rope {
     /// `[rotary_dim / 2]`, f32 as transformers computes them.
     inv_freq: Vec<f32>,
     rotary_dim: usize,
+    /// LongRoPE: the frequencies of rows whose furthest position is at or past the first
+    /// position, `(first, inv_freq)`.
+    long: Option<(u32, Vec<f32>)>,
+    /// Factor on the cosines and sines (LongRoPE's attention factor; 1 otherwise).
+    attention_factor: f32,
 }
 
 /// Cosines and sines for a batch of positions, `[b, t, rotary_dim / 2]` each (f32). Made
@@ -152,15 +196,36 @@ impl Rope {
         cfg.validate(head_dim)?;
         let dim = cfg.rotary_dim.unwrap_or(head_dim);
         // transformers: 1 / base ** (arange(0, dim, 2).float() / dim), in f32.
+        let base = |i: usize| (cfg.theta as f32).powf((2 * i) as f32 / dim as f32);
+        if let RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings: old,
+            attention_factor,
+        } = &cfg.scaling
+        {
+            // transformers: 1 / (ext_factors * base ** (arange(0, dim, 2).float() / dim)).
+            let freqs = |ext: &[f64]| -> Vec<f32> {
+                (0..dim / 2)
+                    .map(|i| 1.0 / (ext[i] as f32 * base(i)))
+                    .collect()
+            };
+            return Ok(Self {
+                inv_freq: freqs(short_factor),
+                rotary_dim: dim,
+                // Long from a row whose positions reach `old` (its length passes `old`).
+                long: Some((*old as u32, freqs(long_factor))),
+                attention_factor: *attention_factor as f32,
+            });
+        }
         let inv_freq = (0..dim / 2)
-            .map(|i| {
-                let f = 1.0 / (cfg.theta as f32).powf((2 * i) as f32 / dim as f32);
-                cfg.scaling.apply(f)
-            })
+            .map(|i| cfg.scaling.apply(1.0 / base(i)))
             .collect();
         Ok(Self {
             inv_freq,
             rotary_dim: dim,
+            long: None,
+            attention_factor: 1.0,
         })
     }
 
@@ -176,12 +241,30 @@ impl Rope {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(b * t * half);
         let mut sin = Vec::with_capacity(b * t * half);
-        for p in pos.iter().flatten() {
-            for &f in &self.inv_freq {
-                // The product rounded to f32 first, as transformers' f32 matmul does.
-                let angle = p * f;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
+        let a = self.attention_factor;
+        for row in &pos {
+            // LongRoPE: the long frequencies for a row that reaches past the original
+            // context (transformers: max(position_ids) + 1 > original).
+            let furthest = row.iter().copied().fold(0f32, f32::max);
+            let inv_freq = match &self.long {
+                Some((first, long)) if furthest >= *first as f32 => long,
+                _ => &self.inv_freq,
+            };
+            for p in row {
+                for &f in inv_freq {
+                    // The product rounded to f32 first, as transformers' f32 matmul does.
+                    let angle = p * f;
+                    match a {
+                        1.0 => {
+                            cos.push(angle.cos());
+                            sin.push(angle.sin());
+                        }
+                        a => {
+                            cos.push(angle.cos() * a);
+                            sin.push(angle.sin() * a);
+                        }
+                    }
+                }
             }
         }
         let dev = positions.device();

@@ -187,8 +187,9 @@ impl Fields<'_> {
                         .map_err(|e| candle_core::Error::Msg(format!("config: {field}: {e}")))?;
                         scaling
                     }
+                    "longrope" | "su" => self.longrope(field, s)?,
                     other => bail!(
-                        "config: {field} type {other:?} is not supported (default, linear and llama3 are)"
+                        "config: {field} type {other:?} is not supported (default, linear, llama3 and longrope are)"
                     ),
                 }
             }
@@ -199,6 +200,56 @@ impl Fields<'_> {
             theta,
             rotary_dim: (rotary_dim != head_dim).then_some(rotary_dim),
             scaling,
+        })
+    }
+}
+
+impl Fields<'_> {
+    /// LongRoPE (`s`: the object that names it, `field` its name): the short and long
+    /// factors, the original context (there or at the top level, as Phi-3's older files
+    /// keep it) and the attention factor, defaulted as transformers'
+    /// `_compute_longrope_parameters` does: from `factor`, else `max_position_embeddings /
+    /// original_max_position_embeddings`, `sqrt(1 + ln(factor) / ln(original))` above 1.
+    fn longrope(&self, field: &str, s: &Fields) -> Result<RopeScaling> {
+        let factors = |k: &str| -> Result<Vec<f64>> {
+            match s.get(k) {
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|v| match v.as_f64() {
+                        Some(x) if x.is_finite() && x > 0.0 => Ok(x),
+                        _ => bail!("config: {field} {k} entries must be positive numbers, got {v}"),
+                    })
+                    .collect(),
+                Some(v) => bail!("config: {field} {k} must be a list, got {v}"),
+                None => bail!("config: {field} longrope needs {k}"),
+            }
+        };
+        let (short_factor, long_factor) = (factors("short_factor")?, factors("long_factor")?);
+        let old_key = "original_max_position_embeddings";
+        let old = match s.usize(old_key)? {
+            Some(n) => n,
+            None => match self.usize(old_key)? {
+                Some(n) => n,
+                None => bail!("config: {field} longrope needs {old_key}"),
+            },
+        };
+        if old == 0 {
+            bail!("config: {old_key} must be positive")
+        }
+        let factor = match s.f64("factor")? {
+            Some(f) => f,
+            None => self.f64("max_position_embeddings")?.unwrap_or(old as f64) / old as f64,
+        };
+        let attention_factor = match s.f64("attention_factor")? {
+            Some(a) => a,
+            None if factor <= 1.0 => 1.0,
+            None => (1.0 + factor.ln() / (old as f64).ln()).sqrt(),
+        };
+        Ok(RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings: old,
+            attention_factor,
         })
     }
 }

@@ -122,11 +122,23 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
         bail!("this model has parts Llama's config.json cannot express (windows, partial rotary, LayerNorm, an ungated MLP, parallel residuals, unequal attention biases, q/k norms, layers without rotation or multipliers); it cannot be saved")
     }
     let mut params = serde_json::json!({ "rope_theta": rope.theta, "rope_type": "default" });
-    match rope.scaling {
+    match &rope.scaling {
         RopeScaling::None => {}
+        RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        } => {
+            params["rope_type"] = "longrope".into();
+            params["short_factor"] = short_factor.clone().into();
+            params["long_factor"] = long_factor.clone().into();
+            params["original_max_position_embeddings"] = (*original_max_position_embeddings).into();
+            params["attention_factor"] = (*attention_factor).into();
+        }
         RopeScaling::Linear { factor } => {
             params["rope_type"] = "linear".into();
-            params["factor"] = factor.into();
+            params["factor"] = (*factor).into();
         }
         RopeScaling::Llama3 {
             factor,
@@ -135,10 +147,10 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
             original_max_position_embeddings,
         } => {
             params["rope_type"] = "llama3".into();
-            params["factor"] = factor.into();
-            params["low_freq_factor"] = low_freq_factor.into();
-            params["high_freq_factor"] = high_freq_factor.into();
-            params["original_max_position_embeddings"] = original_max_position_embeddings.into();
+            params["factor"] = (*factor).into();
+            params["low_freq_factor"] = (*low_freq_factor).into();
+            params["high_freq_factor"] = (*high_freq_factor).into();
+            params["original_max_position_embeddings"] = (*original_max_position_embeddings).into();
         }
     }
     Ok(serde_json::json!({

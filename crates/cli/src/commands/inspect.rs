@@ -42,6 +42,10 @@ fn parts_of(cfg: &gpt_blocks::GptConfig) -> serde_json::Value {
                 mha::RopeScaling::None => String::new(),
                 mha::RopeScaling::Linear { factor } => format!(", linear scaling {factor}"),
                 mha::RopeScaling::Llama3 { factor, .. } => format!(", llama3 scaling {factor}"),
+                mha::RopeScaling::LongRope {
+                    original_max_position_embeddings: old,
+                    ..
+                } => format!(", longrope past {old} positions"),
             };
             let nope: Vec<String> = (0..cfg.n_layer)
                 .filter(|&i| cfg.layer_rope(i).is_none())

@@ -74,6 +74,13 @@ pub fn save_gguf(
             bail!("llama.cpp's {arch} architecture has one window for all its windowed layers")
         }
     }
+    if cfg
+        .rope
+        .as_ref()
+        .is_some_and(|r| matches!(r.scaling, RopeScaling::LongRope { .. }))
+    {
+        bail!("llama.cpp's {arch} architecture has no LongRoPE scaling (its phi3 has)")
+    }
     let gemma = cfg.family == Family::Gemma3;
     if let Some(local) = &cfg.rope_local {
         let same_dims = cfg.rope.as_ref().map(|r| r.rotary_dim) == Some(local.rotary_dim);
