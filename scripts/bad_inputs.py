@@ -273,6 +273,22 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_positi
 case("longrope: factors of the wrong length", generate(model_dir("longrope-short-length", config={**LLAMA, "rope_parameters": {**LONGROPE, "short_factor": [1.0, 1.0, 1.0], "long_factor": [1.0]}}, weights=llama)), "longrope short_factor has 3 entries for 1 frequencies")
 case("longrope: a factor of 0", generate(model_dir("longrope-zero-factor", config={**LLAMA, "rope_parameters": {**LONGROPE, "short_factor": [0.0], "long_factor": [1.0]}}, weights=llama)), "short_factor entries must be positive numbers")
 case("longrope: no long factors", generate(model_dir("longrope-no-long", config={**LLAMA, "rope_parameters": {**LONGROPE, "short_factor": [1.0]}}, weights=llama)), "longrope needs long_factor")
+PHI3 = {**LLAMA, "model_type": "phi3"}
+case("phi3: q/k/v stored separately", generate(model_dir("phi3-separate-qkv", config=PHI3, weights=llama)), "phi3 files store it inside the fused")
+
+
+def phi3_state(qkv_rows):
+    s = llama_state()
+    p = "model.layers.0."
+    for n in ("q_proj", "k_proj", "v_proj"):
+        del s[p + "self_attn." + n + ".weight"]
+    del s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]
+    s[p + "self_attn.qkv_proj.weight"] = t(qkv_rows, D)
+    s[p + "mlp.gate_up_proj.weight"] = t(2 * I, D)
+    return s
+
+
+case("phi3: a fused q/k/v of the wrong height", generate(model_dir("phi3-qkv-rows", config=PHI3, weights=safetensors(phi3_state(3 * D)))), "tensor model.layers.0.self_attn.qkv_proj.weight is [12, 4], expected [8, 4]")
 GEMMA = {**LLAMA, "model_type": "gemma3_text"}
 case("gemma3: a window of 0", generate(model_dir("gemma3-window-0", config={**GEMMA, "sliding_window": 0}, weights=llama)), "window")
 case("gemma3: a window pattern of period 0", generate(model_dir("gemma3-pattern-0", config={**GEMMA, "sliding_window_pattern": 0}, weights=llama)), "sliding_window_pattern must be positive")

@@ -204,6 +204,29 @@ if built is not None:
     with torch.no_grad():
         exp["logits_short"] = model(input_ids[:, :8]).logits.float().contiguous()
     save_file(exp, path)
+# Phi-3: q/k/v and gate/up stored fused, a window of 5 on every layer, GQA, untied head.
+build("phi3_window", "phi3", 25, num_key_value_heads=2, sliding_window=5,
+      tie_word_embeddings=False, pad_token_id=0,
+      rope_parameters={"rope_type": "default", "rope_theta": 500.0}, **common)
+# Phi-4-mini's parts: partial rotary (0.75 of each head: 3 frequencies), LongRoPE with an
+# original context of 8 within 64, tied head. Read by the LongRoPE test (its greedy
+# continuation crosses the original context).
+built = build("phi4_longrope", "phi3", 26, num_key_value_heads=2, tie_word_embeddings=True,
+              original_max_position_embeddings=8,
+              pad_token_id=0,
+              rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                               "partial_rotary_factor": 0.75,
+                               "original_max_position_embeddings": 8,
+                               "short_factor": [1.0, 2.0, 3.0],
+                               "long_factor": [1.5, 6.0, 20.0]}, **common)
+if built is not None:
+    model, input_ids, out = built
+    path = os.path.join(out, "expected.safetensors")
+    from safetensors.torch import load_file
+    exp = load_file(path)
+    with torch.no_grad():
+        exp["logits_short"] = model(input_ids[:, :8]).logits.float().contiguous()
+    save_file(exp, path)
 # Gemma 3: sandwich norms, per-head q/k norms, GeGLU, heads of 16 over a width of 32,
 # every second layer global (window 4 < T on the others), the local layers at base 100 and
 # the global ones at 10000 with linear scaling, scores by query_pre_attn_scalar 24,

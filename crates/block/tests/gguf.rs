@@ -785,8 +785,10 @@ fn families_llama_cpp_cannot_run_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let families = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families");
     for (name, needle) in [
-        ("neo_local", "no gpt_neo architecture"),
+        ("neo_local", "gpt_neo models are not written as GGUF"),
+        ("phi3_window", "phi3 models are not written as GGUF"),
         ("mistral_window", "sliding-window"),
+        ("llama_longrope", "no LongRoPE scaling"),
     ] {
         let model = gpt_blocks::load(&families.join(name), DType::F32, &Device::Cpu).unwrap();
         let err = gpt_blocks::save_gguf(

@@ -1216,6 +1216,7 @@ fn every_subcommand_runs_on_every_family() {
         ("olmo2_post_norm", "olmo2"),
         ("granite_multipliers", "granite"),
         ("gemma3_local_global", "gemma3_text"),
+        ("phi3_window", "phi3"),
     ] {
         let dir = fixture(&format!("families/{name}"));
         let model = dir.to_str().unwrap();

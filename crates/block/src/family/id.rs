@@ -37,11 +37,14 @@ pub enum Family {
     /// `1 + w`), per-head q/k norms, GeGLU, scaled embeddings, local and global layers
     /// rotating at different bases, soft-capped logits.
     Gemma3,
+    /// Phi-3 and Phi-4-mini: Llama's blocks stored with fused q/k/v and gate/up, partial
+    /// rotary, LongRoPE.
+    Phi3,
 }
 
 impl Family {
     /// Every family, in the order of the README's table.
-    pub const ALL: [Family; 11] = [
+    pub const ALL: [Family; 12] = [
         Self::Gpt2,
         Self::Llama,
         Self::Mistral,
@@ -53,10 +56,11 @@ impl Family {
         Self::Olmo2,
         Self::Granite,
         Self::Gemma3,
+        Self::Phi3,
     ];
 
     /// The `model_type` values read, in the order of the README's table.
-    pub const SUPPORTED: [&'static str; 11] = [
+    pub const SUPPORTED: [&'static str; 12] = [
         "gpt2",
         "llama",
         "mistral",
@@ -68,6 +72,7 @@ impl Family {
         "olmo2",
         "granite",
         "gemma3_text",
+        "phi3",
     ];
 
     /// The family of a `model_type`.
@@ -95,6 +100,7 @@ impl Family {
             Self::Olmo2 => "olmo2",
             Self::Granite => "granite",
             Self::Gemma3 => "gemma3_text",
+            Self::Phi3 => "phi3",
         }
     }
 
@@ -112,6 +118,9 @@ impl Family {
             Self::Olmo2 => Some("olmo2"),
             Self::Granite => Some("granite"),
             Self::Gemma3 => Some("gemma3"),
+            // llama.cpp's phi3 turns windows off and picks LongRoPE's factors by the
+            // context it is given: not read here yet.
+            Self::Phi3 => None,
         }
     }
 

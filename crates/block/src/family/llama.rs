@@ -38,6 +38,7 @@ pub(super) const NAMES: TensorNames = TensorNames {
     },
     final_norm: name("model.norm", gguf::OUTPUT_NORM),
     head: name("lm_head", gguf::OUTPUT),
+    stored_fused: None,
 };
 
 /// Reads the config of Llama, Mistral, Qwen2, or the Llama-layout part of the families
@@ -55,8 +56,8 @@ pub(super) fn read(family: Family, f: &Fields) -> Result<GptConfig> {
     };
     let window = f.usize("sliding_window")?;
     let global = match family {
-        // Mistral: every layer, when sliding_window is set.
-        Family::Mistral => 0,
+        // Mistral and Phi-3: every layer, when sliding_window is set.
+        Family::Mistral | Family::Phi3 => 0,
         // Qwen2 and 3: from max_window_layers on, when use_sliding_window is set.
         Family::Qwen2 | Family::Qwen3 if f.bool("use_sliding_window")?.unwrap_or(false) => {
             f.usize("max_window_layers")?.unwrap_or(n_layer)

@@ -14,6 +14,7 @@ pub(crate) mod names;
 mod neo;
 mod neox;
 mod olmo2;
+mod phi3;
 mod qwen3;
 mod smollm3;
 
@@ -34,6 +35,7 @@ impl Family {
             | Self::Granite => &llama::NAMES,
             Self::Olmo2 => &olmo2::NAMES,
             Self::Gemma3 => &gemma3::NAMES,
+            Self::Phi3 => &phi3::NAMES,
             Self::GptNeox => &neox::NAMES,
             Self::GptNeo => &neo::NAMES,
         }

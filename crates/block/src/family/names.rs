@@ -61,6 +61,15 @@ pub(crate) struct MlpNames {
     pub conv1d: bool,
 }
 
+/// Projections a Hugging Face checkpoint stores fused though the model keeps them apart
+/// (Phi-3): `qkv` (under the attention) holds the rows of q, k and v, one after the
+/// other; `gate_up` (under the MLP) the gate's rows, then the up projection's.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StoredFused {
+    pub qkv: &'static str,
+    pub gate_up: &'static str,
+}
+
 /// Where a family keeps each tensor.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct TensorNames {
@@ -91,6 +100,8 @@ pub(crate) struct TensorNames {
     pub final_norm: Name,
     /// Untied LM head `[vocab, d]` (an `nn.Linear` without bias).
     pub head: Name,
+    /// Projections stored fused in Hugging Face files, served apart as they are read.
+    pub stored_fused: Option<StoredFused>,
 }
 
 impl TensorNames {

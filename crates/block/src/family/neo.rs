@@ -38,6 +38,7 @@ pub(super) const NAMES: TensorNames = TensorNames {
     },
     final_norm: name("transformer.ln_f", ""),
     head: name("lm_head", ""),
+    stored_fused: None,
 };
 
 pub(super) fn read(f: &Fields) -> Result<GptConfig> {

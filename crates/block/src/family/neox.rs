@@ -36,6 +36,7 @@ pub(super) const NAMES: TensorNames = TensorNames {
     },
     final_norm: name("gpt_neox.final_layer_norm", gguf::OUTPUT_NORM),
     head: name("embed_out", gguf::OUTPUT),
+    stored_fused: None,
 };
 
 pub(super) fn read(f: &Fields) -> Result<GptConfig> {

@@ -127,6 +127,32 @@ impl Gpt {
             ),
             None => {}
         }
+        if let Some(fused) = names.stored_fused {
+            // Phi-3 stores q/k/v and gate/up fused: their rows one after the other.
+            let (a, m) = (&names.attn_proj, &names.mlp_proj);
+            for i in 0..self.h.len() {
+                let pre = format!("{}.{i}", names.layers.hf);
+                let attn = |p: &str| format!("{pre}.{}.{p}.weight", names.attn);
+                let mlp = |p: &str| format!("{pre}.{}.{p}.weight", names.mlp);
+                let mut groups = vec![(
+                    attn(fused.qkv),
+                    vec![attn(a.q.hf), attn(a.k.hf), attn(a.v.hf)],
+                )];
+                if let Some(gate) = m.gate {
+                    groups.push((mlp(fused.gate_up), vec![mlp(gate.hf), mlp(m.up.hf)]));
+                }
+                for (name, parts) in groups {
+                    let parts = parts
+                        .iter()
+                        .map(|p| match out.remove(p) {
+                            Some(t) => Ok(t),
+                            None => bail!("block {i}: no {p} to store fused"),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    out.insert(name, Tensor::cat(&parts, 0)?);
+                }
+            }
+        }
         Ok(out)
     }
 }

@@ -59,7 +59,7 @@ pub fn save_gguf(
     let cfg = model.config();
     let Some(arch) = cfg.family.gguf_arch() else {
         bail!(
-            "llama.cpp's GGUF has no {} architecture",
+            "{} models are not written as GGUF (llama.cpp has no such architecture, or runs it otherwise: its phi3 without windows)",
             cfg.family.model_type()
         )
     };

@@ -39,7 +39,8 @@ pub(super) fn load(
         files: st.clone(),
         arena: arena.clone(),
     };
-    let backend = super::norm_shift::for_family(cfg, Box::new(backend));
+    let backend = super::stored_fused::for_family(cfg, Box::new(backend));
+    let backend = super::norm_shift::for_family(cfg, backend);
     let vb = VarBuilder::from_backend(backend, dtype, device.clone());
     let model = Gpt::build_with(
         cfg,
@@ -90,8 +91,14 @@ fn block_matrices(
     let names = cfg.family.names();
     let (attn, mlp) = (names.attn, names.mlp);
     let mut order = Vec::new(); // the parts of a block, in the order they are read
+                                // Phi-3's q/k/v and gate/up as stored: each already one matrix, in the place of its
+                                // parts (the parts' names are not in its files).
+    let stored = names.stored_fused;
     match names.attn_layout() {
         WeightLayout::Separate { q, k, v, o } => {
+            if let Some(f) = stored {
+                order.push(format!("{attn}.{}.weight", f.qkv));
+            }
             order.extend([q, k, v, o].map(|p| format!("{attn}.{p}.weight")))
         }
         WeightLayout::HeadInterleavedQkv { o, .. } => order.push(format!("{attn}.{o}.weight")),
@@ -102,6 +109,9 @@ fn block_matrices(
         WeightLayout::TorchInProj => {}
     }
     let m = names.mlp_proj;
+    if let Some(f) = stored {
+        order.push(format!("{mlp}.{}.weight", f.gate_up));
+    }
     for p in m.gate.into_iter().chain([m.up, m.down]) {
         order.push(format!("{mlp}.{}.weight", p.hf));
     }
@@ -145,6 +155,22 @@ fn block_from_arena(
     // `(prefix, rows)` under `vb` read side by side: one `[Σ rows, cols]` view.
     // (The lock is held only here: the VarBuilder's reads take it too.)
     let span = |vb: &VarBuilder, parts: &[(&str, usize)], cols: usize| {
+        // Parts a family stores fused (Phi-3) are the one stored matrix.
+        let stored = names.stored_fused.map(|f| {
+            let rows = parts.iter().map(|(_, r)| r).sum::<usize>();
+            match parts.len() {
+                3 => (f.qkv, rows),
+                _ => (f.gate_up, rows),
+            }
+        });
+        let one;
+        let parts = match stored {
+            Some(s) => {
+                one = [s];
+                &one[..]
+            }
+            None => parts,
+        };
         let parts: Vec<_> = parts
             .iter()
             .map(|(p, rows)| {

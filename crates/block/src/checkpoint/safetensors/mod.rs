@@ -6,6 +6,7 @@ mod files;
 mod fused;
 mod norm_shift;
 mod save;
+mod stored_fused;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -119,6 +120,7 @@ fn check_header<'a>(
             })
             .collect();
     }
+    let shapes = stored_fused::expand_shapes(cfg, shapes)?;
     check::check_tensor_table(cfg, &shapes, dtype, false)?;
     Ok(prefixed)
 }
@@ -171,7 +173,7 @@ pub fn load_bytes(
         .map(|(n, v)| (n.as_str(), v.dtype(), v.shape()));
     let prefixed = check_header(&cfg, infos, dtype)?;
     let vb = VarBuilder::from_backend(
-        norm_shift::for_family(&cfg, Box::new(st)),
+        norm_shift::for_family(&cfg, stored_fused::for_family(&cfg, Box::new(st))),
         dtype,
         device.clone(),
     );
@@ -219,7 +221,7 @@ pub fn load_files(
     if opts.fused {
         return fused::load(cfg, st, prefixed, opts, device);
     }
-    let backend = norm_shift::for_family(cfg, Box::new(st));
+    let backend = norm_shift::for_family(cfg, stored_fused::for_family(cfg, Box::new(st)));
     let vb = VarBuilder::from_backend(backend, opts.dtype, device.clone());
     Gpt::build(
         cfg,
