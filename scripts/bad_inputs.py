@@ -289,6 +289,14 @@ def phi3_state(qkv_rows):
 
 
 case("phi3: a fused q/k/v of the wrong height", generate(model_dir("phi3-qkv-rows", config=PHI3, weights=safetensors(phi3_state(3 * D)))), "tensor model.layers.0.self_attn.qkv_proj.weight is [12, 4], expected [8, 4]")
+LFM2 = {**LLAMA, "model_type": "lfm2", "layer_types": ["conv"]}
+case("lfm2: a billion conv taps", generate(model_dir("lfm2-billion-taps", config={**LFM2, "conv_L_cache": 1_000_000_000}, weights=llama)), "conv_L_cache=1000000000 must be in 1..=1024")
+case("lfm2: no conv taps", generate(model_dir("lfm2-zero-taps", config={**LFM2, "conv_L_cache": 0}, weights=llama)), "conv_L_cache=0 must be in 1..=1024")
+case("lfm2: layer_types of the wrong length", generate(model_dir("lfm2-layer-types", config={**LFM2, "layer_types": ["conv", "full_attention"]}, weights=llama)), "layer_types has 2 entries for num_hidden_layers=1")
+case("lfm2: an unknown layer type", generate(model_dir("lfm2-layer-kind", config={**LFM2, "layer_types": ["mamba"]}, weights=llama)), "layer_types entry \"mamba\" is not supported")
+case("lfm2: an attention layer past the last", generate(model_dir("lfm2-attn-idx", config={**{k: v for k, v in LFM2.items() if k != "layer_types"}, "full_attn_idxs": [5]}, weights=llama)), "full_attn_idxs entry 5 is not a layer below 1")
+case("lfm2: full_attn_idxs over a billion layers", generate(model_dir("lfm2-billion-layers", config={**{k: v for k, v in LFM2.items() if k != "layer_types"}, "full_attn_idxs": [0, 999_999_999], "num_hidden_layers": 1_000_000_000}, weights=llama)), "model.layers.0.")
+case("lfm2: a checkpoint with Llama's names", generate(model_dir("lfm2-conv-missing", config=LFM2, weights=llama)), "no tensor model.layers.0.operator_norm.weight")
 GEMMA = {**LLAMA, "model_type": "gemma3_text"}
 case("gemma3: a window of 0", generate(model_dir("gemma3-window-0", config={**GEMMA, "sliding_window": 0}, weights=llama)), "window")
 case("gemma3: a window pattern of period 0", generate(model_dir("gemma3-pattern-0", config={**GEMMA, "sliding_window_pattern": 0}, weights=llama)), "sliding_window_pattern must be positive")

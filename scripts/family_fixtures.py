@@ -50,6 +50,10 @@ def legacy(cfg):
     if cfg["model_type"] == "smollm3":
         # The hub's files give the interval and let transformers list the layers.
         cfg.pop("no_rope_layers", None)
+    if cfg["model_type"] == "lfm2":
+        # The hub's LFM2 files list the attention layers instead of every layer's type.
+        types = cfg.pop("layer_types")
+        cfg["full_attn_idxs"] = [i for i, t in enumerate(types) if t == "full_attention"]
     if cfg["model_type"] == "gemma3_text":
         # The hub's Gemma 3 files: a period instead of the list, the local base beside the
         # global one, the global scaling as rope_scaling.
@@ -95,6 +99,8 @@ def build(name, family, seed, tokenizer=None, **kw):
         for pname, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+            elif p.dim() == 3:  # LFM2's depthwise convolution [d, 1, taps]
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[2]))
             elif "norm" in pname or "ln" in pname:
                 if pname.endswith("weight"):
                     shift = 0.0 if family == "gemma3_text" else 1.0
@@ -227,6 +233,17 @@ if built is not None:
     with torch.no_grad():
         exp["logits_short"] = model(input_ids[:, :8]).logits.float().contiguous()
     save_file(exp, path)
+# LFM2: convolution blocks (3 taps) around attention blocks with per-head q/k norms, GQA,
+# tied head; the MLP width derived from intermediate_size (2/3 of 72, rounded up to 16).
+build("lfm2_hybrid", "lfm2", 27, num_key_value_heads=2,
+      block_multiple_of=16, layer_types=["conv", "full_attention", "conv", "conv"],
+      conv_L_cache=3, **{**common, "num_hidden_layers": 4, "intermediate_size": 72})
+# LFM2 with biases on the convolution and its projections, 4 taps, attention first and
+# last, the MLP width as given (no auto-adjustment), untied head.
+build("lfm2_conv_bias", "lfm2", 28, num_key_value_heads=1, conv_bias=True, conv_L_cache=4,
+      block_auto_adjust_ff_dim=False, tie_word_embeddings=False,
+      layer_types=["full_attention", "conv", "conv", "full_attention"],
+      **{**common, "num_hidden_layers": 4})
 # Gemma 3: sandwich norms, per-head q/k norms, GeGLU, heads of 16 over a width of 32,
 # every second layer global (window 4 < T on the others), the local layers at base 100 and
 # the global ones at 10000 with linear scaling, scores by query_pre_attn_scalar 24,

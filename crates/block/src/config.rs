@@ -179,6 +179,17 @@ pub struct GptConfig {
     /// period that costs nothing however large the config claims it.
     #[serde(skip)]
     pub no_rope_every: Option<usize>,
+    /// Which blocks mix tokens with LFM2's gated short convolution instead of attention,
+    /// as runs of a repeated pattern like `windows`: `true` for a convolution block.
+    /// Empty: every block attends.
+    #[serde(skip)]
+    pub conv_layers: Vec<(Vec<bool>, usize)>,
+    /// Taps of the short convolution (`conv_L_cache`), when the model has any.
+    #[serde(skip)]
+    pub conv_taps: usize,
+    /// Biases on the short convolution and its projections (`conv_bias`).
+    #[serde(skip)]
+    pub conv_bias: bool,
     /// Which blocks attend locally, as runs of a repeated pattern (GPT-Neo's
     /// `attention_types` form): `(pattern, repeat)` covers `pattern.len() · repeat` blocks,
     /// and block `i` of the run gets `pattern[i % pattern.len()]`: the number of keys a query
@@ -239,6 +250,9 @@ impl GptConfig {
             no_rope_every: None,
             rope_local: None,
             final_logit_softcapping: None,
+            conv_layers: Vec::new(),
+            conv_taps: 0,
+            conv_bias: false,
         }
     }
 
@@ -306,12 +320,20 @@ impl GptConfig {
             .is_some_and(|k| k > 0 && (layer + 1).is_multiple_of(k));
         match run_entry(&self.no_rope, layer) {
             Some(true) => None,
+            // A short-convolution block (LFM2) has no queries or keys to rotate.
+            _ if self.is_conv(layer) => None,
             _ if periodic => None,
             _ if self.window(layer).is_some() => {
                 self.rope_local.clone().or_else(|| self.rope.clone())
             }
             _ => self.rope.clone(),
         }
+    }
+
+    /// Whether block `layer` mixes tokens with a short convolution (LFM2) instead of
+    /// attention.
+    pub fn is_conv(&self, layer: usize) -> bool {
+        run_entry(&self.conv_layers, layer).unwrap_or(false)
     }
 
     /// Width of one attention head after defaulting.
@@ -419,6 +441,28 @@ impl GptConfig {
                 self.n_layer
             )
         }
+        let covered = layers_covered(&self.conv_layers);
+        if !self.conv_layers.is_empty() && covered != Some(self.n_layer) {
+            bail!(
+                "config: layer_types describes {} layers but there are {}",
+                covered.map_or("too many".to_string(), |n| n.to_string()),
+                self.n_layer
+            )
+        }
+        if self.conv_layers.iter().any(|(p, _)| p.contains(&true)) {
+            if !(1..=MAX_CONV_TAPS).contains(&self.conv_taps) {
+                bail!(
+                    "config: conv_L_cache={} must be in 1..={MAX_CONV_TAPS}",
+                    self.conv_taps
+                )
+            }
+            if !self.n_embd.is_multiple_of(2) {
+                bail!(
+                    "config: a short-convolution model needs an even hidden_size, got {}",
+                    self.n_embd
+                )
+            }
+        }
         if self.no_rope_every == Some(0) {
             bail!("config: no_rope_layer_interval must be positive")
         }
@@ -470,6 +514,9 @@ fn run_entry<T: Copy>(runs: &[(Vec<T>, usize)], layer: usize) -> Option<T> {
     }
     None
 }
+
+/// The most taps of a short convolution read (LFM2's have 3).
+const MAX_CONV_TAPS: usize = 1024;
 
 /// The longest period of windowed and global layers kept when it repeats within the
 /// model (the runs hold one period whole).

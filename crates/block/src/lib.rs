@@ -69,8 +69,10 @@ pub use model::{
 };
 pub use optim::{AdamW, AdamWParams};
 pub use parts::block::Block;
+pub use parts::mixer::Mixer;
 pub use parts::mlp::Mlp;
 pub use parts::norm::{LayerNorm, Norm, RmsNorm};
+pub use parts::short_conv::ShortConv;
 
 // The crate README's examples run as doctests.
 #[doc = include_str!("../README.md")]

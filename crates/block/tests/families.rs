@@ -23,7 +23,7 @@ use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
 use gpt_blocks::{read_config, Gpt, GptCache, LoadOptions, Logits};
 
-const MODELS: [&str; 13] = [
+const MODELS: [&str; 15] = [
     "llama_gqa_bias",
     "llama_mqa_linear",
     "mistral_window",
@@ -37,6 +37,8 @@ const MODELS: [&str; 13] = [
     "granite_multipliers",
     "gemma3_local_global",
     "phi3_window",
+    "lfm2_hybrid",
+    "lfm2_conv_bias",
 ];
 
 fn fixture(name: &str) -> PathBuf {
@@ -423,6 +425,7 @@ fn legacy_config_fields_give_the_same_model() {
                 1,
             )],
             no_rope_every: None,
+            conv_layers: vec![((0..c.n_layer).map(|i| c.is_conv(i)).collect(), 1)],
             ..c.clone()
         };
         assert_eq!(
@@ -455,9 +458,13 @@ fn quantized_and_half_precision_track_f32() {
             .iter()
             .fold(0f32, |m, x| m.max(x.abs()));
         // Each variant's largest logit error as a share of the largest logit, and its
-        // bound, about twice the largest measured over these models (q8_0 1.7-4.7e-2: it
-        // rounds weights and activations to 8 bits; f16 1.2-3.1e-3; bf16 1.0-2.1e-2).
-        for (what, bound) in [("q8_0", 0.08), ("f16", 0.006), ("bf16", 0.04)] {
+        // bound, above the largest measured over these models (q8_0 0.9-6.5e-2: it
+        // rounds weights and activations to 8 bits; f16 1.2-3.1e-3; bf16 0.6-3.7e-2).
+        // LFM2's convolution multiplies three projections (B·x·C), each rounded: q8_0
+        // 8.1e-2 and bf16 5.1e-2 measured, bounds 1.5 times those.
+        let lfm2 = name.starts_with("lfm2");
+        let (q8, bf16) = if lfm2 { (0.12, 0.08) } else { (0.08, 0.04) };
+        for (what, bound) in [("q8_0", q8), ("f16", 0.006), ("bf16", bf16)] {
             let model = match what {
                 "q8_0" => load(&fixture(name), DType::F32)
                     .quantize(GgmlDType::Q8_0)
@@ -961,8 +968,11 @@ fn loading_for_inference_fuses_in_place_and_computes_the_same() {
             // Fused wherever `Gpt::fused` fuses (quantized parts whose row tiles would not
             // line up stay apart: an MQA's 8-row keys).
             let after = plain.clone().fused().unwrap();
+            // The first attention block (LFM2's first may be a convolution).
             let fusions = |m: &Gpt| {
-                let (_, attn, _, mlp) = m.blocks()[0].parts();
+                let block = m.blocks().iter().find(|b| b.attention().is_some()).unwrap();
+                let (_, mixer, _, mlp) = block.parts();
+                let attn = mixer.attention().unwrap();
                 (attn.fused_qkv().is_some(), mlp.fused_gate_up().is_some())
             };
             assert_eq!(fusions(&fused), fusions(&after), "{what}: what is fused");
@@ -1055,13 +1065,21 @@ fn loading_for_inference_fuses_in_place_and_computes_the_same() {
 fn views_of_one_buffer(model: &Gpt, qkv: bool, what: &str) {
     let mut spans = Vec::new(); // (buffer, first element, elements)
     for block in model.blocks() {
-        let (_, attn, _, mlp) = block.parts();
+        let (_, mixer, _, mlp) = block.parts();
         let (up, _, down) = mlp.parts();
-        let fused_qkv = attn.fused_qkv().filter(|_| qkv);
-        let projs =
-            fused_qkv
-                .into_iter()
-                .chain([attn.out_proj(), mlp.fused_gate_up().unwrap_or(up), down]);
+        let mixing: Vec<&mha::Proj> = match mixer {
+            gpt_blocks::Mixer::Attention(attn) => {
+                let fused_qkv = attn.fused_qkv().filter(|_| qkv);
+                fused_qkv.into_iter().chain([attn.out_proj()]).collect()
+            }
+            gpt_blocks::Mixer::ShortConv(conv) => {
+                let (in_proj, _, _, out_proj) = conv.parts();
+                vec![in_proj, out_proj]
+            }
+        };
+        let projs = mixing
+            .into_iter()
+            .chain([mlp.fused_gate_up().unwrap_or(up), down]);
         for p in projs {
             let w = p.weight_t().unwrap();
             let (storage, layout) = w.storage_and_layout();

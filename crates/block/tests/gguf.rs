@@ -394,8 +394,9 @@ fn fused_loading_computes_what_the_separate_projections_do() {
             .load(LoadOptions::new(DType::F32).for_inference(), &Device::Cpu)
             .unwrap();
         let (_, attn, _, mlp) = fused.blocks()[0].parts();
+        let attn = attn.attention().unwrap();
         let did = attn.fused_qkv().is_some() && mlp.fused_gate_up().is_some();
-        let stored = plain.blocks()[0].parts().1.fused_qkv().is_some();
+        let stored = plain.blocks()[0].attention().unwrap().fused_qkv().is_some();
         assert_eq!(
             did && !stored,
             fuses,
@@ -403,6 +404,7 @@ fn fused_loading_computes_what_the_separate_projections_do() {
         );
         // The parts are views of the fused matrices holding the file's weights and biases.
         let (_, plain_attn, _, plain_mlp) = plain.blocks()[0].parts();
+        let plain_attn = plain_attn.attention().unwrap();
         let (up, gate, _) = mlp.parts();
         let (plain_up, plain_gate, _) = plain_mlp.parts();
         let mut pairs: Vec<(&mha::Proj, &mha::Proj)> = attn
@@ -479,6 +481,7 @@ fn fused_float_matrices_are_views_of_one_buffer() {
         let mut spans = Vec::new();
         for block in model.blocks() {
             let (_, attn, _, mlp) = block.parts();
+            let attn = attn.attention().unwrap();
             let (up, _, down) = mlp.parts();
             let qkv = attn.fused_qkv().unwrap();
             for p in [
@@ -556,11 +559,11 @@ fn mixed_precision_blocks_load_for_inference_as_they_are() {
         .load(LoadOptions::new(DType::F32).for_inference(), &Device::Cpu)
         .unwrap();
     // Block 0's q/k/v cannot share a buffer (k is f16); block 1's can.
-    let k = fused.blocks()[0].parts().1.qkv_proj()[1]
+    let k = fused.blocks()[0].attention().unwrap().qkv_proj()[1]
         .weight_t()
         .unwrap();
     assert_eq!(k.dtype(), DType::F16);
-    assert!(fused.blocks()[1].parts().1.fused_qkv().is_some());
+    assert!(fused.blocks()[1].attention().unwrap().fused_qkv().is_some());
     let ids = batch(&expected("llama")["input_ids"])
         .narrow(1, 0, 12)
         .unwrap();

@@ -1217,6 +1217,7 @@ fn every_subcommand_runs_on_every_family() {
         ("granite_multipliers", "granite"),
         ("gemma3_local_global", "gemma3_text"),
         ("phi3_window", "phi3"),
+        ("lfm2_hybrid", "lfm2"),
     ] {
         let dir = fixture(&format!("families/{name}"));
         let model = dir.to_str().unwrap();

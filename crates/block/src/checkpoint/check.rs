@@ -33,8 +33,6 @@ pub(crate) fn for_each_tensor(
 ) -> Result<()> {
     let names = cfg.family.names();
     let (v, d, i) = (cfg.vocab_size, cfg.n_embd, cfg.inner_dim());
-    let hd = cfg.head_dim();
-    let (qw, kv) = (cfg.n_head * hd, cfg.kv_heads() * hd);
     let mut one = |name: &str, shape: &[usize], is_bias| {
         f(Expected {
             name,
@@ -75,41 +73,38 @@ pub(crate) fn for_each_tensor(
             norm(&mut one, &format!("{p}.{}", names.attn_post_norm.hf))?;
             norm(&mut one, &format!("{p}.{}", names.mlp_post_norm.hf))?;
         }
-        let a = format!("{p}.{}", names.attn);
-        if let Some((qn, kn)) = Block::qk_norm_widths(cfg) {
-            let an = &names.attn_proj;
-            one(&format!("{a}.{}.weight", an.q_norm.hf), &[qn], false)?;
-            one(&format!("{a}.{}.weight", an.k_norm.hf), &[kn], false)?;
-        }
-        let (qkv_b, o_b) = (cfg.attn_bias, cfg.attn_out_bias);
-        match names.attn_layout() {
-            WeightLayout::Gpt2Conv1d => {
+        match (cfg.is_conv(layer), names.short_conv) {
+            (true, Some(sc)) => {
+                let c = format!("{p}.{}", sc.module);
+                let b = cfg.conv_bias;
                 proj(
                     &mut one,
-                    &format!("{a}.{}", names.attn_proj.qkv.hf),
-                    (d, d + 2 * kv),
-                    true,
-                    qkv_b,
+                    &format!("{c}.{}", sc.in_proj.hf),
+                    (d, 3 * d),
+                    false,
+                    b,
                 )?;
+                one(
+                    &format!("{c}.{}.weight", sc.conv.hf),
+                    &[d, 1, cfg.conv_taps],
+                    false,
+                )?;
+                if b {
+                    one(&format!("{c}.{}.bias", sc.conv.hf), &[d], true)?;
+                }
                 proj(
                     &mut one,
-                    &format!("{a}.{}", names.attn_proj.o.hf),
+                    &format!("{c}.{}", sc.out_proj.hf),
                     (d, d),
-                    true,
-                    o_b,
+                    false,
+                    b,
                 )?;
             }
-            WeightLayout::HeadInterleavedQkv { qkv, o } => {
-                proj(&mut one, &format!("{a}.{qkv}"), (d, 3 * d), false, qkv_b)?;
-                proj(&mut one, &format!("{a}.{o}"), (d, d), false, o_b)?;
-            }
-            WeightLayout::Separate { q, k, v, o } => {
-                proj(&mut one, &format!("{a}.{q}"), (d, qw), false, qkv_b)?;
-                proj(&mut one, &format!("{a}.{k}"), (d, kv), false, qkv_b)?;
-                proj(&mut one, &format!("{a}.{v}"), (d, kv), false, qkv_b)?;
-                proj(&mut one, &format!("{a}.{o}"), (qw, d), false, o_b)?;
-            }
-            WeightLayout::TorchInProj => bail!("no model family stores torch in_proj weights"),
+            (true, None) => bail!(
+                "{} models have no convolution blocks",
+                cfg.family.model_type()
+            ),
+            (false, _) => attention_tensors(cfg, &mut one, &p)?,
         }
         let m = &names.mlp_proj;
         let mp = format!("{p}.{}", names.mlp);
@@ -131,6 +126,60 @@ pub(crate) fn for_each_tensor(
     }
     if !cfg.tie_word_embeddings {
         one(&format!("{}.weight", names.head.hf), &[v, d], false)?;
+    }
+    Ok(())
+}
+
+/// The attention tensors of block `p` (its name from the root).
+fn attention_tensors(cfg: &GptConfig, one: &mut Emit, p: &str) -> Result<()> {
+    let names = cfg.family.names();
+    let d = cfg.n_embd;
+    let hd = cfg.head_dim();
+    let (qw, kv) = (cfg.n_head * hd, cfg.kv_heads() * hd);
+    let proj =
+        |one: &mut Emit, name: &str, (d_in, d_out): (usize, usize), conv1d: bool, bias: bool| {
+            let shape = if conv1d { [d_in, d_out] } else { [d_out, d_in] };
+            one(&format!("{name}.weight"), &shape, false)?;
+            if bias {
+                one(&format!("{name}.bias"), &[d_out], true)?;
+            }
+            Ok::<(), candle_core::Error>(())
+        };
+    let a = format!("{p}.{}", names.attn);
+    if let Some((qn, kn)) = Block::qk_norm_widths(cfg) {
+        let an = &names.attn_proj;
+        one(&format!("{a}.{}.weight", an.q_norm.hf), &[qn], false)?;
+        one(&format!("{a}.{}.weight", an.k_norm.hf), &[kn], false)?;
+    }
+    let (qkv_b, o_b) = (cfg.attn_bias, cfg.attn_out_bias);
+    match names.attn_layout() {
+        WeightLayout::Gpt2Conv1d => {
+            proj(
+                one,
+                &format!("{a}.{}", names.attn_proj.qkv.hf),
+                (d, d + 2 * kv),
+                true,
+                qkv_b,
+            )?;
+            proj(
+                one,
+                &format!("{a}.{}", names.attn_proj.o.hf),
+                (d, d),
+                true,
+                o_b,
+            )?;
+        }
+        WeightLayout::HeadInterleavedQkv { qkv, o } => {
+            proj(one, &format!("{a}.{qkv}"), (d, 3 * d), false, qkv_b)?;
+            proj(one, &format!("{a}.{o}"), (d, d), false, o_b)?;
+        }
+        WeightLayout::Separate { q, k, v, o } => {
+            proj(one, &format!("{a}.{q}"), (d, qw), false, qkv_b)?;
+            proj(one, &format!("{a}.{k}"), (d, kv), false, qkv_b)?;
+            proj(one, &format!("{a}.{v}"), (d, kv), false, qkv_b)?;
+            proj(one, &format!("{a}.{o}"), (qw, d), false, o_b)?;
+        }
+        WeightLayout::TorchInProj => bail!("no model family stores torch in_proj weights"),
     }
     Ok(())
 }

@@ -37,6 +37,7 @@ pub(super) const NAMES: TensorNames = TensorNames {
     final_norm: name("transformer.ln_f", gguf::OUTPUT_NORM),
     head: name("lm_head", gguf::OUTPUT),
     stored_fused: None,
+    short_conv: None,
 };
 
 /// Reads a GPT-2 `config.json`. Old configs that give `n_ctx` but no `n_positions` are

@@ -40,11 +40,13 @@ pub enum Family {
     /// Phi-3 and Phi-4-mini: Llama's blocks stored with fused q/k/v and gate/up, partial
     /// rotary, LongRoPE.
     Phi3,
+    /// LFM2: attention and gated short-convolution blocks in one stack.
+    Lfm2,
 }
 
 impl Family {
     /// Every family, in the order of the README's table.
-    pub const ALL: [Family; 12] = [
+    pub const ALL: [Family; 13] = [
         Self::Gpt2,
         Self::Llama,
         Self::Mistral,
@@ -57,10 +59,11 @@ impl Family {
         Self::Granite,
         Self::Gemma3,
         Self::Phi3,
+        Self::Lfm2,
     ];
 
     /// The `model_type` values read, in the order of the README's table.
-    pub const SUPPORTED: [&'static str; 12] = [
+    pub const SUPPORTED: [&'static str; 13] = [
         "gpt2",
         "llama",
         "mistral",
@@ -73,6 +76,7 @@ impl Family {
         "granite",
         "gemma3_text",
         "phi3",
+        "lfm2",
     ];
 
     /// The family of a `model_type`.
@@ -101,6 +105,7 @@ impl Family {
             Self::Granite => "granite",
             Self::Gemma3 => "gemma3_text",
             Self::Phi3 => "phi3",
+            Self::Lfm2 => "lfm2",
         }
     }
 
@@ -121,6 +126,8 @@ impl Family {
             // llama.cpp's phi3 turns windows off and picks LongRoPE's factors by the
             // context it is given: not read here yet.
             Self::Phi3 => None,
+            // llama.cpp's lfm2: not read or written here yet.
+            Self::Lfm2 => None,
         }
     }
 

@@ -39,6 +39,7 @@ pub(super) const NAMES: TensorNames = TensorNames {
     final_norm: name("model.norm", gguf::OUTPUT_NORM),
     head: name("lm_head", gguf::OUTPUT),
     stored_fused: None,
+    short_conv: None,
 };
 
 /// Reads the config of Llama, Mistral, Qwen2, or the Llama-layout part of the families

@@ -9,6 +9,7 @@ mod gpt2;
 mod granite;
 pub(crate) mod id;
 mod json;
+mod lfm2;
 mod llama;
 pub(crate) mod names;
 mod neo;
@@ -36,6 +37,7 @@ impl Family {
             Self::Olmo2 => &olmo2::NAMES,
             Self::Gemma3 => &gemma3::NAMES,
             Self::Phi3 => &phi3::NAMES,
+            Self::Lfm2 => &lfm2::NAMES,
             Self::GptNeox => &neox::NAMES,
             Self::GptNeo => &neo::NAMES,
         }

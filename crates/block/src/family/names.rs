@@ -70,6 +70,16 @@ pub(crate) struct StoredFused {
     pub gate_up: &'static str,
 }
 
+/// LFM2's short-convolution mixer: `module` under the block (Hugging Face only), its
+/// projections and taps under it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ShortConvNames {
+    pub module: &'static str,
+    pub in_proj: Name,
+    pub conv: Name,
+    pub out_proj: Name,
+}
+
 /// Where a family keeps each tensor.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct TensorNames {
@@ -102,6 +112,8 @@ pub(crate) struct TensorNames {
     pub head: Name,
     /// Projections stored fused in Hugging Face files, served apart as they are read.
     pub stored_fused: Option<StoredFused>,
+    /// The short-convolution blocks' parts, for families that have them.
+    pub short_conv: Option<ShortConvNames>,
 }
 
 impl TensorNames {
@@ -154,4 +166,7 @@ pub(crate) mod gguf {
     pub const ATTN_K_NORM: &str = "attn_k_norm";
     pub const ATTN_POST_NORM: &str = "post_attention_norm";
     pub const FFN_POST_NORM: &str = "post_ffw_norm";
+    pub const SHORTCONV_IN_PROJ: &str = "shortconv.in_proj";
+    pub const SHORTCONV_CONV: &str = "shortconv.conv";
+    pub const SHORTCONV_OUT_PROJ: &str = "shortconv.out_proj";
 }

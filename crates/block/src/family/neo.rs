@@ -39,6 +39,7 @@ pub(super) const NAMES: TensorNames = TensorNames {
     final_norm: name("transformer.ln_f", ""),
     head: name("lm_head", ""),
     stored_fused: None,
+    short_conv: None,
 };
 
 pub(super) fn read(f: &Fields) -> Result<GptConfig> {

@@ -37,6 +37,7 @@ pub(super) const NAMES: TensorNames = TensorNames {
     final_norm: name("gpt_neox.final_layer_norm", gguf::OUTPUT_NORM),
     head: name("embed_out", gguf::OUTPUT),
     stored_fused: None,
+    short_conv: None,
 };
 
 pub(super) fn read(f: &Fields) -> Result<GptConfig> {

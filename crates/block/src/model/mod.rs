@@ -21,6 +21,7 @@ pub use rope_set::RopeSet;
 use crate::config::GptConfig;
 use crate::family::Family;
 use crate::parts::block::Block;
+use crate::parts::mixer::Mixer;
 use crate::parts::norm::Norm;
 use stages::{all_finite, Stages};
 
@@ -75,9 +76,18 @@ impl Gpt {
     pub fn is_quantized(&self) -> bool {
         self.lm_head.is_quantized()
             || self.h.iter().any(|b| {
-                let (_, attn, _, mlp) = b.parts();
-                let [q, k, v] = attn.qkv_proj();
-                [q, k, v, attn.out_proj()].iter().any(|p| p.is_quantized())
+                let (_, mixer, _, mlp) = b.parts();
+                let mixing: Vec<&Proj> = match mixer {
+                    Mixer::Attention(attn) => {
+                        let [q, k, v] = attn.qkv_proj();
+                        vec![q, k, v, attn.out_proj()]
+                    }
+                    Mixer::ShortConv(conv) => {
+                        let (i, _, _, o) = conv.parts();
+                        vec![i, o]
+                    }
+                };
+                mixing.iter().any(|p| p.is_quantized())
                     || mlp.projections().0.iter().any(|(_, p)| p.is_quantized())
             })
     }
@@ -164,7 +174,7 @@ impl Gpt {
     }
 
     /// Logits `[b, t, vocab]` and the attention weights of every block,
-    /// `n_layer × [b, n_head, t, t]`.
+    /// `n_layer × [b, n_head, t, t]` (zeros for a short-convolution block, which has none).
     pub fn forward_with_weights(&self, ids: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
         self.run(ids, None, None, false, true, Logits::All)
     }
@@ -281,7 +291,13 @@ impl Gpt {
         let mut stages = Stages::new(&xs, train);
         stages.push(|| "the embeddings".into(), &xs)?;
         for (i, block) in self.h.iter().enumerate() {
-            xs = if need_weights {
+            xs = if need_weights && block.attention().is_none() {
+                // A convolution block (LFM2) has no attention weights: zeros in its place.
+                let (b, t, _) = xs.dims3()?;
+                let h = self.cfg.n_head;
+                weights.push(Tensor::zeros((b, h, t, t), DType::F32, xs.device())?);
+                block.forward(&xs, &mask, None, None, train)?
+            } else if need_weights {
                 let tables = rope.get(block.parts().1.rope());
                 let (ys, w) = block.forward_with_weights(&xs, &mask, tables, train)?;
                 weights.push(w);

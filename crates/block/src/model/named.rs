@@ -7,6 +7,7 @@ use mha::{neox_to_fused, Proj};
 
 use super::embedding::Embedding;
 use super::Gpt;
+use crate::parts::mixer::Mixer;
 use crate::parts::norm::Norm;
 
 impl Gpt {
@@ -62,7 +63,7 @@ impl Gpt {
         };
         for (i, block) in self.h.iter().enumerate() {
             let pre = format!("{}.{i}", names.layers.hf);
-            let (ln_1, attn, ln_2, mlp) = block.parts();
+            let (ln_1, mixer, ln_2, mlp) = block.parts();
             norm(&mut put, format!("{pre}.{}", names.attn_norm.hf), ln_1)?;
             norm(&mut put, format!("{pre}.{}", names.mlp_norm.hf), ln_2)?;
             if let Some((post_attn, post_mlp)) = block.post_norms() {
@@ -77,6 +78,32 @@ impl Gpt {
                     post_mlp,
                 )?;
             }
+            let attn = match mixer {
+                Mixer::Attention(attn) => attn,
+                Mixer::ShortConv(conv) => {
+                    let Some(sc) = names.short_conv else {
+                        bail!("block {i}: a short convolution in a family without them")
+                    };
+                    let c = format!("{pre}.{}", sc.module);
+                    let (in_proj, taps, bias, out_proj) = conv.parts();
+                    proj(&mut put, format!("{c}.{}", sc.in_proj.hf), in_proj, false)?;
+                    proj(&mut put, format!("{c}.{}", sc.out_proj.hf), out_proj, false)?;
+                    // Hugging Face's depthwise Conv1d: [d, 1, L].
+                    let (d, l) = taps.dims2()?;
+                    put(
+                        format!("{c}.{}.weight", sc.conv.hf),
+                        &taps.reshape((d, 1, l))?,
+                    );
+                    if let Some(b) = bias {
+                        put(format!("{c}.{}.bias", sc.conv.hf), b);
+                    }
+                    let (projections, conv1d) = mlp.projections();
+                    for (n, p) in projections {
+                        proj(&mut put, format!("{pre}.{}.{n}", names.mlp), p, conv1d)?;
+                    }
+                    continue;
+                }
+            };
             let a = format!("{pre}.{}", names.attn);
             if let Some((q, k)) = attn.qk_norm() {
                 let (qn, kn) = (names.attn_proj.q_norm.hf, names.attn_proj.k_norm.hf);

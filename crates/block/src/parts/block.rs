@@ -5,8 +5,10 @@ use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 use mha::{Dropout, ForwardArgs, KvCache, Mask, MhaConfig, MultiHeadAttention, RopeTables};
 
+use super::mixer::Mixer;
 use super::mlp::Mlp;
 use super::norm::Norm;
+use super::short_conv::ShortConv;
 use crate::config::{GptConfig, NormPlacement};
 
 /// A decoder block (`h.{i}` in GPT-2 checkpoints, `layers.{i}` in others): a norm and
@@ -15,7 +17,10 @@ use crate::config::{GptConfig, NormPlacement};
 pub struct Block {
     /// The attention's norm: before it, or after it ([`NormPlacement`]).
     ln_1: Norm,
-    attn: MultiHeadAttention,
+    /// Attention, or LFM2's short convolution.
+    mixer: Mixer,
+    /// The mixer's dropout slot when it has none (a short convolution): never drops.
+    still: Dropout,
     /// The MLP's norm.
     ln_2: Norm,
     mlp: Mlp,
@@ -38,14 +43,28 @@ impl Block {
         let layout = names.attn_layout();
         let attn_cfg = Self::attn_config(cfg, layer_idx);
         let norm = |name: &str| Norm::new(cfg.norm, d, eps, vb.pp(name));
-        // The q/k norm's weights, when the config has one, are `q_norm` and `k_norm` under
-        // the attention module in every family that has them.
-        let attn = MultiHeadAttention::load(&attn_cfg, &layout, vb.pp(names.attn))?;
+        let mixer: Mixer = match cfg.is_conv(layer_idx) {
+            true => {
+                let Some(sc) = names.short_conv else {
+                    candle_core::bail!(
+                        "{} models have no convolution blocks",
+                        cfg.family.model_type()
+                    )
+                };
+                ShortConv::new(d, cfg.conv_taps, cfg.conv_bias, vb.pp(sc.module))?.into()
+            }
+            false => MultiHeadAttention::load(
+                &attn_cfg,
+                &layout,
+                qk_norm_names(names, vb.pp(names.attn)),
+            )?
+            .into(),
+        };
         let block = Self::from_parts(
             cfg,
             layer_idx,
             norm(names.attn_norm.hf)?,
-            attn,
+            mixer,
             norm(names.mlp_norm.hf)?,
             Mlp::new(cfg, vb.pp(names.mlp))?,
         )?;
@@ -58,20 +77,21 @@ impl Block {
         }
     }
 
-    /// The block from parts loaded elsewhere (a GGUF file's, say); `attn` should be built
-    /// with [`Self::attn_config`].
+    /// The block from parts loaded elsewhere (a GGUF file's, say); an attention should be
+    /// built with [`Self::attn_config`].
     pub fn from_parts(
         cfg: &GptConfig,
         layer_idx: usize,
         ln_1: Norm,
-        attn: MultiHeadAttention,
+        mixer: impl Into<Mixer>,
         ln_2: Norm,
         mlp: Mlp,
     ) -> Result<Self> {
         let seed = Self::seed(cfg, layer_idx);
         Ok(Self {
             ln_1,
-            attn,
+            mixer: mixer.into(),
+            still: Dropout::new(0.0, seed)?,
             ln_2,
             mlp,
             post: None,
@@ -102,7 +122,10 @@ impl Block {
     /// The block's dropouts, in a fixed order: the attention weights', the residual
     /// branches'.
     pub fn dropouts(&self) -> [&Dropout; 2] {
-        [self.attn.dropout(), &self.resid_drop]
+        match &self.mixer {
+            Mixer::Attention(a) => [a.dropout(), &self.resid_drop],
+            Mixer::ShortConv(_) => [&self.still, &self.resid_drop],
+        }
     }
 
     /// Distinct, reproducible dropout streams per block and per site.
@@ -150,7 +173,7 @@ impl Block {
     /// The block with its attention and MLP projections quantized to `dtype`.
     pub fn quantize(&self, dtype: candle_core::quantized::GgmlDType) -> Result<Self> {
         Ok(Self {
-            attn: self.attn.quantize(dtype)?,
+            mixer: self.mixer.quantize(dtype)?,
             mlp: self.mlp.quantize(dtype)?,
             ..self.clone()
         })
@@ -174,16 +197,22 @@ impl Block {
     /// share a matrix ([`MultiHeadAttention::fused`], [`Mlp::fused`]), for inference.
     pub fn fused(&self) -> Result<Self> {
         Ok(Self {
-            attn: self.attn.fused()?,
+            mixer: self.mixer.fused()?,
             mlp: self.mlp.fused()?,
             ..self.clone()
         })
     }
 
-    /// The parts in the order they run, for saving and inspection: the norm before
-    /// attention, attention, the norm before the MLP, the MLP.
-    pub fn parts(&self) -> (&Norm, &MultiHeadAttention, &Norm, &Mlp) {
-        (&self.ln_1, &self.attn, &self.ln_2, &self.mlp)
+    /// The parts in the order they run, for saving and inspection: the norm before the
+    /// mixer, the mixer (attention, or a short convolution), the norm before the MLP, the
+    /// MLP.
+    pub fn parts(&self) -> (&Norm, &Mixer, &Norm, &Mlp) {
+        (&self.ln_1, &self.mixer, &self.ln_2, &self.mlp)
+    }
+
+    /// The block's attention; `None` for a short-convolution block.
+    pub fn attention(&self) -> Option<&MultiHeadAttention> {
+        self.mixer.attention()
     }
 
     /// Whether attention and MLP read the same input (GPT-NeoX's parallel residual).
@@ -229,7 +258,7 @@ impl Block {
         rope: Option<&RopeTables>,
         caches: &mut [&mut KvCache],
     ) -> Result<Tensor> {
-        let attend = |h: &Tensor| Ok((self.attn.forward_rows(h, rope, caches)?, None));
+        let attend = |h: &Tensor| Ok((self.mixer.forward_rows(h, rope, caches)?, None));
         Ok(self.stack(xs, attend, false)?.0)
     }
 
@@ -250,8 +279,7 @@ impl Block {
                 need_weights,
                 train,
             };
-            let (ys, w) = self.attn.forward_with(h, h, h, args)?;
-            Ok((ys, w.map(|w| w.per_head)))
+            self.mixer.forward(h, args)
         };
         self.stack(xs, attend, train)
     }
@@ -317,4 +345,26 @@ impl Block {
             }
         }
     }
+}
+
+/// `vb` (an attention module's) with `mha`'s names of the q/k norms (`q_norm`, `k_norm`)
+/// looked up under the family's (LFM2's `q_layernorm`, `k_layernorm`).
+fn qk_norm_names<'a>(
+    names: &crate::family::names::TensorNames,
+    vb: VarBuilder<'a>,
+) -> VarBuilder<'a> {
+    let (q, k) = (names.attn_proj.q_norm.hf, names.attn_proj.k_norm.hf);
+    if (q, k) == ("q_norm", "k_norm") || q.is_empty() || k.is_empty() {
+        return vb;
+    }
+    // The renamer sees names with `vb`'s path and answers under it.
+    let path = format!("{}.", vb.prefix());
+    vb.rename_f(move |name: &str| {
+        let name = name.strip_prefix(&path).unwrap_or(name);
+        match name {
+            "q_norm.weight" => format!("{q}.weight"),
+            "k_norm.weight" => format!("{k}.weight"),
+            other => other.to_string(),
+        }
+    })
 }

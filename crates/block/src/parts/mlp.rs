@@ -33,7 +33,7 @@ pub(crate) fn conv1d(d_in: usize, d_out: usize, vb: VarBuilder) -> Result<Proj> 
 }
 
 /// An `nn.Linear`: `weight [d_out, d_in]`, optional `bias [d_out]`.
-fn linear(d_in: usize, d_out: usize, bias: bool, vb: VarBuilder) -> Result<Proj> {
+pub(crate) fn linear(d_in: usize, d_out: usize, bias: bool, vb: VarBuilder) -> Result<Proj> {
     let bound = 1.0 / (d_in as f64).sqrt();
     let init = Init::Uniform {
         lo: -bound,

@@ -2,5 +2,7 @@
 //! attention (`mha`).
 
 pub(crate) mod block;
+pub(crate) mod mixer;
 pub(crate) mod mlp;
 pub(crate) mod norm;
+pub(crate) mod short_conv;

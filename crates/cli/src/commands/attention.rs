@@ -74,6 +74,17 @@ pub fn run(a: &AttentionArgs, margs: &ModelArgs) -> Result<()> {
             cfg.n_layer - 1
         )
     }
+    if cfg.is_conv(a.layer) {
+        let attending: Vec<String> = (0..cfg.n_layer.min(4096))
+            .filter(|&i| !cfg.is_conv(i))
+            .map(|i| i.to_string())
+            .collect();
+        bail!(
+            "--layer {} is a short-convolution block, which has no attention weights (attention layers: {})",
+            a.layer,
+            attending.join(", ")
+        )
+    }
     if let Some(h) = a.head {
         if h >= cfg.n_head {
             bail!(

@@ -48,7 +48,7 @@ fn parts_of(cfg: &gpt_blocks::GptConfig) -> serde_json::Value {
                 } => format!(", longrope past {old} positions"),
             };
             let nope: Vec<String> = (0..cfg.n_layer)
-                .filter(|&i| cfg.layer_rope(i).is_none())
+                .filter(|&i| cfg.layer_rope(i).is_none() && !cfg.is_conv(i))
                 .map(|i| i.to_string())
                 .collect();
             let nope = match nope.is_empty() {
@@ -87,6 +87,10 @@ fn parts_of(cfg: &gpt_blocks::GptConfig) -> serde_json::Value {
             "logit_soft_cap": cfg.final_logit_softcapping,
         }),
         "local_attention_windows": windows,
+        "short_convolution_layers": (0..cfg.n_layer)
+            .filter(|&i| cfg.is_conv(i))
+            .map(|i| format!("{i}:{} taps", cfg.conv_taps))
+            .collect::<Vec<_>>(),
     })
 }
 
@@ -163,8 +167,19 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
                     format!(", local attention (layer:window) {}", list.join(" "))
                 })
                 .unwrap_or_default();
+            let convs = parts["short_convolution_layers"]
+                .as_array()
+                .filter(|w| !w.is_empty())
+                .map(|w| {
+                    let list: Vec<_> = w.iter().filter_map(|x| x.as_str()).collect();
+                    format!(
+                        ", gated short convolution instead of attention in layers {}",
+                        list.join(", ")
+                    )
+                })
+                .unwrap_or_default();
             println!(
-                "parts: {} eps {}, positions {}, MLP {}, {} residual{windows}",
+                "parts: {} eps {}, positions {}, MLP {}, {} residual{windows}{convs}",
                 cfg.norm_name(),
                 cfg.layer_norm_epsilon,
                 parts["positions"].as_str().unwrap_or_default(),

@@ -103,7 +103,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
     }
     let rope = model.rope_tables(&Tensor::arange(0u32, s as u32, &dev)?.unsqueeze(0)?)?;
     for (i, block) in model.blocks().iter().enumerate() {
-        let (ln_1, attn, ln_2, mlp) = block.parts();
+        let (ln_1, mixer, ln_2, mlp) = block.parts();
         let show = a.layer.is_none_or(|l| l == i);
         let say = |what: &str, dims: &str, t: &Tensor| {
             if show {
@@ -123,78 +123,84 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
                 x_ln
             }
         };
-        let [qp, kp, vp] = attn.qkv_proj();
-        let (q, k, v) = (qp.forward(&x_ln)?, kp.forward(&x_ln)?, vp.forward(&x_ln)?);
-        say("q = x·W_q", "[B, S, H·d_k]", &q);
-        if hk != h {
-            say("k = x·W_k, v = x·W_v", "[B, S, H_kv·d_k]", &k);
-        }
-        let (q, k) = match attn.qk_norm() {
-            Some((qw, _)) => {
-                let (q, k) = attn.normalize_qk(&q, &k)?;
-                let over = match qw.dim(0)? == dk {
-                    true => "each head",
-                    false => "the whole projection",
-                };
-                say(&format!("q, k RMSNorm over {over}"), "[B, S, H·d_k]", &q);
-                (q, k)
-            }
-            None => (q, k),
-        };
-        let q4 = q.reshape((1, s, h, dk))?;
-        say("q split into heads", "[B, S, H, d_k]", &q4);
-        let q = q4.transpose(1, 2)?.contiguous()?;
-        let k = k.reshape((1, s, hk, dk))?.transpose(1, 2)?.contiguous()?;
-        let v = v.reshape((1, s, hk, dk))?.transpose(1, 2)?.contiguous()?;
-        say("q, k, v with heads first", "[B, H, S, d_k]", &q);
-        let (q, k) = match (attn.rope(), rope.get(attn.rope())) {
-            (Some(r), Some(tables)) => {
-                let (q, k) = (r.apply(&q, tables)?, r.apply(&k, tables)?);
-                let what = format!("q, k rotated (RoPE, {} of {dk} dims)", r.rotary_dim());
-                say(&what, "[B, H, S, d_k]", &q);
-                (q, k)
-            }
-            (None, _) if !rope.is_empty() => {
-                if show {
-                    println!("  no rotation in this block (NoPE)");
+        let mut projected = match mixer {
+            gpt_blocks::Mixer::ShortConv(conv) => short_conv(conv, &x_ln, &say)?,
+            gpt_blocks::Mixer::Attention(attn) => {
+                let [qp, kp, vp] = attn.qkv_proj();
+                let (q, k, v) = (qp.forward(&x_ln)?, kp.forward(&x_ln)?, vp.forward(&x_ln)?);
+                say("q = x·W_q", "[B, S, H·d_k]", &q);
+                if hk != h {
+                    say("k = x·W_k, v = x·W_v", "[B, S, H_kv·d_k]", &k);
                 }
-                (q, k)
+                let (q, k) = match attn.qk_norm() {
+                    Some((qw, _)) => {
+                        let (q, k) = attn.normalize_qk(&q, &k)?;
+                        let over = match qw.dim(0)? == dk {
+                            true => "each head",
+                            false => "the whole projection",
+                        };
+                        say(&format!("q, k RMSNorm over {over}"), "[B, S, H·d_k]", &q);
+                        (q, k)
+                    }
+                    None => (q, k),
+                };
+                let q4 = q.reshape((1, s, h, dk))?;
+                say("q split into heads", "[B, S, H, d_k]", &q4);
+                let q = q4.transpose(1, 2)?.contiguous()?;
+                let k = k.reshape((1, s, hk, dk))?.transpose(1, 2)?.contiguous()?;
+                let v = v.reshape((1, s, hk, dk))?.transpose(1, 2)?.contiguous()?;
+                say("q, k, v with heads first", "[B, H, S, d_k]", &q);
+                let (q, k) = match (attn.rope(), rope.get(attn.rope())) {
+                    (Some(r), Some(tables)) => {
+                        let (q, k) = (r.apply(&q, tables)?, r.apply(&k, tables)?);
+                        let what = format!("q, k rotated (RoPE, {} of {dk} dims)", r.rotary_dim());
+                        say(&what, "[B, H, S, d_k]", &q);
+                        (q, k)
+                    }
+                    (None, _) if !rope.is_empty() => {
+                        if show {
+                            println!("  no rotation in this block (NoPE)");
+                        }
+                        (q, k)
+                    }
+                    _ => (q, k),
+                };
+                let (k, v) = (mha::repeat_kv(&k, h / hk)?, mha::repeat_kv(&v, h / hk)?);
+                if hk != h {
+                    say("k, v shared by groups of heads", "[B, H, S, d_k]", &k);
+                }
+                let scale = attn.config().softmax_scale();
+                let scores = (q.matmul(&k.t()?)? * scale)?;
+                say(
+                    &format!("scores = q·kᵀ · {scale:.4}"),
+                    "[B, H, S, S]",
+                    &scores,
+                );
+                let window = attn.config().window;
+                let mask = mha::Mask {
+                    window,
+                    ..mha::Mask::causal(0)
+                };
+                let bias = mask.to_bias((1, h, s, s), &dev)?;
+                let scores = match bias {
+                    Some(b) => scores.broadcast_add(&b)?,
+                    None => scores,
+                };
+                let weights = mha::masked_softmax(&scores)?;
+                let what = match window {
+                    Some(w) => format!("causal mask (window {w}), softmax"),
+                    None => "causal mask, softmax over keys".to_string(),
+                };
+                say(&what, "[B, H, S, S]", &weights);
+                let per_head = weights.matmul(&v)?;
+                say("weights·v", "[B, H, S, d_k]", &per_head);
+                let merged = per_head.transpose(1, 2)?.reshape((1, s, h * dk))?;
+                say("heads merged back", "[B, S, H·d_k]", &merged);
+                let projected = attn.out_proj().forward(&merged)?;
+                say("output projection (W_o)", "[B, S, D]", &projected);
+                projected
             }
-            _ => (q, k),
         };
-        let (k, v) = (mha::repeat_kv(&k, h / hk)?, mha::repeat_kv(&v, h / hk)?);
-        if hk != h {
-            say("k, v shared by groups of heads", "[B, H, S, d_k]", &k);
-        }
-        let scale = attn.config().softmax_scale();
-        let scores = (q.matmul(&k.t()?)? * scale)?;
-        say(
-            &format!("scores = q·kᵀ · {scale:.4}"),
-            "[B, H, S, S]",
-            &scores,
-        );
-        let window = attn.config().window;
-        let mask = mha::Mask {
-            window,
-            ..mha::Mask::causal(0)
-        };
-        let bias = mask.to_bias((1, h, s, s), &dev)?;
-        let scores = match bias {
-            Some(b) => scores.broadcast_add(&b)?,
-            None => scores,
-        };
-        let weights = mha::masked_softmax(&scores)?;
-        let what = match window {
-            Some(w) => format!("causal mask (window {w}), softmax"),
-            None => "causal mask, softmax over keys".to_string(),
-        };
-        say(&what, "[B, H, S, S]", &weights);
-        let per_head = weights.matmul(&v)?;
-        say("weights·v", "[B, H, S, d_k]", &per_head);
-        let merged = per_head.transpose(1, 2)?.reshape((1, s, h * dk))?;
-        say("heads merged back", "[B, S, H·d_k]", &merged);
-        let mut projected = attn.out_proj().forward(&merged)?;
-        say("output projection (W_o)", "[B, S, D]", &projected);
         let post = block.post_norms();
         let branch_norm = match (post_branch, post) {
             (true, _) => Some(ln_1),
@@ -223,7 +229,11 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
             xs.clone()
         } else {
             xs = (&xs + &projected)?;
-            say("x + attention (residual)", "[B, S, D]", &xs);
+            let what = match mixer.attention() {
+                Some(_) => "x + attention (residual)",
+                None => "x + convolution (residual)",
+            };
+            say(what, "[B, S, D]", &xs);
             xs.clone()
         };
         let hid = match post_branch {
@@ -335,4 +345,46 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         tokens::token_texts(tokenizer.as_ref(), &[next])[0]
     );
     Ok(())
+}
+
+/// The steps of LFM2's gated short convolution on `x` (`[B, S, D]`), each shown by `say`.
+fn short_conv(
+    conv: &gpt_blocks::ShortConv,
+    x: &Tensor,
+    say: &dyn Fn(&str, &str, &Tensor),
+) -> Result<Tensor> {
+    let (in_proj, taps, bias, out_proj) = conv.parts();
+    let (_, s, d) = x.dims3()?;
+    let bcx = in_proj.forward(x)?;
+    say("B, C, x = x·W_in (split in three)", "[B, S, 3·D]", &bcx);
+    let (b, c, xv) = (
+        bcx.narrow(2, 0, d)?,
+        bcx.narrow(2, d, d)?,
+        bcx.narrow(2, 2 * d, d)?,
+    );
+    let h = (b * xv)?;
+    say("h = B · x", "[B, S, D]", &h);
+    let l = taps.dim(1)?;
+    let padded = Tensor::cat(
+        &[&Tensor::zeros((1, l - 1, d), h.dtype(), h.device())?, &h],
+        1,
+    )?;
+    let mut y = Tensor::zeros((1, s, d), h.dtype(), h.device())?;
+    for j in 0..l {
+        let w = taps.narrow(1, j, 1)?.squeeze(1)?.to_dtype(h.dtype())?;
+        y = (y + padded.narrow(1, j, s)?.broadcast_mul(&w)?)?;
+    }
+    if let Some(bias) = bias {
+        y = y.broadcast_add(bias)?;
+    }
+    say(
+        &format!("causal depthwise conv over {l} positions"),
+        "[B, S, D]",
+        &y,
+    );
+    let gated = (c * y)?;
+    say("C · conv(h)", "[B, S, D]", &gated);
+    let out = out_proj.forward(&gated)?;
+    say("output projection (W_out)", "[B, S, D]", &out);
+    Ok(out)
 }

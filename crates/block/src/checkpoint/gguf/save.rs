@@ -191,7 +191,10 @@ pub fn save_gguf(
     let (a, m) = (&n.attn_proj, &n.mlp_proj);
     for (i, block) in model.blocks().iter().enumerate() {
         let blk = |part: Name| n.gguf_block(i, part);
-        let (ln_1, attn, ln_2, mlp) = block.parts();
+        let (ln_1, mixer, ln_2, mlp) = block.parts();
+        let Some(attn) = mixer.attention() else {
+            bail!("block {i} is a short convolution: LFM2 is not written as GGUF")
+        };
         norm(&mut biases, &blk(n.attn_norm), ln_1);
         norm(&mut biases, &blk(n.mlp_norm), ln_2);
         if let Some((post_attn, post_mlp)) = block.post_norms() {

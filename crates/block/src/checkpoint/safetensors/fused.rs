@@ -14,7 +14,7 @@ use crate::checkpoint::arena::FloatArena;
 use crate::checkpoint::options::LoadOptions;
 use crate::config::{GptConfig, NormPlacement};
 use crate::model::Gpt;
-use crate::parts::{block::Block, mlp::Mlp, norm::Norm};
+use crate::parts::{block::Block, mixer::Mixer, mlp::Mlp, norm::Norm, short_conv::ShortConv};
 
 /// The model of `st` (opened and checked against `cfg`) for inference: each block's q/k/v
 /// and gate/up projections one product each. On the CPU every block matrix is read, in
@@ -107,6 +107,12 @@ fn block_matrices(
             order.extend([a.qkv.hf, a.o.hf].map(|p| format!("{attn}.{p}.weight")))
         }
         WeightLayout::TorchInProj => {}
+    }
+    // LFM2's convolution blocks: their projections where a block's attention would be.
+    if let Some(sc) = names.short_conv {
+        for p in [sc.in_proj, sc.out_proj] {
+            order.push(format!("{}.{}.weight", sc.module, p.hf));
+        }
     }
     let m = names.mlp_proj;
     if let Some(f) = stored {
@@ -202,14 +208,21 @@ fn block_from_arena(
     let attn_cfg = Block::attn_config(cfg, i);
     let layout = names.attn_layout();
     let a = vb.pp(names.attn);
+    let conv = names.short_conv.filter(|_| cfg.is_conv(i));
     let qkv = match &layout {
+        // LFM2's convolution blocks have no q, k or v.
+        _ if conv.is_some() => None,
         WeightLayout::Separate { q, k, v, .. } => {
             let parts = [(q.as_str(), qw), (k.as_str(), kv), (v.as_str(), kv)];
             span(&a, &parts, d)?.map(|w| (w, parts))
         }
         _ => None,
     };
-    let attn = match (qkv, &layout) {
+    let attn: Mixer = match (qkv, &layout) {
+        _ if conv.is_some() => {
+            let module = conv.map_or("conv", |c| c.module);
+            ShortConv::new(d, cfg.conv_taps, cfg.conv_bias, vb.pp(module))?.into()
+        }
         (Some((w, parts)), WeightLayout::Separate { o, .. }) => {
             let qkv = Proj::from_linear(&w, biases(&a, &parts, cfg.attn_bias)?)?;
             let o = linear(a.pp(o), (d, qw), cfg.attn_out_bias)?;
@@ -222,8 +235,11 @@ fn block_from_arena(
                 }
                 None => attn,
             }
+            .into()
         }
-        _ => MultiHeadAttention::load(&attn_cfg, &layout, a)?.fused()?,
+        _ => MultiHeadAttention::load(&attn_cfg, &layout, a)?
+            .fused()?
+            .into(),
     };
     let m = vb.pp(names.mlp);
     let gate_up = match names.mlp_proj.gate.filter(|_| cfg.gated_mlp) {
