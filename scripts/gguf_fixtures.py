@@ -37,7 +37,9 @@ Models (random weights, every parameter redrawn so that a dropped or swapped par
   fixed period of 6), local and global bases 100 and 1000, sandwich norms (the converter
   adds Gemma's 1 to them), per-head q/k norms, heads of 32 over a width of 64, one kv
   head, query_pre_attn_scalar equal to the head width (llama.cpp fixes it so),
-  soft-capped logits.
+  soft-capped logits;
+- lfm2: four layers, the second attention (per-head q/k norms) and the others gated short
+  convolutions of 3 taps (llama.cpp marks them by zero key/value heads).
 Per model, in crates/block/tests/fixtures/gguf/: NAME.f32.gguf and NAME.q8_0.gguf
 (convert_hf_to_gguf.py --outtype), NAME.q4_0.gguf / NAME.q4_k_m.gguf (llama.cpp's
 quantizer: q4_1, q5_0 and q5_1 on the Llama; q2_k and q3_k_m on llama_wide: with q4_k_m they hold
@@ -345,6 +347,10 @@ def gguf_models():
           rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0},
                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
           **{**small, "num_hidden_layers": 6})
+    build("lfm2", "lfm2", bpe, 12, work, ["f32", "q8_0", "q4_0"], num_key_value_heads=2,
+          layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
+          block_multiple_of=32, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+          pad_token_id=0, **{**small, "num_hidden_layers": 4, "intermediate_size": 192})
 
 
 ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + "

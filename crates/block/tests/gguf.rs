@@ -72,7 +72,7 @@ fn cached_logits(model: &Gpt, ids: &Tensor, prefix: usize, cache: &mut GptCache)
 fn f32_files_give_transformers_logits() {
     for name in [
         "gpt2", "llama", "qwen2", "neox", "llama3", "qwen3", "smollm3", "olmo2", "granite",
-        "gemma3",
+        "gemma3", "lfm2",
     ] {
         let exp = expected(name);
         let got = logits(&load(&format!("{name}.f32.gguf")), &exp["input_ids"]);
@@ -114,7 +114,7 @@ fn f32_files_give_transformers_logits() {
 /// from the f32 model's.
 #[test]
 fn quantized_files_track_llama_cpp() {
-    let cases: [(&str, &str, f32); 23] = [
+    let cases: [(&str, &str, f32); 26] = [
         ("gpt2", "f32", 0.001),
         ("gpt2", "q8_0", 0.015),
         ("llama", "f32", 0.001),
@@ -138,6 +138,9 @@ fn quantized_files_track_llama_cpp() {
         ("gemma3", "f32", 0.001),
         ("gemma3", "q8_0", 0.03),
         ("gemma3", "q4_0", 0.04),
+        ("lfm2", "f32", 0.001),
+        ("lfm2", "q8_0", 0.015),
+        ("lfm2", "q4_0", 0.025),
     ];
     for (name, kind, share) in cases {
         let exp = expected(name);
@@ -197,6 +200,8 @@ fn greedy_tokens_equal_llama_cpp() {
         ("granite", "q8_0"),
         ("gemma3", "f32"),
         ("gemma3", "q8_0"),
+        ("lfm2", "f32"),
+        ("lfm2", "q8_0"),
     ] {
         let exp = expected(name);
         let greedy: Vec<u32> = exp[&format!("llama_{kind}_greedy")]
@@ -347,6 +352,7 @@ fn cached_decoding_equals_the_full_pass() {
         "olmo2.f32.gguf",
         "granite.q8_0.gguf",
         "gemma3.q4_0.gguf",
+        "lfm2.q4_0.gguf",
     ] {
         let model = load(file);
         let name = file.split('.').next().unwrap();
@@ -650,7 +656,7 @@ fn written_files_load_back_as_the_same_model() {
     let dir = tempfile::tempdir().unwrap();
     for name in [
         "gpt2", "llama", "qwen2", "neox", "llama3", "qwen3", "smollm3", "olmo2", "granite",
-        "gemma3",
+        "gemma3", "lfm2",
     ] {
         let model = load(&format!("{name}.f32.gguf"));
         let ids = &expected(name)["input_ids"];

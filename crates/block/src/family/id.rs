@@ -126,8 +126,7 @@ impl Family {
             // llama.cpp's phi3 turns windows off and picks LongRoPE's factors by the
             // context it is given: not read here yet.
             Self::Phi3 => None,
-            // llama.cpp's lfm2: not read or written here yet.
-            Self::Lfm2 => None,
+            Self::Lfm2 => Some("lfm2"),
         }
     }
 

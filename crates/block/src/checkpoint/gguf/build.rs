@@ -15,7 +15,7 @@ use crate::checkpoint::options::LoadOptions;
 use crate::config::{GptConfig, NormKind, NormPlacement};
 use crate::family::names::Name;
 use crate::model::{Embedding, Gpt};
-use crate::parts::{block::Block, mlp::Mlp, norm::Norm};
+use crate::parts::{block::Block, mlp::Mlp, norm::Norm, short_conv::ShortConv};
 
 impl Gguf {
     /// The model, with block-quantized matrices kept as they are stored and everything else
@@ -183,6 +183,31 @@ impl Gguf {
         let mut blocks = Vec::new();
         for i in 0..cfg.n_layer {
             let blk = |part: Name| n.gguf_block(i, part);
+            if cfg.is_conv(i) {
+                // LFM2's convolution block: llama.cpp's shortconv tensors, no biases.
+                let Some(sc) = n.short_conv else {
+                    bail!("{:?} models have no convolution blocks", cfg.family)
+                };
+                let taps = format!("{}.weight", blk(sc.conv));
+                let conv = ShortConv::from_parts(
+                    proj(blk(sc.in_proj), (3 * d, d), false, 0)?,
+                    self.dense(&taps, &[d, cfg.conv_taps], DType::F32, device)?,
+                    None,
+                    proj(blk(sc.out_proj), (d, d), false, 0)?,
+                )?;
+                let mlp = Mlp::from_projections(
+                    &cfg,
+                    proj(blk(m.up), (inner, d), false, 0)?,
+                    m.gate
+                        .map(|g| proj(blk(g), (inner, d), false, 0))
+                        .transpose()?,
+                    proj(blk(m.down), (d, inner), false, 0)?,
+                )?;
+                let (ln_1, ln_2) = (norm(&blk(n.attn_norm))?, norm(&blk(n.mlp_norm))?);
+                let block = Block::from_parts(&cfg, i, ln_1, conv, ln_2, mlp)?;
+                blocks.push(if fuse { block.fused()? } else { block });
+                continue;
+            }
             let attn_cfg = Block::attn_config(&cfg, i);
             let qkv_parts = [
                 (blk(a.q), qw, cfg.n_head),

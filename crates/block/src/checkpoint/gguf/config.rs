@@ -85,6 +85,7 @@ impl Gguf {
                 | Family::Olmo2
                 | Family::Granite
                 | Family::Gemma3
+                | Family::Lfm2
         );
         let eps_key = match llama_layout {
             true => "attention.layer_norm_rms_epsilon",
@@ -101,10 +102,7 @@ impl Gguf {
             n_embd: d,
             n_layer,
             n_head,
-            n_kv_head: Some(
-                self.size(&key("attention.head_count_kv"))?
-                    .unwrap_or(n_head),
-            ),
+            n_kv_head: Some(self.kv_heads(arch, n_head, n_layer)?.0),
             n_inner: Some(self.need(&key("feed_forward_length"))?),
             layer_norm_epsilon: self.float(&key(eps_key))?.unwrap_or(1e-5),
             tie_word_embeddings: !has(&weight(n.head.gguf)),
@@ -171,10 +169,64 @@ impl Gguf {
                 }
             }
             Family::Gemma3 => self.gemma3(arch, cfg)?,
+            // LFM2 as llama.cpp runs it: a layer without key/value heads is a short
+            // convolution of `shortconv.l_cache` taps (no biases); per-head q/k norms.
+            Family::Lfm2 => {
+                let (_, conv_layers) = self.kv_heads(arch, n_head, n_layer)?;
+                GptConfig {
+                    qk_norm: Some(mha::QkNorm {
+                        per_head: true,
+                        eps: cfg.layer_norm_epsilon,
+                    }),
+                    conv_layers,
+                    conv_taps: self.need(&key("shortconv.l_cache"))?,
+                    ..cfg
+                }
+            }
             _ => cfg,
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The key/value heads of the attention layers, and which layers have none (LFM2's
+    /// convolution layers, as runs): `attention.head_count_kv` is one number, or one per
+    /// layer (0 for a layer without attention) where llama.cpp's hybrid models keep it.
+    fn kv_heads(
+        &self,
+        arch: &str,
+        n_head: usize,
+        n_layer: usize,
+    ) -> Result<(usize, Vec<(Vec<bool>, usize)>)> {
+        let k = format!("{arch}.attention.head_count_kv");
+        let Some(candle_core::quantized::gguf_file::Value::Array(per_layer)) = self.value(&k)
+        else {
+            return Ok((self.size(&k)?.unwrap_or(n_head), Vec::new()));
+        };
+        if arch != "lfm2" {
+            bail!("metadata {k}: per-layer key/value heads are not supported for {arch}")
+        }
+        if per_layer.len() != n_layer {
+            bail!(
+                "metadata {k} has {} entries for {n_layer} layers",
+                per_layer.len()
+            )
+        }
+        let counts = per_layer
+            .iter()
+            // The converter writes Python ints as i32.
+            .map(|v| match (v.to_u64(), v.to_i32()) {
+                (Ok(n), _) if n <= u32::MAX as u64 => Ok(n as usize),
+                (_, Ok(n)) if n >= 0 => Ok(n as usize),
+                _ => bail!("metadata {k} must hold non-negative integers"),
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        let mut kv = counts.iter().copied().filter(|&n| n > 0);
+        let first = kv.next().unwrap_or(n_head);
+        if kv.any(|n| n != first) {
+            bail!("metadata {k}: attention layers with different key/value head counts are not supported")
+        }
+        Ok((first, vec![(counts.iter().map(|&n| n == 0).collect(), 1)]))
     }
 
     /// Gemma 3 as llama.cpp runs it: GeGLU, sandwich norms (their weights stored as the

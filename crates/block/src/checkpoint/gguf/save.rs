@@ -102,7 +102,7 @@ pub fn save_gguf(
         )
     }
     let qk_norm = match cfg.family {
-        Family::Qwen3 | Family::Gemma3 => Some(true),
+        Family::Qwen3 | Family::Gemma3 | Family::Lfm2 => Some(true),
         Family::Olmo2 => Some(false),
         _ => None,
     };
@@ -119,7 +119,9 @@ pub fn save_gguf(
     // llama.cpp's SmolLM3 leaves out the rotation in every fourth layer, and only there.
     let nope = |i: usize| cfg.family == Family::SmolLm3 && (i + 1).is_multiple_of(4);
     if cfg.rope.is_some()
-        && (0..cfg.n_layer.min(4096)).any(|i| cfg.layer_rope(i).is_none() != nope(i))
+        && (0..cfg.n_layer.min(4096))
+            .filter(|&i| !cfg.is_conv(i))
+            .any(|i| cfg.layer_rope(i).is_none() != nope(i))
     {
         bail!("llama.cpp's {arch} architecture cannot say which layers rotate (its SmolLM3 skips every fourth)")
     }
@@ -192,11 +194,35 @@ pub fn save_gguf(
     for (i, block) in model.blocks().iter().enumerate() {
         let blk = |part: Name| n.gguf_block(i, part);
         let (ln_1, mixer, ln_2, mlp) = block.parts();
-        let Some(attn) = mixer.attention() else {
-            bail!("block {i} is a short convolution: LFM2 is not written as GGUF")
-        };
         norm(&mut biases, &blk(n.attn_norm), ln_1);
         norm(&mut biases, &blk(n.mlp_norm), ln_2);
+        let attn = match (mixer, n.short_conv) {
+            (crate::parts::mixer::Mixer::Attention(attn), _) => attn,
+            (crate::parts::mixer::Mixer::ShortConv(conv), Some(sc)) => {
+                // llama.cpp's shortconv: the taps [d, L] and the two projections, no biases.
+                let (in_proj, taps, bias, out_proj) = conv.parts();
+                if bias.is_some() || in_proj.bias().is_some() || out_proj.bias().is_some() {
+                    bail!("llama.cpp's {arch} architecture has no biases in its convolution blocks")
+                }
+                biases.push((format!("{}.weight", blk(sc.conv)), taps.clone()));
+                let mut parts = vec![
+                    proj(blk(sc.in_proj), in_proj, 0)?,
+                    proj(blk(sc.out_proj), out_proj, 0)?,
+                ];
+                let (up, gate, down) = mlp.parts();
+                match (gate, m.gate) {
+                    (Some(g), Some(name)) => parts.push(proj(blk(name), g, 0)?),
+                    _ => bail!("{:?} convolution blocks need a gated MLP", cfg.family),
+                }
+                parts.push(proj(blk(m.up), up, 0)?);
+                parts.push(proj(blk(m.down), down, 0)?);
+                biases.extend(parts.into_iter().flatten());
+                continue;
+            }
+            (crate::parts::mixer::Mixer::ShortConv(_), None) => {
+                bail!("block {i} is a short convolution, which llama.cpp's {arch} has not")
+            }
+        };
         if let Some((post_attn, post_mlp)) = block.post_norms() {
             norm(&mut biases, &blk(n.attn_post_norm), post_attn);
             norm(&mut biases, &blk(n.mlp_post_norm), post_mlp);
@@ -276,8 +302,17 @@ pub fn save_gguf(
         (key("block_count"), u32v(cfg.n_layer)?),
         (key("feed_forward_length"), u32v(cfg.inner_dim())?),
         (key("attention.head_count"), u32v(cfg.n_head)?),
-        (key("attention.head_count_kv"), u32v(cfg.kv_heads())?),
     ];
+    // LFM2: no key/value heads marks a convolution layer.
+    if (0..cfg.n_layer).any(|i| cfg.is_conv(i)) {
+        let per_layer = (0..cfg.n_layer)
+            .map(|i| u32v(if cfg.is_conv(i) { 0 } else { cfg.kv_heads() }))
+            .collect::<Result<Vec<_>>>()?;
+        meta.push((key("attention.head_count_kv"), Value::Array(per_layer)));
+        meta.push((key("shortconv.l_cache"), u32v(cfg.conv_taps)?));
+    } else {
+        meta.push((key("attention.head_count_kv"), u32v(cfg.kv_heads())?));
+    }
     let eps = Value::F32(cfg.layer_norm_epsilon as f32);
     match cfg.norm {
         NormKind::RmsNorm => meta.push((key("attention.layer_norm_rms_epsilon"), eps)),
