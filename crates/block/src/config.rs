@@ -515,6 +515,10 @@ fn run_entry<T: Copy>(runs: &[(Vec<T>, usize)], layer: usize) -> Option<T> {
     None
 }
 
+/// Per-block values as runs of a repeated pattern: `(pattern, repeat)` covers
+/// `pattern.len() · repeat` blocks (see [`GptConfig::windows`]).
+pub type Runs<T> = Vec<(Vec<T>, usize)>;
+
 /// The most taps of a short convolution read (LFM2's have 3).
 const MAX_CONV_TAPS: usize = 1024;
 

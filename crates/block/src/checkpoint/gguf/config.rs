@@ -197,7 +197,7 @@ impl Gguf {
         arch: &str,
         n_head: usize,
         n_layer: usize,
-    ) -> Result<(usize, Vec<(Vec<bool>, usize)>)> {
+    ) -> Result<(usize, crate::config::Runs<bool>)> {
         let k = format!("{arch}.attention.head_count_kv");
         let Some(candle_core::quantized::gguf_file::Value::Array(per_layer)) = self.value(&k)
         else {
