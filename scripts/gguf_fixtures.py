@@ -38,6 +38,9 @@ Models (random weights, every parameter redrawn so that a dropped or swapped par
   adds Gemma's 1 to them), per-head q/k norms, heads of 32 over a width of 64, one kv
   head, query_pre_attn_scalar equal to the head width (llama.cpp fixes it so),
   soft-capped logits;
+- phi4_mini (phi3): Phi-4-mini's parts: q/k/v and gate/up fused as stored, 0.75 of each head rotated,
+  LongRoPE (a context of 131072 over 4096: attention factor 1.19; the sample stays within
+  the original context, where transformers and llama.cpp both take the short factors), tied;
 - lfm2: four layers, the second attention (per-head q/k norms) and the others gated short
   convolutions of 3 taps (llama.cpp marks them by zero key/value heads).
 Per model, in crates/block/tests/fixtures/gguf/: NAME.f32.gguf and NAME.q8_0.gguf
@@ -239,6 +242,12 @@ def build(name, family, tokenizer, seed, work, kinds, chat_template=None, keep_h
         c["rotary_pct"] = c["rope_parameters"]["partial_rotary_factor"]
         c["rotary_emb_base"] = c["rope_parameters"]["rope_theta"]
     json.dump(c, open(path, "w"), indent=2)
+    if family == "phi3":
+        # Phi-4-mini's files name a GPT-2 tokenizer, which the converter reads as BPE.
+        tpath = os.path.join(src, "tokenizer_config.json")
+        t = json.load(open(tpath))
+        t["tokenizer_class"] = "GPT2Tokenizer"
+        json.dump(t, open(tpath, "w"), indent=2)
     ids = tokenizer(SAMPLE)["input_ids"]
     print(f"{name}: {len(ids)} sample ids")
     with torch.no_grad():
@@ -347,6 +356,15 @@ def gguf_models():
           rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0},
                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
           **{**small, "num_hidden_layers": 6})
+    build("phi4_mini", "phi3", bpe, 13, work, ["f32", "q8_0", "q4_0"], num_key_value_heads=2,
+          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+          original_max_position_embeddings=4096,
+          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                           "partial_rotary_factor": 0.75,
+                           "original_max_position_embeddings": 4096,
+                           "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+                           "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]},
+          **{**small, "max_position_embeddings": 131072})
     build("lfm2", "lfm2", bpe, 12, work, ["f32", "q8_0", "q4_0"], num_key_value_heads=2,
           layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
           block_multiple_of=32, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,

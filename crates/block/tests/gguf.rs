@@ -71,8 +71,18 @@ fn cached_logits(model: &Gpt, ids: &Tensor, prefix: usize, cache: &mut GptCache)
 #[test]
 fn f32_files_give_transformers_logits() {
     for name in [
-        "gpt2", "llama", "qwen2", "neox", "llama3", "qwen3", "smollm3", "olmo2", "granite",
-        "gemma3", "lfm2",
+        "gpt2",
+        "llama",
+        "qwen2",
+        "neox",
+        "llama3",
+        "qwen3",
+        "smollm3",
+        "olmo2",
+        "granite",
+        "gemma3",
+        "lfm2",
+        "phi4_mini",
     ] {
         let exp = expected(name);
         let got = logits(&load(&format!("{name}.f32.gguf")), &exp["input_ids"]);
@@ -114,7 +124,7 @@ fn f32_files_give_transformers_logits() {
 /// from the f32 model's.
 #[test]
 fn quantized_files_track_llama_cpp() {
-    let cases: [(&str, &str, f32); 26] = [
+    let cases: [(&str, &str, f32); 29] = [
         ("gpt2", "f32", 0.001),
         ("gpt2", "q8_0", 0.015),
         ("llama", "f32", 0.001),
@@ -141,6 +151,9 @@ fn quantized_files_track_llama_cpp() {
         ("lfm2", "f32", 0.001),
         ("lfm2", "q8_0", 0.015),
         ("lfm2", "q4_0", 0.025),
+        ("phi4_mini", "f32", 0.001),
+        ("phi4_mini", "q8_0", 0.015),
+        ("phi4_mini", "q4_0", 0.025),
     ];
     for (name, kind, share) in cases {
         let exp = expected(name);
@@ -202,6 +215,8 @@ fn greedy_tokens_equal_llama_cpp() {
         ("gemma3", "q8_0"),
         ("lfm2", "f32"),
         ("lfm2", "q8_0"),
+        ("phi4_mini", "f32"),
+        ("phi4_mini", "q8_0"),
     ] {
         let exp = expected(name);
         let greedy: Vec<u32> = exp[&format!("llama_{kind}_greedy")]
@@ -353,6 +368,7 @@ fn cached_decoding_equals_the_full_pass() {
         "granite.q8_0.gguf",
         "gemma3.q4_0.gguf",
         "lfm2.q4_0.gguf",
+        "phi4_mini.q4_0.gguf",
     ] {
         let model = load(file);
         let name = file.split('.').next().unwrap();
@@ -363,6 +379,42 @@ fn cached_decoding_equals_the_full_pass() {
         let mut cache = GptCache::new(model.config(), 4);
         let cached = cached_logits(&model, &ids, 5, &mut cache);
         assert_close(&cached, &full, 1e-4, 1e-4, file);
+    }
+}
+
+/// Gemma 3, LFM2 (convolution blocks beside fused attention ones) and Phi-4-mini (its
+/// stored-fused gate/up) loaded for inference, as `gpt` loads them, compute what they
+/// compute loaded plain: full pass and cached decoding.
+#[test]
+fn newer_families_load_for_inference_as_computed_plain() {
+    for (file, tol) in [
+        ("gemma3.f32.gguf", 1e-5),
+        ("lfm2.f32.gguf", 1e-5),
+        ("lfm2.q8_0.gguf", 1e-4),
+        ("phi4_mini.f32.gguf", 1e-5),
+        ("phi4_mini.q4_0.gguf", 1e-4),
+    ] {
+        let gguf = Gguf::open(&path(file)).unwrap();
+        let plain = gguf.load(DType::F32, &Device::Cpu).unwrap();
+        let fused = gguf
+            .load(LoadOptions::new(DType::F32).for_inference(), &Device::Cpu)
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let name = file.split('.').next().unwrap();
+        let ids = batch(&expected(name)["input_ids"])
+            .narrow(1, 0, 12)
+            .unwrap();
+        let want = plain.infer(&ids, None, None, Logits::All).unwrap();
+        let got = fused.infer(&ids, None, None, Logits::All).unwrap();
+        assert_close(&got, &want, tol, 1e-4, &format!("{file}, full pass"));
+        let mut cache = GptCache::new(fused.config(), 4);
+        let cached = cached_logits(&fused, &ids, 3, &mut cache);
+        assert_close(
+            &cached,
+            &want,
+            tol.max(1e-5),
+            1e-4,
+            &format!("{file}, decoding"),
+        );
     }
 }
 
@@ -655,8 +707,18 @@ fn matrices_of_the_wrong_shape_or_unused_are_refused_when_loading_for_inference(
 fn written_files_load_back_as_the_same_model() {
     let dir = tempfile::tempdir().unwrap();
     for name in [
-        "gpt2", "llama", "qwen2", "neox", "llama3", "qwen3", "smollm3", "olmo2", "granite",
-        "gemma3", "lfm2",
+        "gpt2",
+        "llama",
+        "qwen2",
+        "neox",
+        "llama3",
+        "qwen3",
+        "smollm3",
+        "olmo2",
+        "granite",
+        "gemma3",
+        "lfm2",
+        "phi4_mini",
     ] {
         let model = load(&format!("{name}.f32.gguf"));
         let ids = &expected(name)["input_ids"];
@@ -795,7 +857,7 @@ fn families_llama_cpp_cannot_run_are_refused() {
     let families = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families");
     for (name, needle) in [
         ("neo_local", "gpt_neo models are not written as GGUF"),
-        ("phi3_window", "phi3 models are not written as GGUF"),
+        ("phi3_window", "sliding-window"),
         ("mistral_window", "sliding-window"),
         ("llama_longrope", "no LongRoPE scaling"),
     ] {

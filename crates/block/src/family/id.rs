@@ -123,9 +123,7 @@ impl Family {
             Self::Olmo2 => Some("olmo2"),
             Self::Granite => Some("granite"),
             Self::Gemma3 => Some("gemma3"),
-            // llama.cpp's phi3 turns windows off and picks LongRoPE's factors by the
-            // context it is given: not read here yet.
-            Self::Phi3 => None,
+            Self::Phi3 => Some("phi3"),
             Self::Lfm2 => Some("lfm2"),
         }
     }

@@ -162,6 +162,8 @@ pub(crate) mod gguf {
     pub const OUTPUT: &str = "output";
     /// Llama 3's per-frequency rotary divisors (no Hugging Face tensor: its config says it).
     pub const ROPE_FREQS: &str = "rope_freqs";
+    pub const ROPE_FACTORS_LONG: &str = "rope_factors_long";
+    pub const ROPE_FACTORS_SHORT: &str = "rope_factors_short";
     pub const ATTN_Q_NORM: &str = "attn_q_norm";
     pub const ATTN_K_NORM: &str = "attn_k_norm";
     pub const ATTN_POST_NORM: &str = "post_attention_norm";

@@ -243,7 +243,16 @@ impl Gguf {
                 Some(parts) => arena_take(parts, d)?.map(|w| (w, parts)),
                 None => None,
             };
+            // Phi-3's ffn_up holds the gate's rows, then the up projection's.
+            let up = format!("{}.weight", blk(m.up));
+            let stored_gate_up =
+                n.stored_fused.is_some() && self.shape(&up) == Some(&[2 * inner, d][..]);
             let mlp = match gate_up {
+                _ if stored_gate_up => {
+                    let gate_up = proj(blk(m.up), (2 * inner, d), cfg.mlp_bias, 0)?;
+                    let down = proj(blk(m.down), (d, inner), cfg.mlp_bias, 0)?;
+                    Mlp::from_gate_up(&cfg, gate_up, down)?
+                }
                 // Gate and up side by side as read: the fused projection is a view of them.
                 Some((w, parts)) => {
                     let gate_up = side_by_side(w, parts, cfg.mlp_bias)?;
@@ -363,7 +372,12 @@ impl Gguf {
             (a.o, [d, qw], 0),
         ];
         order.extend(m.gate.map(|g| (g, [inner, d], 0)));
-        order.extend([(m.up, [inner, d], 0), (m.down, [d, inner], 0)]);
+        // Phi-3's ffn_up holds the gate's rows too.
+        let up_rows = match n.stored_fused {
+            Some(_) => 2 * inner,
+            None => inner,
+        };
+        order.extend([(m.up, [up_rows, d], 0), (m.down, [d, inner], 0)]);
         let blk = format!("{}.", n.layers.gguf);
         // (block, place in the block, name, [rows, cols], rotary heads to reorder, dtype),
         // from the file's own tensors: a file claiming a billion blocks lists no more.

@@ -51,7 +51,25 @@ impl Gguf {
                 if rotary == 0 || rotary > head_dim || rotary % 2 != 0 {
                     bail!("metadata {arch}.rope.dimension_count={rotary} must be even and in 2..={head_dim}")
                 }
+                let factors = |name: &str| -> Result<Vec<f64>> {
+                    let t = self.qtensor(&weight(name), &[rotary / 2], &Device::Cpu)?;
+                    Ok(t.dequantize(&Device::Cpu)?
+                        .to_vec1::<f32>()?
+                        .into_iter()
+                        .map(f64::from)
+                        .collect())
+                };
                 let scaling = match self.string(&key("rope.scaling.type"))? {
+                    // Phi-3's LongRoPE: a divisor per frequency for short and long contexts.
+                    None if has(&weight(gguf::ROPE_FACTORS_LONG)) => RopeScaling::LongRope {
+                        short_factor: factors(gguf::ROPE_FACTORS_SHORT)?,
+                        long_factor: factors(gguf::ROPE_FACTORS_LONG)?,
+                        original_max_position_embeddings: self
+                            .need(&key("rope.scaling.original_context_length"))?,
+                        attention_factor: self
+                            .float(&key("rope.scaling.attn_factor"))?
+                            .unwrap_or(1.0),
+                    },
                     // Llama 3.1+ keeps its scaling as per-frequency divisors.
                     None if has(&weight(gguf::ROPE_FREQS)) => {
                         let theta = self.float(&key("rope.freq_base"))?.unwrap_or(10_000.0);
@@ -86,6 +104,7 @@ impl Gguf {
                 | Family::Granite
                 | Family::Gemma3
                 | Family::Lfm2
+                | Family::Phi3
         );
         let eps_key = match llama_layout {
             true => "attention.layer_norm_rms_epsilon",

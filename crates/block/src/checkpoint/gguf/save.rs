@@ -78,6 +78,7 @@ pub fn save_gguf(
         .rope
         .as_ref()
         .is_some_and(|r| matches!(r.scaling, RopeScaling::LongRope { .. }))
+        && cfg.family != Family::Phi3
     {
         bail!("llama.cpp's {arch} architecture has no LongRoPE scaling (its phi3 has)")
     }
@@ -243,12 +244,23 @@ pub fn save_gguf(
         }
         parts.push(proj(blk(a.o), attn.out_proj(), 0)?);
         let (up, gate, down) = mlp.parts();
-        match (gate, m.gate) {
-            (Some(g), Some(name)) => parts.push(proj(blk(name), g, 0)?),
-            (Some(_), None) => bail!("{:?} models have no gated MLP", cfg.family),
-            (None, _) => {}
+        match (gate, m.gate, n.stored_fused) {
+            // Phi-3: llama.cpp's ffn_up holds the gate's rows, then the up projection's.
+            (Some(g), Some(_), Some(_)) => {
+                if g.bias().is_some() || up.bias().is_some() {
+                    bail!("llama.cpp's {arch} architecture has no MLP biases")
+                }
+                let rows = |p: &Proj| -> Result<Tensor> { p.weight_t()?.t()?.contiguous() };
+                let w = Tensor::cat(&[rows(g)?, rows(up)?], 0)?;
+                parts.push(proj(blk(m.up), &Proj::from_linear(&w, None)?, 0)?);
+            }
+            (Some(g), Some(name), None) => {
+                parts.push(proj(blk(name), g, 0)?);
+                parts.push(proj(blk(m.up), up, 0)?);
+            }
+            (Some(_), None, _) => bail!("{:?} models have no gated MLP", cfg.family),
+            (None, _, _) => parts.push(proj(blk(m.up), up, 0)?),
         }
-        parts.push(proj(blk(m.up), up, 0)?);
         parts.push(proj(blk(m.down), down, 0)?);
         biases.extend(parts.into_iter().flatten());
     }
@@ -278,6 +290,25 @@ pub fn save_gguf(
             .collect();
         dense(weight(gguf::ROPE_FREQS), &Tensor::new(divisors, &dev)?)?;
     }
+    if let Some(RopeConfig {
+        scaling:
+            RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                ..
+            },
+        ..
+    }) = &cfg.rope
+    {
+        // Phi-3's LongRoPE: one divisor per frequency for each context range.
+        for (name, f) in [
+            (gguf::ROPE_FACTORS_LONG, long_factor),
+            (gguf::ROPE_FACTORS_SHORT, short_factor),
+        ] {
+            let f: Vec<f32> = f.iter().map(|&x| x as f32).collect();
+            dense(weight(name), &Tensor::new(f, &dev)?)?;
+        }
+    }
     for (name, t) in &biases {
         dense(name.clone(), t)?;
     }
@@ -290,12 +321,20 @@ pub fn save_gguf(
             .map_err(|_| candle_core::Error::Msg(format!("{n} does not fit a GGUF u32")))
     };
     let head_dim = cfg.head_dim();
+    // llama.cpp reads "phi3" in a model's name as Phi-3's SentencePiece vocabulary and
+    // looks its `</s>`, `<unk>`, `<s>` and `<|endoftext|>` up (a Phi-4-mini's has not them).
+    let phi3_vocab = vocab.is_some_and(|v| {
+        ["</s>", "<unk>", "<s>", "<|endoftext|>"]
+            .iter()
+            .all(|t| v.tokens.iter().any(|x| x == t))
+    });
+    let name = match cfg.family {
+        Family::Phi3 if !phi3_vocab => "phi",
+        f => f.model_type(),
+    };
     let mut meta: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
-        (
-            "general.name".into(),
-            Value::String(cfg.family.model_type().into()),
-        ),
+        ("general.name".into(), Value::String(name.into())),
         ("general.file_type".into(), Value::U32(file_type(dtype))),
         (key("context_length"), u32v(cfg.n_positions)?),
         (key("embedding_length"), u32v(cfg.n_embd)?),
@@ -324,9 +363,23 @@ pub fn save_gguf(
             key("rope.dimension_count"),
             u32v(rope.rotary_dim.unwrap_or(head_dim))?,
         ));
-        if let RopeScaling::Linear { factor } = rope.scaling {
-            meta.push((key("rope.scaling.type"), Value::String("linear".into())));
-            meta.push((key("rope.scaling.factor"), Value::F32(factor as f32)));
+        match &rope.scaling {
+            RopeScaling::Linear { factor } => {
+                meta.push((key("rope.scaling.type"), Value::String("linear".into())));
+                meta.push((key("rope.scaling.factor"), Value::F32(*factor as f32)));
+            }
+            RopeScaling::LongRope {
+                original_max_position_embeddings: old,
+                attention_factor,
+                ..
+            } => {
+                meta.push((key("rope.scaling.original_context_length"), u32v(*old)?));
+                meta.push((
+                    key("rope.scaling.attn_factor"),
+                    Value::F32(*attention_factor as f32),
+                ));
+            }
+            _ => {}
         }
     }
     if cfg.head_dim.is_some() {
