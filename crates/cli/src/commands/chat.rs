@@ -24,6 +24,11 @@ pub struct ChatArgs {
     /// Most new tokens per reply.
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
+    /// A variable for the chat template, `KEY=VALUE` (VALUE as JSON, else as text), as
+    /// transformers' `chat_template_kwargs`: `--template-var enable_thinking=false` turns
+    /// Qwen3's and SmolLM3's reasoning off. Repeatable.
+    #[arg(long = "template-var", value_name = "KEY=VALUE")]
+    pub template_vars: Vec<String>,
     /// Reply `n` samples with seed + n.
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -77,6 +82,7 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
         );
         catch_interrupts();
     }
+    let vars = template_vars(&a.template_vars)?;
     let mut system = a.system.clone();
     let mut history: Vec<serde_json::Value> = Vec::new();
     let mut turn = 0u64;
@@ -123,7 +129,9 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
                 .map(|s| message("system", s))
                 .chain(history.iter().cloned())
                 .collect();
-            let ids = chat.prompt_ids(tok, &Conversation::new(messages));
+            let mut conv = Conversation::new(messages);
+            conv.extra.extend(vars.clone());
+            let ids = chat.prompt_ids(tok, &conv);
             match ids {
                 Ok(ids) if ids.len() + a.max_new_tokens > n_ctx && history.len() > 1 => {
                     history.drain(..history.len().min(2));
@@ -200,4 +208,44 @@ pub fn run(a: &ChatArgs, margs: &ModelArgs) -> Result<()> {
         history.push(message("assistant", reply.trim()));
     }
     Ok(())
+}
+
+/// `KEY=VALUE` pairs as template variables: VALUE parsed as JSON (`false`, `3`, `"x"`,
+/// `{...}`), else taken as text.
+fn template_vars(pairs: &[String]) -> Result<serde_json::Map<String, serde_json::Value>> {
+    pairs
+        .iter()
+        .map(|p| {
+            let Some((k, v)) = p.split_once('=').filter(|(k, _)| !k.trim().is_empty()) else {
+                bail!("--template-var {p:?}: expected KEY=VALUE")
+            };
+            let v = serde_json::from_str(v).unwrap_or_else(|_| serde_json::Value::String(v.into()));
+            Ok((k.trim().to_string(), v))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn template_vars_are_json_else_text() {
+        let vars = template_vars(&[
+            "enable_thinking=false".into(),
+            "n=3".into(),
+            "date_string=26 Jul 2024".into(),
+            "tools=[{\"name\": \"f\"}]".into(),
+        ])
+        .unwrap();
+        assert_eq!(vars["enable_thinking"], json!(false));
+        assert_eq!(vars["n"], json!(3));
+        assert_eq!(vars["date_string"], json!("26 Jul 2024"));
+        assert_eq!(vars["tools"], json!([{"name": "f"}]));
+        for bad in ["novalue", "=x", " =x"] {
+            let e = template_vars(&[bad.into()]).unwrap_err().to_string();
+            assert!(e.contains("expected KEY=VALUE"), "{bad}: {e}");
+        }
+    }
 }
