@@ -18,8 +18,8 @@ scripts/gguf_fixtures.py), with `llama-bench` and `llama-quantize` built by CMak
     cmake --build /tmp/lcp/build --target llama-bench llama-quantize -j 2
 
 The GGUF files come from llama.cpp's own converter (f32) and quantizer, made once from the
-random-weight checkpoints of bench/checkpoints.py (GPT-2 124M, or SmolLM-135M's Llama
-geometry), so both programs read the very same bytes. llama-bench keeps its defaults (f16
+random-weight checkpoints of bench/checkpoints.py (GPT-2 124M, SmolLM-135M's Llama
+geometry, Qwen3-0.6B's, Gemma-3-270M's), so both programs read the very same bytes. llama-bench keeps its defaults (f16
 KV cache, flash attention); `gpt bench` gets the same cache precision (`--kv-dtype f16`,
 `--gpt-kv-dtype` to change it). Peak RSS of each run comes from `gpt bench` itself and from
 `/usr/bin/time -f %M` for llama-bench. Medians over the rounds and the ratio gpt / llama.cpp
@@ -39,7 +39,7 @@ import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 p = argparse.ArgumentParser()
-p.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
+p.add_argument("--arch", choices=["gpt2", "llama", "qwen3", "gemma3"], default="gpt2")
 p.add_argument("--kinds", nargs="+", default=["q8_0", "q4_k_m"])
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--rounds", type=int, default=3)
@@ -73,7 +73,7 @@ def with_tokenizer():
     if os.path.exists(os.path.join(hf, "tokenizer.json")):
         return
     text = "\n".join(gguf_fixtures.corpus()) * 3
-    if args.arch == "gpt2":
+    if args.arch in ("gpt2", "qwen3", "gemma3"):
         gguf_fixtures.bpe_tokenizer(text, 320).save_pretrained(hf)
     else:
         import shutil
@@ -93,6 +93,18 @@ def gguf(kind):
             cfg["n_ctx"] = cfg["n_positions"]  # the converter still reads GPT-2's n_ctx
             json.dump(cfg, open(os.path.join(hf, "config.json"), "w"), indent=2)
         with_tokenizer()
+        if args.arch == "gemma3":
+            # Gemma 3's converter cuts the embedding to the tokenizer's vocabulary; the
+            # benchmark keeps the model's 262,144 rows (the converter pads the vocabulary).
+            sys.path.insert(0, gguf_fixtures.LLAMA_CPP)
+            import conversion.base as base
+            import conversion.gemma as gemma
+
+            def keep_rows(self, data_torch, name, bid):
+                if name.endswith("norm.weight"):
+                    data_torch = data_torch + 1.0
+                yield from base.TextModel.modify_tensors(self, data_torch, name, bid)
+            gemma.Gemma3Model.modify_tensors = keep_rows
         gguf_fixtures.convert(hf, path, kind)
     else:
         subprocess.run([os.path.join(args.llama_build, "llama-quantize"), gguf("f32"), path,
