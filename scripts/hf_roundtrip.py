@@ -1,4 +1,5 @@
-"""Checks that checkpoints written by `block::save_dir` (GPT-2 and Llama directories) load
+"""Checks that checkpoints written by `block::save_dir` (GPT-2, Llama, Qwen3, SmolLM3, OLMo 2
+and Granite directories) load
 in transformers and give our logits. Run it after changing the writer:
 
     /tmp/ref/bin/python scripts/hf_roundtrip.py
@@ -25,6 +26,10 @@ sources = [os.path.join(FIX, n) for n in ("tiny", "inverse_layer_scale", "untied
 sources.append(os.path.join(FIX, "nanogpt", "ckpt.pt"))
 # Llama: q/k/v/o biases with grouped heads; one key/value head with linear RoPE scaling.
 sources += [os.path.join(FIX, "families", n) for n in ("llama_gqa_bias", "llama_mqa_linear")]
+# The families in Llama's layout: q/k norms and a window (Qwen3), layers without rotation
+# (SmolLM3), norms after the branches (OLMo 2), multipliers (Granite).
+sources += [os.path.join(FIX, "families", n)
+            for n in ("qwen3_qk_norm", "smollm3_nope", "olmo2_post_norm", "granite_multipliers")]
 # The built-in model, trained and saved by `gpt train` (f16 weights).
 sources.append(os.path.join(ROOT, "crates", "cli", "models", "default"))
 worst = 0.0
@@ -35,7 +40,9 @@ with tempfile.TemporaryDirectory() as tmp:
                        cwd=ROOT, check=True)
         ours = load_file(os.path.join(out, "ours.safetensors"))
         model = AutoModelForCausalLM.from_pretrained(out).eval()
-        assert type(model).__name__ in ("GPT2LMHeadModel", "LlamaForCausalLM"), type(model)
+        assert type(model).__name__ in ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM",
+                                    "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
+                                    "GraniteForCausalLM"), type(model)
         with torch.no_grad():
             theirs = model(ours["input_ids"]).logits
         diff = (theirs - ours["logits"]).abs().max().item()

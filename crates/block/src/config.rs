@@ -336,6 +336,26 @@ impl GptConfig {
         run_entry(&self.conv_layers, layer).unwrap_or(false)
     }
 
+    /// Whether `other` describes the same model: every field equal once the per-block runs
+    /// are spelled out block by block, the training-only settings (dropout, seed) aside.
+    pub fn same_model(&self, other: &GptConfig) -> bool {
+        let spelled = |c: &GptConfig| GptConfig {
+            windows: vec![((0..c.n_layer).map(|i| c.window(i)).collect(), 1)],
+            no_rope: vec![(
+                (0..c.n_layer).map(|i| c.layer_rope(i).is_none()).collect(),
+                1,
+            )],
+            no_rope_every: None,
+            conv_layers: vec![((0..c.n_layer).map(|i| c.is_conv(i)).collect(), 1)],
+            resid_pdrop: 0.0,
+            embd_pdrop: 0.0,
+            attn_pdrop: 0.0,
+            seed: 0,
+            ..c.clone()
+        };
+        self.n_layer == other.n_layer && spelled(self) == spelled(other)
+    }
+
     /// Width of one attention head after defaulting.
     pub fn head_dim(&self) -> usize {
         self.head_dim.unwrap_or(self.n_embd / self.n_head.max(1))

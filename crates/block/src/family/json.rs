@@ -48,12 +48,23 @@ impl GptConfig {
     pub fn to_json(&self) -> Result<String> {
         let value = match self.family {
             Family::Gpt2 => gpt2::write(self)?,
-            Family::Llama => llama::write(self)?,
+            Family::Llama | Family::Qwen3 | Family::SmolLm3 | Family::Olmo2 | Family::Granite => {
+                llama::write(self)?
+            }
             other => bail!(
-                "only GPT-2 and Llama models can be saved; this is a {} model",
+                "{} models are not saved as Hugging Face directories (GPT-2, Llama, Qwen3, SmolLM3, OLMo 2 and Granite are)",
                 other.model_type()
             ),
         };
-        serde_json::to_string_pretty(&value).map_err(candle_core::Error::wrap)
+        let text = serde_json::to_string_pretty(&value).map_err(candle_core::Error::wrap)?;
+        // What is written must read back as this model: anything the fields cannot say
+        // is refused here rather than saved wrong.
+        if self.family != Family::Gpt2 && !Self::from_json(&text)?.same_model(self) {
+            bail!(
+                "this {} model has parts its config.json cannot express; it cannot be saved",
+                self.family.model_type()
+            )
+        }
+        Ok(text)
     }
 }

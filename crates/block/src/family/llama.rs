@@ -93,35 +93,51 @@ pub(super) fn read(family: Family, f: &Fields) -> Result<GptConfig> {
     })
 }
 
-/// Llama's `config.json` (`LlamaForCausalLM`), refusing what its fields cannot express.
+/// The `config.json` of Llama or a family in its layout that adds fields (Qwen3's q/k
+/// norms and windows, SmolLM3's `no_rope_layers`, OLMo 2's norms after the branches,
+/// Granite's multipliers), refusing what its fields cannot express.
 pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
+    let family = cfg.family;
     let Some(rope) = &cfg.rope else {
-        bail!("a Llama model without rotary positions cannot be saved as Llama")
+        bail!(
+            "a {} model without rotary positions cannot be saved",
+            family.model_type()
+        )
     };
     let head_dim = cfg.head_dim();
+    let windows: Vec<Option<usize>> = (0..cfg.n_layer).map(|l| cfg.window(l)).collect();
+    let window = windows.iter().flatten().next().copied();
+    let one_window = windows.iter().flatten().all(|&w| Some(w) == window);
+    let qk = cfg.qk_norm.map(|n| n.per_head);
     let fits = cfg.norm == NormKind::RmsNorm
-        && cfg.qk_norm.is_none()
-        && cfg.no_rope.is_empty()
-        && cfg.no_rope_every.is_none()
-        && cfg.attn_scale.is_none()
-        && [
-            cfg.embedding_multiplier,
-            cfg.residual_multiplier,
-            cfg.logits_scaling,
-        ] == [1.0; 3]
+        && match family {
+            Family::Qwen3 => qk == Some(true) && one_window,
+            Family::Olmo2 => qk == Some(false) && window.is_none(),
+            _ => qk.is_none() && window.is_none(),
+        }
+        && (family == Family::SmolLm3 || (cfg.no_rope.is_empty() && cfg.no_rope_every.is_none()))
+        && (family == Family::Granite
+            || (cfg.attn_scale.is_none()
+                && [
+                    cfg.embedding_multiplier,
+                    cfg.residual_multiplier,
+                    cfg.logits_scaling,
+                ] == [1.0; 3]))
         && cfg.gated_mlp
         && !cfg.parallel_residual
-        && cfg.norm_placement == NormPlacement::Pre
+        && cfg.norm_placement
+            == match family {
+                Family::Olmo2 => NormPlacement::PostBranch,
+                _ => NormPlacement::Pre,
+            }
         && cfg.attn_bias == cfg.attn_out_bias
-        && cfg
-            .windows
-            .iter()
-            .all(|(p, _)| p.iter().all(Option::is_none))
         && rope.rotary_dim.is_none_or(|r| r == head_dim)
+        && cfg.rope_local.is_none()
+        && cfg.final_logit_softcapping.is_none()
         && !cfg.scale_attn_by_inverse_layer_idx
         && cfg.scale_attn_weights;
     if !fits {
-        bail!("this model has parts Llama's config.json cannot express (windows, partial rotary, LayerNorm, an ungated MLP, parallel residuals, unequal attention biases, q/k norms, layers without rotation or multipliers); it cannot be saved")
+        bail!("this model has parts the {} config.json cannot express (windows, partial rotary, LayerNorm, an ungated MLP, parallel residuals, unequal attention biases, q/k norms, layers without rotation or multipliers where the family has none); it cannot be saved", family.model_type())
     }
     let mut params = serde_json::json!({ "rope_theta": rope.theta, "rope_type": "default" });
     match &rope.scaling {
@@ -155,9 +171,16 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
             params["original_max_position_embeddings"] = (*original_max_position_embeddings).into();
         }
     }
-    Ok(serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    let arch = match family {
+        Family::Qwen3 => "Qwen3ForCausalLM",
+        Family::SmolLm3 => "SmolLM3ForCausalLM",
+        Family::Olmo2 => "Olmo2ForCausalLM",
+        Family::Granite => "GraniteForCausalLM",
+        _ => "LlamaForCausalLM",
+    };
+    let mut json = serde_json::json!({
+        "architectures": [arch],
+        "model_type": family.model_type(),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.n_embd,
         "intermediate_size": cfg.inner_dim(),
@@ -175,5 +198,39 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
         "attention_dropout": decimal(cfg.attn_pdrop),
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
-    }))
+        // Not kept here; null rather than a family default past a small vocabulary
+        // (SmolLM3's 128004).
+        "pad_token_id": null,
+    });
+    match family {
+        Family::Qwen3 => {
+            json["use_sliding_window"] = window.is_some().into();
+            if let Some(w) = window {
+                let types: Vec<&str> = windows
+                    .iter()
+                    .map(|w| match w {
+                        Some(_) => "sliding_attention",
+                        None => "full_attention",
+                    })
+                    .collect();
+                json["sliding_window"] = w.into();
+                json["layer_types"] = types.into();
+            }
+        }
+        Family::SmolLm3 => {
+            // 1 for a layer that rotates.
+            let flags: Vec<u8> = (0..cfg.n_layer)
+                .map(|l| u8::from(cfg.layer_rope(l).is_some()))
+                .collect();
+            json["no_rope_layers"] = flags.into();
+        }
+        Family::Granite => {
+            json["embedding_multiplier"] = cfg.embedding_multiplier.into();
+            json["attention_multiplier"] = cfg.attn_scale.unwrap_or(1.0).into();
+            json["residual_multiplier"] = cfg.residual_multiplier.into();
+            json["logits_scaling"] = cfg.logits_scaling.into();
+        }
+        _ => {}
+    }
+    Ok(json)
 }

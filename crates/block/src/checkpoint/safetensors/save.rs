@@ -1,5 +1,5 @@
-//! A model written as a Hugging Face directory: GPT-2's or Llama's `config.json` and
-//! `model.safetensors`.
+//! A model written as a Hugging Face directory: the `config.json` of GPT-2, Llama or a
+//! family in Llama's layout (Qwen3, SmolLM3, OLMo 2, Granite), and `model.safetensors`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -12,7 +12,8 @@ use crate::model::Gpt;
 
 /// Writes `model` as a Hugging Face directory (`config.json`, `model.safetensors`) that
 /// `transformers.AutoModelForCausalLM.from_pretrained` loads: GPT-2 models as
-/// `GPT2LMHeadModel`, Llama models as `LlamaForCausalLM` (other families are refused, see
+/// `GPT2LMHeadModel`, Llama models as `LlamaForCausalLM`, Qwen3, SmolLM3, OLMo 2 and
+/// Granite as their own classes (other families are refused, see
 /// [`GptConfig::to_json`](crate::GptConfig::to_json)). Each file is written to a
 /// temporary name and renamed, so an interrupted save never leaves a half-written file.
 pub fn save_dir(model: &Gpt, dir: &Path) -> Result<()> {
@@ -21,7 +22,7 @@ pub fn save_dir(model: &Gpt, dir: &Path) -> Result<()> {
 
 /// As [`save_dir`], storing the weights as `dtype` (f16 halves the file).
 pub fn save_dir_as(model: &Gpt, dir: &Path, dtype: DType) -> Result<()> {
-    if model.config().norm_placement != NormPlacement::Pre {
+    if model.config().norm_placement == NormPlacement::Post {
         // transformers would read the file as a pre-norm model and silently differ.
         bail!("post-norm models have no Hugging Face layout; only pre-norm models can be saved")
     }
