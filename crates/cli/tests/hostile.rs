@@ -547,6 +547,18 @@ fn departed_clients_give_their_queue_places_back() {
         })
         .collect();
     wait(&server, "gpt_queue_length", 8.0);
+    // The same load under vLLM's names, as an inference gateway reads it.
+    let (_, text) = server.call("GET", "/metrics", None, None);
+    let gauge = |name: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name}{{model_name=")))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} not in /metrics:\n{text}"))
+    };
+    assert_eq!(gauge("vllm:num_requests_waiting"), 8.0);
+    assert_eq!(gauge("vllm:num_requests_running"), 1.0);
+    let usage = gauge("vllm:kv_cache_usage_perc");
+    assert!(usage > 0.0 && usage <= 1.0, "{usage}");
     assert_eq!(
         server.metric("gpt_batch_size"),
         1.0,

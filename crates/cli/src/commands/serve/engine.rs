@@ -67,6 +67,7 @@ pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize) {
             }
             if active.is_empty() {
                 metrics.batch_size.store(0, Ordering::Relaxed);
+                metrics.cached_positions.store(0, Ordering::Relaxed);
                 return;
             }
         } else {
@@ -105,6 +106,10 @@ pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize) {
         metrics
             .batch_size
             .store(active.len() as u64, Ordering::Relaxed);
+        let cached: usize = active.iter().map(|s| s.cache.len()).sum();
+        metrics
+            .cached_positions
+            .store(cached as u64, Ordering::Relaxed);
     }
 }
 

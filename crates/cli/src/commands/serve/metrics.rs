@@ -50,9 +50,19 @@ impl Histogram {
     }
 }
 
-/// Everything `/metrics` reports.
+/// Everything `/metrics` reports: ours (`gpt_*`), and the gauges an inference gateway reads
+/// to route by load (the Kubernetes Gateway API Inference Extension's model-server
+/// protocol) under vLLM's names: `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+/// `vllm:kv_cache_usage_perc`.
 #[derive(Debug)]
 pub struct Metrics {
+    /// The served model's name, the `model_name` label of the vLLM gauges.
+    model_name: String,
+    /// Positions the running batch can cache when full: `--max-batch` sequences of the
+    /// whole context.
+    kv_capacity: u64,
+    /// Positions cached by the running sequences.
+    pub cached_positions: AtomicU64,
     /// Finished requests by endpoint and HTTP status.
     requests: Mutex<BTreeMap<(String, u16), u64>>,
     /// Prompt tokens of admitted requests.
@@ -77,7 +87,17 @@ pub struct Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
+        Self::new("", 0)
+    }
+}
+
+impl Metrics {
+    /// Metrics of a server of `model_name` whose full batch caches `kv_capacity` positions.
+    pub fn new(model_name: &str, kv_capacity: u64) -> Self {
         Self {
+            model_name: model_name.to_string(),
+            kv_capacity,
+            cached_positions: AtomicU64::new(0),
             requests: Mutex::new(BTreeMap::new()),
             prompt_tokens: AtomicU64::new(0),
             generated_tokens: AtomicU64::new(0),
@@ -90,9 +110,7 @@ impl Default for Metrics {
             step_batch: Histogram::new(&ROWS),
         }
     }
-}
 
-impl Metrics {
     /// Counts a finished request.
     pub fn request(&self, endpoint: &str, status: u16) {
         let mut g = self.requests.lock().unwrap_or_else(|p| p.into_inner());
@@ -179,6 +197,46 @@ impl Metrics {
             "gpt_step_batch_size",
             "Sequences decoded together in one step.",
         );
+        scalar(
+            &mut out,
+            "gpt_cached_positions",
+            "gauge",
+            "Positions cached by the running sequences.",
+            &self.cached_positions,
+        );
+        // vLLM's gauges, as gateways read them (a label value escaped as Prometheus says).
+        let model = self
+            .model_name
+            .replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n");
+        let cached = self.cached_positions.load(Ordering::Relaxed);
+        let usage = match self.kv_capacity {
+            0 => 0.0,
+            c => (cached as f64 / c as f64).min(1.0),
+        };
+        for (name, help, value) in [
+            (
+                "vllm:num_requests_waiting",
+                "Requests waiting for a place in the running batch.",
+                self.queue_length.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "vllm:num_requests_running",
+                "Sequences in the running batch.",
+                self.batch_size.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "Cached positions over what a full batch of whole contexts caches (1 = full).",
+                usage,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{model_name=\"{model}\"}} {value}"
+            );
+        }
         out
     }
 }
@@ -202,5 +260,29 @@ mod tests {
         assert!(text.contains("gpt_request_duration_seconds_bucket{le=\"+Inf\"} 4\n"));
         assert!(text.contains("gpt_request_duration_seconds_count 4\n"));
         assert!(text.contains("gpt_requests_total{endpoint=\"completions\",status=\"200\"} 2\n"));
+    }
+
+    #[test]
+    fn gateway_gauges_under_vllms_names() {
+        let m = Metrics::new("tiny \"gpt\"", 400);
+        m.queue_length.store(3, Ordering::Relaxed);
+        m.batch_size.store(2, Ordering::Relaxed);
+        m.cached_positions.store(100, Ordering::Relaxed);
+        let text = m.render();
+        let label = "{model_name=\"tiny \\\"gpt\\\"\"}";
+        for (name, value) in [
+            ("vllm:num_requests_waiting", "3"),
+            ("vllm:num_requests_running", "2"),
+            ("vllm:kv_cache_usage_perc", "0.25"),
+        ] {
+            let line = format!("{name}{label} {value}\n");
+            assert!(text.contains(&line), "{line} in\n{text}");
+            assert!(text.contains(&format!("# TYPE {name} gauge\n")));
+        }
+        assert!(text.contains("gpt_cached_positions 100\n"));
+        // No capacity (no model): usage 0, never a division by zero.
+        assert!(Metrics::default()
+            .render()
+            .contains("vllm:kv_cache_usage_perc{model_name=\"\"} 0\n"));
     }
 }

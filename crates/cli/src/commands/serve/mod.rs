@@ -104,7 +104,8 @@ pub fn run(a: &ServeArgs, margs: &ModelArgs) -> Result<()> {
             "warning: listening on {addr} without --api-key: anyone who can reach this address can use the model"
         ));
     }
-    let metrics = Arc::new(Metrics::default());
+    let kv_capacity = (a.max_batch as u64).saturating_mul(cfg.n_positions as u64);
+    let metrics = Arc::new(Metrics::new(&model_name, kv_capacity));
     let queue = Queue::new(a.max_queue, metrics.clone());
     let shared = Arc::new(Shared {
         model_name,
