@@ -561,3 +561,78 @@ fn tokenize_and_detokenize_endpoints() {
         assert_eq!(v["error"]["param"], param, "{path} {body}: {text}");
     }
 }
+
+/// A 10-turn chat replayed turn by turn: each turn's request holds the whole history, so
+/// from the second turn on the prompt begins as the previous turn's sequence did. The
+/// replies (greedy and seeded turns) are the same with the prompt cache as without it, and
+/// with it most of each later prompt comes from the cache (`usage.prompt_tokens_details`
+/// and `/metrics` say how much).
+#[test]
+fn a_chat_replayed_with_the_prompt_cache_gets_the_same_replies() {
+    const TOPICS: [&str; 10] = [
+        "the king",
+        "the sea",
+        "love",
+        "the night",
+        "war",
+        "a ring",
+        "the moon",
+        "honour",
+        "a letter",
+        "the crown",
+    ];
+    let chat = |server: &Server| -> Vec<(String, u64, u64)> {
+        let mut messages = vec![json!({"role": "system", "content": "Answer as the Prince."})];
+        let mut turns = Vec::new();
+        for (turn, topic) in TOPICS.iter().enumerate() {
+            messages.push(json!({"role": "user", "content": format!("Speak of {topic}.")}));
+            let temperature = if turn % 2 == 0 { 0.0 } else { 0.8 };
+            let body = json!({"messages": messages, "max_tokens": 5,
+                "temperature": temperature, "seed": turn});
+            let (status, v) = server.post("/v1/chat/completions", &body);
+            assert_eq!(status, 200, "{v}");
+            let reply = v["choices"][0]["message"]["content"].as_str().unwrap();
+            messages.push(json!({"role": "assistant", "content": reply}));
+            let usage = &v["usage"];
+            let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+            let prompt = usage["prompt_tokens"].as_u64().unwrap();
+            turns.push((reply.to_string(), prompt, cached.unwrap()));
+        }
+        turns
+    };
+    let cached_server = Server::start(&[]);
+    let with = chat(&cached_server);
+    let without = chat(&Server::start(&["--cache-mem", "0"]));
+    let replies = |t: &[(String, u64, u64)]| t.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
+    assert_eq!(replies(&with), replies(&without));
+    assert!(without.iter().all(|t| t.2 == 0), "{without:?}");
+    assert_eq!(with[0].2, 0);
+    for (prompt_tokens, cached) in with[1..].iter().map(|t| (t.1, t.2)) {
+        assert!(
+            cached < prompt_tokens && 2 * cached >= prompt_tokens,
+            "{with:?}"
+        );
+    }
+    let hits: u64 = with.iter().map(|t| t.2).sum();
+    assert_eq!(
+        cached_server.metric("gpt_prompt_cache_hit_tokens_total"),
+        hits as f64
+    );
+    assert!(cached_server.metric("gpt_prompt_cache_bytes") > 0.0);
+    cached_server.assert_no_internal_errors();
+}
+
+/// A stream of distinct prompts into a prompt cache of 1 MiB (about 50 positions of the
+/// built-in model): what it holds never passes its budget, and it keeps serving.
+#[test]
+fn the_prompt_cache_stays_within_its_budget() {
+    let server = Server::start(&["--cache-mem", "1"]);
+    for i in 0..24 {
+        let prompt = format!("{i} {} and {}", "ROMEO ".repeat(i % 5 + 4), i * 7919);
+        let v = server.complete(json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}));
+        assert_eq!(v["usage"]["completion_tokens"], 4);
+        let bytes = server.metric("gpt_prompt_cache_bytes");
+        assert!(bytes > 0.0 && bytes <= (1 << 20) as f64, "{bytes}");
+    }
+    server.assert_no_internal_errors();
+}

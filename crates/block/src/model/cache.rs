@@ -54,6 +54,60 @@ impl GptCache {
         self.layers.iter_mut().for_each(|l| l.truncate(len))
     }
 
+    /// Positions `start..start + n` of a one-row cache, every layer's keys and values
+    /// (`[1, h, n, d]` each) copied into storage of their own: a span that outlives the
+    /// cache and holds no more memory than it shows ([`GptCache::extend`] puts it back).
+    pub fn span(&self, start: usize, n: usize) -> Result<Vec<(Tensor, Tensor)>> {
+        let len = self.len();
+        if n == 0 || start + n > len {
+            bail!("span: positions {start}..{} of a cache of {len}", start + n)
+        }
+        self.layers
+            .iter()
+            .enumerate()
+            .map(|(l, layer)| {
+                let Some((k, v)) = layer.current()? else {
+                    bail!("span: layer {l} of the cache is empty")
+                };
+                if k.dim(0)? != 1 {
+                    bail!("span: a cache of {} rows, not one", k.dim(0)?)
+                }
+                let take = |t: &Tensor| t.narrow(2, start, n)?.force_contiguous();
+                Ok((take(&k)?, take(&v)?))
+            })
+            .collect()
+    }
+
+    /// Appends a span made by [`GptCache::span`] (of a cache for the same model) after the
+    /// cached positions: the cache then holds what running those positions would have put
+    /// there.
+    pub fn extend(&mut self, span: &[(Tensor, Tensor)]) -> Result<()> {
+        if span.len() != self.layers.len() {
+            bail!(
+                "extend: a span of {} layers for a cache of {}",
+                span.len(),
+                self.layers.len()
+            )
+        }
+        let n = span.first().map_or(Ok(0), |(k, _)| k.dim(2))?;
+        if span.iter().any(|(k, _)| k.dim(2).ok() != Some(n)) {
+            bail!("extend: the span's layers hold different numbers of positions")
+        }
+        let len = self.len();
+        let failed = self
+            .layers
+            .iter_mut()
+            .zip(span)
+            .enumerate()
+            .find_map(|(l, (layer, (k, v)))| layer.append(k, v).err().map(|e| (l, e)));
+        if let Some((l, e)) = failed {
+            // Leave every layer as long as the others.
+            self.truncate(len);
+            bail!("extend: layer {l}: {e}")
+        }
+        Ok(())
+    }
+
     /// The cache of a left-padded batch split into one cache per row, each holding only its
     /// row's real positions: row `i`'s last `lens[i]` positions. After a prefill with
     /// [`Gpt::infer`](crate::Gpt::infer) and a `keep` mask (positions then count real tokens only), row `i`'s

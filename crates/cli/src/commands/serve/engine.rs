@@ -3,6 +3,9 @@
 //! KV cache), every step decodes one token for every sequence in one batched pass
 //! ([`Gpt::infer_rows`]: the weights are read once per step, not once per sequence), and
 //! a sequence leaves as soon as it ends or its client goes away.
+//!
+//! A sequence that leaves gives its keys and values to the [`PromptCache`]; a new prompt
+//! that begins as an earlier sequence did starts from them and prefills only the rest.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
@@ -15,6 +18,7 @@ use rayon::prelude::*;
 
 use super::job::{Event, Failure, Job, TokenOut};
 use super::metrics::Metrics;
+use super::prompt_cache::PromptCache;
 use super::queue::Queue;
 use super::shared::Shared;
 
@@ -33,6 +37,16 @@ impl Seq {
     }
 }
 
+/// Fewest prompt tokens worth restoring from the prompt cache: a prompt that finds fewer
+/// prefills from scratch, in a group with the others admitted with it.
+const MIN_HIT: usize = 16;
+
+/// The part of `prompt` the prompt cache may supply: all but its last token, whose
+/// logits the first generated token needs.
+fn reusable(prompt: &[u32]) -> &[u32] {
+    &prompt[..prompt.len().saturating_sub(1)]
+}
+
 /// Runs the scheduler until shutdown has drained the running sequences, or cancelled them
 /// at `shared`'s deadline.
 ///
@@ -40,9 +54,11 @@ impl Seq {
 /// fails is run again prompt by prompt, a decoding step that fails is undone (every cache
 /// truncated to its length before the step) and run again sequence by sequence, and a
 /// sequence whose sampling fails leaves alone. Only what fails on its own is reported.
-pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize) {
+pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize, cache: &mut PromptCache) {
     let metrics = &shared.metrics;
     let mut active: Vec<Seq> = Vec::new();
+    // Sequences that ended well, their caches to be kept.
+    let mut done: Vec<Seq> = Vec::new();
     let mut busy = false;
     loop {
         // Idle again after work: the finished sequences' caches go back to the OS, not to
@@ -85,16 +101,25 @@ pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize) {
                 }
             }
             let prefilled = !admitted.is_empty();
-            for group in prefill_groups(admitted) {
-                active.extend(prefill_group(model, group, metrics));
+            let (hits, misses): (Vec<Job>, Vec<Job>) = admitted
+                .into_iter()
+                .partition(|j| cache.matched(reusable(&j.prompt)) >= MIN_HIT);
+            for job in hits {
+                active.extend(prefill_cached(model, job, cache, metrics, &mut done));
+            }
+            for group in prefill_groups(misses) {
+                active.extend(prefill_group(model, group, metrics, &mut done));
             }
             if prefilled {
                 // The prefills' temporaries go back before the decoding steps.
                 crate::alloc::release_freed_memory();
             }
         }
-        // A client that disconnected frees its slot now.
-        active.retain(|s| !s.job.gone());
+        // A client that disconnected frees its slot now (what it computed is kept).
+        let (gone, going): (Vec<Seq>, Vec<Seq>) = active.drain(..).partition(|s| s.job.gone());
+        active = going;
+        done.extend(gone);
+        keep_all(cache, &mut done, metrics);
         metrics
             .batch_size
             .store(active.len() as u64, Ordering::Relaxed);
@@ -102,7 +127,8 @@ pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize) {
             continue;
         }
         metrics.step_batch.observe(active.len() as f64);
-        step_all(model, &mut active, metrics);
+        step_all(model, &mut active, metrics, &mut done);
+        keep_all(cache, &mut done, metrics);
         metrics
             .batch_size
             .store(active.len() as u64, Ordering::Relaxed);
@@ -111,6 +137,19 @@ pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize) {
             .cached_positions
             .store(cached as u64, Ordering::Relaxed);
     }
+}
+
+/// Gives the caches of the sequences in `done` to the prompt cache, each keyed by the
+/// tokens it holds (the prompt and every generated token but the last, never run).
+fn keep_all(cache: &mut PromptCache, done: &mut Vec<Seq>, metrics: &Metrics) {
+    for seq in done.drain(..) {
+        let n = seq.cache.len().min(seq.history.len());
+        // A failure here loses only a future hit.
+        let _ = catch(|| cache.insert(&seq.history[..n], &seq.cache));
+    }
+    metrics
+        .prompt_cache_bytes
+        .store(cache.bytes() as u64, Ordering::Relaxed);
 }
 
 /// Runs `f`, turning a panic into an error.
@@ -150,12 +189,22 @@ fn prefill_groups(mut jobs: Vec<Job>) -> Vec<Vec<Job>> {
 
 /// Prefills `jobs` together; if that fails, each alone, so that a prompt that cannot run
 /// fails only its own request. Returns the sequences that go on.
-fn prefill_group(model: &Gpt, jobs: Vec<Job>, metrics: &Metrics) -> Vec<Seq> {
+fn prefill_group(model: &Gpt, jobs: Vec<Job>, metrics: &Metrics, done: &mut Vec<Seq>) -> Vec<Seq> {
+    for job in &jobs {
+        metrics
+            .prompt_cache_queried
+            .fetch_add(reusable(&job.prompt).len() as u64, Ordering::Relaxed);
+    }
     if jobs.len() > 1 {
         let prompts: Vec<&[u32]> = jobs.iter().map(|j| j.prompt.as_slice()).collect();
         let room: Vec<usize> = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).collect();
         if let Ok((rows, caches)) = catch(|| prefill(model, &prompts, &room)) {
-            return start(jobs.into_iter().zip(caches).zip(rows), metrics);
+            let cached = std::iter::repeat(0);
+            return start(
+                jobs.into_iter().zip(caches).zip(rows).zip(cached),
+                metrics,
+                done,
+            );
         }
     }
     let mut going = Vec::new();
@@ -163,12 +212,49 @@ fn prefill_group(model: &Gpt, jobs: Vec<Job>, metrics: &Metrics) -> Vec<Seq> {
         let room = job.prompt.len() + job.max_tokens;
         match catch(|| prefill(model, &[&job.prompt], &[room])) {
             Ok((rows, caches)) => {
-                going.extend(start(std::iter::once(job).zip(caches).zip(rows), metrics))
+                let one = std::iter::once(job).zip(caches).zip(rows).zip([0]);
+                going.extend(start(one, metrics, done))
             }
             Err(e) => job.fail(&e),
         }
     }
     going
+}
+
+/// Prefills `job` after the longest prefix of its prompt that the prompt cache holds; if
+/// that fails, from scratch, so that a bad cache entry costs time, never a request.
+fn prefill_cached(
+    model: &Gpt,
+    job: Job,
+    cache: &mut PromptCache,
+    metrics: &Metrics,
+    done: &mut Vec<Seq>,
+) -> Vec<Seq> {
+    let run = || -> Result<(Vec<f32>, GptCache, usize)> {
+        let mut kv = model.new_cache(job.prompt.len() + job.max_tokens);
+        let hit = cache.restore(reusable(&job.prompt), &mut kv)?;
+        let ids = Tensor::new(&job.prompt[hit..], model.device())?.unsqueeze(0)?;
+        // (1, 1, vocab)
+        let logits = model.infer(&ids, None, Some(&mut kv), Logits::Last)?;
+        let row = logits
+            .flatten_all()?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
+        Ok((row, kv, hit))
+    };
+    match catch(run) {
+        Ok((row, kv, hit)) => {
+            let queried = reusable(&job.prompt).len() as u64;
+            metrics
+                .prompt_cache_queried
+                .fetch_add(queried, Ordering::Relaxed);
+            metrics
+                .prompt_cache_hits
+                .fetch_add(hit as u64, Ordering::Relaxed);
+            start(std::iter::once((((job, kv), row), hit)), metrics, done)
+        }
+        Err(_) => prefill_group(model, vec![job], metrics, done),
+    }
 }
 
 /// Runs `prompts` in one left-padded pass and splits the batch's cache into one cache per
@@ -203,15 +289,18 @@ fn prefill(
     Ok((logits, caches))
 }
 
-/// Sequences made of prefilled jobs, each with its first token picked and sent; those that
-/// end at once (one token asked for, a stop token, a client gone, a failed sampler) are not
-/// returned.
+/// Sequences made of prefilled jobs (each with the number of its prompt's tokens that
+/// came from the prompt cache), each with its first token picked and sent; those that end
+/// at once (one token asked for, a stop token, a client gone) go to `done`, those whose
+/// sampler fails are dropped.
 fn start(
-    prefilled: impl Iterator<Item = ((Job, GptCache), Vec<f32>)>,
+    prefilled: impl Iterator<Item = (((Job, GptCache), Vec<f32>), usize)>,
     metrics: &Metrics,
+    done: &mut Vec<Seq>,
 ) -> Vec<Seq> {
     let mut going = Vec::new();
-    for ((job, cache), row) in prefilled {
+    for (((job, cache), row), cached) in prefilled {
+        job.send(Event::Started { cached });
         let mut seq = Seq {
             cache,
             history: job.prompt.clone(),
@@ -220,15 +309,16 @@ fn start(
         };
         match catch(|| advance(&mut seq, &row, metrics)) {
             Ok(true) => going.push(seq),
-            Ok(false) => {}
+            Ok(false) => done.push(seq),
             Err(e) => seq.job.fail(&e),
         }
     }
     going
 }
 
-/// One decoding step for every running sequence; those that end or fail leave the batch.
-fn step_all(model: &Gpt, active: &mut Vec<Seq>, metrics: &Metrics) {
+/// One decoding step for every running sequence; those that end leave the batch for
+/// `done`, those that fail are dropped.
+fn step_all(model: &Gpt, active: &mut Vec<Seq>, metrics: &Metrics, done: &mut Vec<Seq>) {
     let lens: Vec<usize> = active.iter().map(|s| s.cache.len()).collect();
     let logits = match catch(|| forward(model, active)) {
         Ok(rows) => rows.into_iter().map(Ok).collect(),
@@ -250,15 +340,15 @@ fn step_all(model: &Gpt, active: &mut Vec<Seq>, metrics: &Metrics) {
         .zip(logits)
         .map(|(seq, row)| catch(|| advance(seq, &row?, metrics)))
         .collect();
-    let mut outcomes = outcomes.into_iter();
-    active.retain(|seq| match outcomes.next() {
-        Some(Ok(going)) => going,
-        Some(Err(e)) => {
-            seq.job.fail(&e);
-            false
+    let mut kept = Vec::with_capacity(active.len());
+    for (seq, outcome) in active.drain(..).zip(outcomes) {
+        match outcome {
+            Ok(true) => kept.push(seq),
+            Ok(false) => done.push(seq),
+            Err(e) => seq.job.fail(&e),
         }
-        None => false,
-    });
+    }
+    *active = kept;
 }
 
 /// The batched decoding pass over `seqs`: each one's next-token logits.
@@ -381,7 +471,7 @@ mod tests {
             if active.is_empty() {
                 return;
             }
-            step_all(model, &mut active, &Metrics::default());
+            step_all(model, &mut active, &Metrics::default(), &mut Vec::new());
         }
         panic!("sequences still running after 100 steps");
     }
@@ -389,7 +479,10 @@ mod tests {
     /// What `prompt` gives when it runs alone.
     fn alone(model: &Gpt, prompt: &[u32], max_tokens: usize) -> Vec<Event> {
         let (job, mut rx) = seq_job(prompt, max_tokens);
-        run_to_end(model, prefill_group(model, vec![job], &Metrics::default()));
+        run_to_end(
+            model,
+            prefill_group(model, vec![job], &Metrics::default(), &mut Vec::new()),
+        );
         events(&mut rx)
     }
 
@@ -401,13 +494,13 @@ mod tests {
         let model = tiny(4);
         let prompts: [&[u32]; 3] = [&[1, 2, 3], &[4, 99, 5], &[6, 7, 8, 9]];
         let (jobs, mut rxs): (Vec<_>, Vec<_>) = prompts.iter().map(|p| seq_job(p, 5)).unzip();
-        let active = prefill_group(&model, jobs, &Metrics::default());
+        let active = prefill_group(&model, jobs, &Metrics::default(), &mut Vec::new());
         assert_eq!(active.len(), 2);
         run_to_end(&model, active);
         let got: Vec<Vec<Event>> = rxs.iter_mut().map(events).collect();
         assert_eq!(got[0], alone(&model, prompts[0], 5));
         assert_eq!(got[2], alone(&model, prompts[2], 5));
-        assert_eq!(got[0].len(), 6, "{:?}", got[0]); // 5 tokens and Done
+        assert_eq!(got[0].len(), 7, "{:?}", got[0]); // Started, 5 tokens and Done
         match &got[1][..] {
             [Event::Failed(Failure::Internal(m))] => assert!(m.contains("vocabulary"), "{m}"),
             other => panic!("{other:?}"),
@@ -423,7 +516,7 @@ mod tests {
         let other = tiny(2);
         let prompts: [&[u32]; 3] = [&[1, 2, 3], &[6, 7, 8, 9], &[10, 11]];
         let (jobs, mut rxs): (Vec<_>, Vec<_>) = prompts.iter().map(|p| seq_job(p, 6)).unzip();
-        let mut active = prefill_group(&model, jobs, &Metrics::default());
+        let mut active = prefill_group(&model, jobs, &Metrics::default(), &mut Vec::new());
         assert_eq!(active.len(), 3);
         let (_, foreign) = prefill(&other, &[prompts[2]], &[8]).unwrap();
         active[2].cache = foreign.into_iter().next().unwrap();
@@ -432,11 +525,79 @@ mod tests {
         assert_eq!(got[0], alone(&model, prompts[0], 6));
         assert_eq!(got[1], alone(&model, prompts[1], 6));
         match &got[2][..] {
-            [Event::Token(_), Event::Failed(Failure::Internal(m))] => {
+            [Event::Started { cached: 0 }, Event::Token(_), Event::Failed(Failure::Internal(m))] => {
                 assert!(m.contains("cache"), "{m}")
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// Runs `active` to the end, giving what ends to `cache`.
+    fn run_keeping(model: &Gpt, mut active: Vec<Seq>, cache: &mut PromptCache) {
+        let mut done = Vec::new();
+        for _ in 0..100 {
+            keep_all(cache, &mut done, &Metrics::default());
+            if active.is_empty() {
+                return;
+            }
+            step_all(model, &mut active, &Metrics::default(), &mut done);
+        }
+        panic!("sequences still running after 100 steps");
+    }
+
+    /// Tokens, and log-probabilities to `tol`, equal; `Started` told apart.
+    fn assert_same_reply(got: &[Event], want: &[Event], tol: f32) {
+        assert_eq!(got.len(), want.len(), "{got:?}\n{want:?}");
+        for (g, w) in got.iter().zip(want) {
+            match (g, w) {
+                (Event::Started { .. }, Event::Started { .. }) => {}
+                (Event::Token(g), Event::Token(w)) => {
+                    assert_eq!(g.id, w.id);
+                    let d = (g.logprob.unwrap() - w.logprob.unwrap()).abs();
+                    assert!(d <= tol, "{d}");
+                    let ids = |t: &TokenOut| t.top.iter().map(|x| x.0).collect::<Vec<_>>();
+                    assert_eq!(ids(g), ids(w));
+                }
+                _ => assert_eq!(g, w),
+            }
+        }
+    }
+
+    /// A chat's next turn (the previous prompt, the reply, a new message) starts from the
+    /// keys and values the previous turn left in the prompt cache and prefills only the
+    /// new tokens; its reply is the reply without the cache: the same tokens, the same
+    /// log-probabilities up to the rounding of a prefill in two passes.
+    #[test]
+    fn a_prompt_cache_hit_gives_the_reply_without_it() {
+        let model = tiny(4);
+        let mut cache = PromptCache::new(usize::MAX);
+        let first: Vec<u32> = (1..=10).collect();
+        let (job, mut rx) = seq_job(&first, 6);
+        let active = prefill_group(&model, vec![job], &Metrics::default(), &mut Vec::new());
+        run_keeping(&model, active, &mut cache);
+        let reply: Vec<u32> = events(&mut rx)
+            .iter()
+            .filter_map(|e| match e {
+                Event::Token(t) => Some(t.id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(reply.len(), 6);
+        // The turn's last token was never run: the cache holds 15 positions.
+        let mut second = first.clone();
+        second.extend(&reply);
+        second.extend([20, 21, 22, 23]);
+        assert_eq!(cache.matched(reusable(&second)), 15);
+        let (job, mut rx) = seq_job(&second, 8);
+        let metrics = Metrics::default();
+        let active = prefill_cached(&model, job, &mut cache, &metrics, &mut Vec::new());
+        run_keeping(&model, active, &mut cache);
+        let got = events(&mut rx);
+        assert_eq!(got[0], Event::Started { cached: 15 });
+        assert_eq!(metrics.prompt_cache_hits.load(Ordering::Relaxed), 15);
+        assert_same_reply(&got, &alone(&model, &second, 8), 1e-5);
+        // The second turn is kept in its turn, below the first's node.
+        assert_eq!(cache.matched(&second), second.len());
     }
 
     fn job(len: usize) -> Job {

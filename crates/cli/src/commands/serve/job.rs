@@ -50,6 +50,12 @@ impl Job {
 /// What the scheduler tells a request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// The prompt has been prefilled: its first `cached` tokens' keys and values came from
+    /// the prompt cache (sent once, before the first token).
+    Started {
+        /// Prompt tokens not computed again.
+        cached: usize,
+    },
     /// A new token.
     Token(TokenOut),
     /// The sequence ended: at one of its stop tokens (the last `Token`), or at its length.

@@ -83,6 +83,12 @@ pub struct Metrics {
     pub queue_wait: Histogram,
     /// Sequences per decoding step.
     pub step_batch: Histogram,
+    /// Prompt tokens looked up in the prompt cache (all but each prompt's last).
+    pub prompt_cache_queried: AtomicU64,
+    /// Prompt tokens restored from the prompt cache.
+    pub prompt_cache_hits: AtomicU64,
+    /// Bytes of keys and values the prompt cache holds.
+    pub prompt_cache_bytes: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -108,6 +114,9 @@ impl Metrics {
             first_token: Histogram::new(&SECONDS),
             queue_wait: Histogram::new(&SECONDS),
             step_batch: Histogram::new(&ROWS),
+            prompt_cache_queried: AtomicU64::new(0),
+            prompt_cache_hits: AtomicU64::new(0),
+            prompt_cache_bytes: AtomicU64::new(0),
         }
     }
 
@@ -203,6 +212,27 @@ impl Metrics {
             "gauge",
             "Positions cached by the running sequences.",
             &self.cached_positions,
+        );
+        scalar(
+            &mut out,
+            "gpt_prompt_cache_queried_tokens_total",
+            "counter",
+            "Prompt tokens looked up in the prompt cache.",
+            &self.prompt_cache_queried,
+        );
+        scalar(
+            &mut out,
+            "gpt_prompt_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens whose keys and values came from the prompt cache.",
+            &self.prompt_cache_hits,
+        );
+        scalar(
+            &mut out,
+            "gpt_prompt_cache_bytes",
+            "gauge",
+            "Bytes of keys and values the prompt cache holds.",
+            &self.prompt_cache_bytes,
         );
         // vLLM's gauges, as gateways read them (a label value escaped as Prometheus says).
         let model = self

@@ -12,6 +12,7 @@ mod conns;
 mod engine;
 mod job;
 mod metrics;
+mod prompt_cache;
 mod queue;
 mod routes;
 mod shared;
@@ -32,6 +33,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 
 use conns::Conns;
 use metrics::Metrics;
+use prompt_cache::PromptCache;
 use queue::Queue;
 use shared::{log, Shared};
 
@@ -63,6 +65,11 @@ pub struct ServeArgs {
     /// Seconds a client has to send a request's headers (slow clients are dropped).
     #[arg(long, default_value_t = 10)]
     pub header_timeout: u64,
+    /// MiB of keys and values kept across requests, so that a prompt that begins as an
+    /// earlier one did (a chat's earlier turns, a shared system prompt) prefills only the
+    /// rest; least recently used first out. 0 turns the prompt cache off.
+    #[arg(long, default_value_t = 1024)]
+    pub cache_mem: u64,
     /// Seconds in-flight requests get to finish after SIGTERM or Ctrl-C; then they are
     /// cancelled, every connection is closed, and the process exits.
     #[arg(long, default_value_t = 30)]
@@ -143,11 +150,14 @@ pub fn run(a: &ServeArgs, margs: &ModelArgs) -> Result<()> {
         false => "the plain User:/Assistant: format",
     };
     log(format_args!(
-        "gpt serve: `{}` ({source}) on http://{addr} (max batch {}, queue {}; chat uses {template})",
-        shared.model_name, a.max_batch, a.max_queue
+        "gpt serve: `{}` ({source}) on http://{addr} (max batch {}, queue {}, prompt cache {} MiB; chat uses {template})",
+        shared.model_name, a.max_batch, a.max_queue, a.cache_mem
     ));
     log(format_args!("listening on http://{addr}"));
-    engine::run(&model, &queue, &shared, a.max_batch);
+    let mut prompt_cache = PromptCache::new(
+        usize::try_from(a.cache_mem.saturating_mul(1 << 20)).unwrap_or(usize::MAX),
+    );
+    engine::run(&model, &queue, &shared, a.max_batch, &mut prompt_cache);
     // The scheduler returns once shutdown has drained it; the HTTP side returns by the
     // deadline whatever its clients do, and what is left of it (connections that never
     // finished a request, blocking tasks) is dropped without waiting.

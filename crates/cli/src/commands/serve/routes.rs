@@ -336,6 +336,8 @@ struct Choice {
     sent_bytes: usize,
     sent_tokens: usize,
     finish: Option<&'static str>,
+    /// Prompt tokens whose keys and values came from the prompt cache.
+    cached: usize,
 }
 
 /// A request in flight. Dropped (finished, failed, or its client gone), it gives back the
@@ -376,6 +378,10 @@ impl Run {
             }
             let tok = self.shared.tokenizer.as_deref();
             match event {
+                Event::Started { cached } => {
+                    choice.cached = cached;
+                    continue;
+                }
                 Event::Token(t) => {
                     if !self.first_token {
                         self.first_token = true;
@@ -421,10 +427,12 @@ impl Run {
 
     fn usage(&self) -> Value {
         let completion: usize = self.choices.iter().map(|c| c.generated).sum();
+        let cached: usize = self.choices.iter().map(|c| c.cached).sum();
         json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         })
     }
 
