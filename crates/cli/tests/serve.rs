@@ -636,3 +636,42 @@ fn the_prompt_cache_stays_within_its_budget() {
     }
     server.assert_no_internal_errors();
 }
+
+/// Twelve clients at once, each with its own question after one long shared system prompt:
+/// the prompt is computed once (the first of them prefills it, the others restore it), and
+/// every reply equals the same request to a server without the prompt cache.
+#[test]
+fn clients_sharing_a_system_prompt_compute_it_once() {
+    let system = "You are the Chorus. Speak of the house of York and of Lancaster, of crowns \
+                  and of fields, of the night before the battle and of the morning after it.";
+    let ask = |server: &Server| -> Vec<(String, u64)> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..12)
+                .map(|i| {
+                    s.spawn(move || {
+                        let body = json!({"messages": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": format!("Question {i}: who is king?")}],
+                            "max_tokens": 6, "temperature": 0.7, "seed": i});
+                        let (status, v) = server.post("/v1/chat/completions", &body);
+                        assert_eq!(status, 200, "{v}");
+                        let cached = &v["usage"]["prompt_tokens_details"]["cached_tokens"];
+                        let reply = v["choices"][0]["message"]["content"].as_str().unwrap();
+                        (reply.to_string(), cached.as_u64().unwrap())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let server = Server::start(&["--max-batch", "16"]);
+    let with = ask(&server);
+    let without = ask(&Server::start(&["--cache-mem", "0"]));
+    let replies = |r: &[(String, u64)]| r.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
+    assert_eq!(replies(&with), replies(&without));
+    // However the twelve arrived, at most one prefilled the system prompt per admission,
+    // and at least the last eleven (or all twelve) found it.
+    let hits = with.iter().filter(|r| r.1 >= 30).count();
+    assert!(hits >= 11, "{with:?}");
+    server.assert_no_internal_errors();
+}

@@ -104,11 +104,18 @@ pub fn run(model: &Gpt, queue: &Queue, shared: &Shared, max_batch: usize, cache:
             let (hits, misses): (Vec<Job>, Vec<Job>) = admitted
                 .into_iter()
                 .partition(|j| cache.matched(reusable(&j.prompt)) >= MIN_HIT);
-            for job in hits {
-                active.extend(prefill_cached(model, job, cache, metrics, &mut done));
+            // Prompts that share a beginning the cache lacks (a system prompt many clients
+            // send at once): the first prefills it, the others restore it after.
+            let (leaders, followers) = split_shared(misses);
+            for group in prefill_groups(leaders) {
+                let seqs = prefill_group(model, group, metrics, &mut done);
+                keep_prompts(cache, &seqs);
+                active.extend(seqs);
             }
-            for group in prefill_groups(misses) {
-                active.extend(prefill_group(model, group, metrics, &mut done));
+            for job in hits.into_iter().chain(followers) {
+                let seqs = prefill_cached(model, job, cache, metrics, &mut done);
+                keep_prompts(cache, &seqs);
+                active.extend(seqs);
             }
             if prefilled {
                 // The prefills' temporaries go back before the decoding steps.
@@ -150,6 +157,32 @@ fn keep_all(cache: &mut PromptCache, done: &mut Vec<Seq>, metrics: &Metrics) {
     metrics
         .prompt_cache_bytes
         .store(cache.bytes() as u64, Ordering::Relaxed);
+}
+
+/// Gives the prompt cache the prompts of just prefilled sequences, so that prompts admitted
+/// while they run can start from them.
+fn keep_prompts(cache: &mut PromptCache, seqs: &[Seq]) {
+    for seq in seqs {
+        let n = seq.cache.len().min(seq.history.len());
+        let _ = catch(|| cache.insert(&seq.history[..n], &seq.cache));
+    }
+}
+
+/// `jobs` split into those to prefill first and those that begin (at least [`MIN_HIT`]
+/// tokens) as one of the first do, to restore that beginning from the prompt cache after.
+fn split_shared(jobs: Vec<Job>) -> (Vec<Job>, Vec<Job>) {
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by(|&a, &b| jobs[a].prompt.cmp(&jobs[b].prompt));
+    // Sorted, prompts that share a beginning are neighbours; each one's first leads.
+    let mut follows = vec![false; jobs.len()];
+    for w in order.windows(2) {
+        let (a, b) = (reusable(&jobs[w[0]].prompt), reusable(&jobs[w[1]].prompt));
+        let shared = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        follows[w[1]] = shared >= MIN_HIT;
+    }
+    let mut follows = follows.into_iter();
+    jobs.into_iter()
+        .partition(|_| !follows.next().unwrap_or(false))
 }
 
 /// Runs `f`, turning a panic into an error.
