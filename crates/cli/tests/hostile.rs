@@ -772,3 +772,86 @@ fn soak_request(addr: &str, i: usize) {
         }
     }
 }
+
+/// Hostile constraints: a schema nested 10,000 deep, a regex of most of a megabyte, a
+/// regex and a grammar that explode, a schema of 5,000 properties, 10,000 tools, bad
+/// types. Each is a 4xx naming its field within a bounded time (or, for what compiles, a
+/// bounded answer), and the server keeps serving with bounded memory.
+#[test]
+fn hostile_constraints_are_refused_or_bounded() {
+    let mut server = Server::start(&[]);
+    let rss = server.rss_kib();
+    let deep = format!(
+        "{}{}",
+        "{\"type\": \"array\", \"items\": ".repeat(10_000),
+        "true".to_string() + &"}".repeat(10_000)
+    );
+    let deep_body = format!(
+        r#"{{"prompt": "x", "max_tokens": 4, "response_format": {{"type": "json_schema", "json_schema": {{"name": "d", "schema": {deep}}}}}}}"#
+    );
+    let huge_regex = "(a|b)".repeat(170_000);
+    let properties: serde_json::Map<String, Value> = (0..5_000)
+        .map(|i| {
+            (
+                format!("p{i}"),
+                json!({"type": "string", "pattern": format!("x{{{i}}}")}),
+            )
+        })
+        .collect();
+    let many_props = json!({"type": "object", "properties": properties,
+        "required": (0..5_000).map(|i| format!("p{i}")).collect::<Vec<_>>()});
+    let tools: Vec<Value> = (0..10_000)
+        .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
+        .collect();
+    let cases: Vec<(String, &str)> = vec![
+        (deep_body, "response_format"),
+        (json!({"prompt": "x", "guided_regex": huge_regex}).to_string(), "guided_regex"),
+        (
+            json!({"prompt": "x", "guided_regex": "((a{1,1000}){1,1000}){1,1000}"}).to_string(),
+            "guided_regex",
+        ),
+        (
+            json!({"prompt": "x", "guided_grammar": format!("start: {}", "(\"a\" | \"b\" ".repeat(3000) + &")".repeat(3000))}).to_string(),
+            "guided_grammar",
+        ),
+        (
+            json!({"prompt": "x", "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "m", "schema": many_props}}}).to_string(),
+            "response_format",
+        ),
+        (json!({"prompt": "x", "tools": tools}).to_string(), "tools"),
+        (json!({"prompt": "x", "guided_grammar": ["start"]}).to_string(), "guided_grammar"),
+        (json!({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": "object"}}}).to_string(), "response_format"),
+    ];
+    for (body, field) in &cases {
+        let started = Instant::now();
+        let (status, text) = server.call("POST", "/v1/completions", Some(body), None);
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(60), "{field}: {took:?}");
+        if status == 200 {
+            // Compiled within the library's limits: a bounded answer.
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert!(
+                v["usage"]["completion_tokens"].as_u64().unwrap() <= 16,
+                "{text}"
+            );
+            continue;
+        }
+        assert!(
+            (400..500).contains(&status),
+            "{field}: {status} {}",
+            &text[..text.len().min(300)]
+        );
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let param = v["error"]["param"].as_str();
+        // A body past the size limit, or nested past what the JSON reader takes, is refused
+        // before its fields are read.
+        assert!(param == Some(field) || param.is_none(), "{field}: {text}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(!msg.contains('\n') && msg.len() < 1000, "{field}: {msg}");
+    }
+    server.assert_alive();
+    assert!(!greedy(&server, PROMPT, 8).is_empty());
+    let grown = server.rss_kib().saturating_sub(rss);
+    assert!(grown < 512 * 1024, "RSS grew by {grown} KiB");
+    server.assert_no_internal_errors();
+}

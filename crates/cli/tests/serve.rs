@@ -220,9 +220,14 @@ fn bad_and_hostile_requests_get_clean_errors() {
         ),
         (r#"{"prompt": "x", "seed": "seven"}"#.into(), 400, "seed"),
         (
-            r#"{"prompt": "x", "response_format": {"type": "json_object"}}"#.into(),
+            r#"{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"if": {}}}}}"#.into(),
             400,
-            "`response_format` is not supported",
+            "`response_format` cannot be enforced: Unimplemented keys: [\"if\"]",
+        ),
+        (
+            r#"{"prompt": "x", "guided_regex": "(unclosed"}"#.into(),
+            400,
+            "`guided_regex` cannot be enforced",
         ),
     ];
     for (body, status, needle) in &cases {
@@ -233,15 +238,22 @@ fn bad_and_hostile_requests_get_clean_errors() {
         assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
         assert!(v["error"]["type"].is_string());
     }
-    // Asked for JSON, a client must not get free text with a 200.
+    // Asked for JSON, a client gets JSON: an object of the schema, ending where it closes.
+    let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"], "additionalProperties": false});
     let (status, v) = server.post(
         "/v1/chat/completions",
-        &json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
     );
-    assert_eq!(
-        (status, v["error"]["param"].as_str()),
-        (400, Some("response_format"))
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    let reply: Value = serde_json::from_str(content).unwrap();
+    assert!(
+        reply["ok"].is_boolean() && reply.as_object().unwrap().len() == 1,
+        "{reply}"
     );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
     let (status, v) = server.post("/v1/chat/completions", &json!({"messages": "hello"}));
     assert_eq!(
         (status, v["error"]["param"].as_str()),

@@ -4,6 +4,7 @@
 
 pub mod chat_template;
 pub mod gguf_tokenizer;
+pub mod grammar;
 pub mod jinja;
 pub mod sentencepiece;
 pub mod tokenizer;

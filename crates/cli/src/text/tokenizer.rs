@@ -151,6 +151,26 @@ impl Tokenizer {
         }
     }
 
+    /// Every special token's text by id (`<|im_end|>`, `</s>`): the tokens no text is
+    /// made of.
+    pub fn special_texts(&self) -> std::collections::HashMap<u32, String> {
+        match self {
+            Self::Json(j) => j
+                .tok
+                .get_added_tokens_decoder()
+                .into_iter()
+                .filter(|(_, t)| t.special)
+                .map(|(id, t)| (id, t.content))
+                .collect(),
+            Self::SentencePiece(s) => (0..s.sp.len() as u32)
+                .filter(|&id| {
+                    matches!(s.sp.kind(id), Some(PieceKind::Control | PieceKind::Unknown))
+                })
+                .filter_map(|id| Some((id, s.sp.piece(id)?.to_string())))
+                .collect(),
+        }
+    }
+
     /// Number of tokens, added ones included.
     pub fn vocab_size(&self) -> usize {
         match self {

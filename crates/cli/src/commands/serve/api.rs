@@ -1,6 +1,7 @@
 //! The OpenAI request bodies, read field by field so that every mistake is a 4xx that
 //! names the parameter, and the error shape OpenAI's clients expect.
 
+use crate::text::grammar::GrammarSpec;
 use crate::text::tokenizer::Tokenizer;
 use crate::tokens;
 use axum::http::StatusCode;
@@ -108,6 +109,9 @@ pub struct Plan {
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk carrying only `usage`.
     pub include_usage: bool,
+    /// What the text must follow (`response_format`, vLLM's `guided_*`), with the field
+    /// that asked for it.
+    pub grammar: Option<(&'static str, GrammarSpec)>,
 }
 
 /// A request body's fields.
@@ -237,16 +241,22 @@ fn refuse_unsupported(o: &Obj) -> Result<(), ApiError> {
         ("tools", json!([])),
         ("functions", json!([])),
         ("logit_bias", json!({})),
-        // Constrained output (`json_object`, `json_schema`) is not enforced: answering
-        // with free text would break the promise the client relies on.
-        ("response_format", json!({"type": "text"})),
     ] {
         if let Some(v) = opt(o, name) {
             let same = v == &neutral || (v.as_f64().is_some() && v.as_f64() == neutral.as_f64());
             if !same {
+                let mut got = v.to_string();
+                if got.len() > 200 {
+                    let cut = (0..=200)
+                        .rev()
+                        .find(|&i| got.is_char_boundary(i))
+                        .unwrap_or(0);
+                    got.truncate(cut);
+                    got.push_str("...");
+                }
                 return Err(ApiError::invalid(
                     Some(name),
-                    format!("`{name}` is not supported by this server (got {v})"),
+                    format!("`{name}` is not supported by this server (got {got})"),
                 ));
             }
         }
@@ -263,8 +273,97 @@ fn refuse_unsupported(o: &Obj) -> Result<(), ApiError> {
 }
 
 /// Sampling, stop and streaming fields shared by both endpoints.
+/// The constraint a request puts on its text, if any: OpenAI's `response_format`
+/// (`json_schema`, `json_object`; `text` is none) or vLLM's extensions `guided_json`,
+/// `guided_regex` and `guided_grammar` (a Lark grammar). At most one.
+fn grammar(o: &Obj) -> Result<Option<(&'static str, GrammarSpec)>, ApiError> {
+    let bad = |name: &'static str, msg: String| ApiError::invalid(Some(name), msg);
+    let mut found: Vec<(&'static str, GrammarSpec)> = Vec::new();
+    if let Some(rf) = opt(o, "response_format") {
+        let name = "response_format";
+        let Value::Object(rf) = rf else {
+            return Err(bad(
+                name,
+                format!("`{name}` must be an object, got {}", kind(rf)),
+            ));
+        };
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push((name, GrammarSpec::JsonObject)),
+            Some("json_schema") => {
+                let schema = rf
+                    .get("json_schema")
+                    .and_then(Value::as_object)
+                    .and_then(|js| {
+                        if let Some(strict) = js.get("strict").filter(|v| !v.is_null()) {
+                            strict.as_bool()?;
+                        }
+                        js.get("schema")
+                    });
+                match schema {
+                    Some(v @ (Value::Object(_) | Value::Bool(_))) => {
+                        found.push((name, GrammarSpec::JsonSchema(v.clone())))
+                    }
+                    _ => {
+                        return Err(bad(
+                            name,
+                            "`response_format.json_schema` must be an object with a `schema` (a JSON schema) and, if given, a boolean `strict`".into(),
+                        ))
+                    }
+                }
+            }
+            _ => {
+                return Err(bad(
+                    name,
+                    "`response_format.type` must be `text`, `json_object` or `json_schema`".into(),
+                ))
+            }
+        }
+    }
+    if let Some(v) = opt(o, "guided_json") {
+        let schema = match v {
+            // vLLM takes the schema as an object or as its text.
+            Value::String(text) => serde_json::from_str(text).ok(),
+            v @ (Value::Object(_) | Value::Bool(_)) => Some(v.clone()),
+            _ => None,
+        };
+        match schema {
+            Some(schema) => found.push(("guided_json", GrammarSpec::JsonSchema(schema))),
+            None => {
+                return Err(bad(
+                    "guided_json",
+                    "`guided_json` must be a JSON schema".into(),
+                ))
+            }
+        }
+    }
+    for (name, make) in [
+        (
+            "guided_regex",
+            GrammarSpec::Regex as fn(String) -> GrammarSpec,
+        ),
+        ("guided_grammar", GrammarSpec::Lark),
+    ] {
+        if let Some(v) = opt(o, name) {
+            match v.as_str() {
+                Some(text) => found.push((name, make(text.to_string()))),
+                None => return Err(bad(name, format!("`{name}` must be a string"))),
+            }
+        }
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|f| f.0).collect();
+        return Err(bad(
+            found[1].0,
+            format!("one constraint per request, got {}", names.join(" and ")),
+        ));
+    }
+    Ok(found.pop())
+}
+
 fn common_fields(o: &Obj, plan: &mut Plan, info: &ModelInfo) -> Result<(), ApiError> {
     refuse_unsupported(o)?;
+    plan.grammar = grammar(o)?;
     let temperature = f64_field(o, "temperature")?.unwrap_or(1.0);
     if temperature < 0.0 {
         return Err(ApiError::invalid(
@@ -399,6 +498,7 @@ fn empty_plan() -> Plan {
         logprobs: None,
         stream: false,
         include_usage: false,
+        grammar: None,
     }
 }
 
@@ -730,13 +830,33 @@ mod tests {
             (r#"{"prompt": [1], "stop": 5}"#, Some("stop"), 400),
             (r#"{"prompt": [1], "logprobs": 21}"#, Some("logprobs"), 400),
             (
-                r#"{"prompt": [1], "response_format": {"type": "json_object"}}"#,
+                r#"{"prompt": [1], "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}"#,
                 Some("response_format"),
                 400,
             ),
             (
-                r#"{"prompt": [1], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}"#,
+                r#"{"prompt": [1], "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}}"#,
                 Some("response_format"),
+                400,
+            ),
+            (
+                r#"{"prompt": [1], "response_format": {"type": "xml"}}"#,
+                Some("response_format"),
+                400,
+            ),
+            (
+                r#"{"prompt": [1], "guided_regex": 5}"#,
+                Some("guided_regex"),
+                400,
+            ),
+            (
+                r#"{"prompt": [1], "guided_json": "{not json"}"#,
+                Some("guided_json"),
+                400,
+            ),
+            (
+                r#"{"prompt": [1], "guided_regex": "a", "response_format": {"type": "json_object"}}"#,
+                Some("guided_regex"),
                 400,
             ),
             (
@@ -766,7 +886,25 @@ mod tests {
         // Neutral values of unsupported parameters are fine.
         parse(r#"{"prompt": [1], "echo": false, "n": 1, "presence_penalty": 0, "best_of": 1}"#)
             .unwrap();
-        parse(r#"{"prompt": [1], "response_format": {"type": "text"}}"#).unwrap();
+        let plan = parse(r#"{"prompt": [1], "response_format": {"type": "text"}}"#).unwrap();
+        assert_eq!(plan.grammar, None);
+        let plan = parse(r#"{"prompt": [1], "response_format": {"type": "json_object"}}"#);
+        assert_eq!(
+            plan.unwrap().grammar,
+            Some(("response_format", GrammarSpec::JsonObject))
+        );
+        let body = r#"{"prompt": [1], "response_format": {"type": "json_schema",
+            "json_schema": {"name": "x", "strict": true, "schema": {"type": "string"}}}}"#;
+        let want = GrammarSpec::JsonSchema(json!({"type": "string"}));
+        assert_eq!(
+            parse(body).unwrap().grammar,
+            Some(("response_format", want.clone()))
+        );
+        let body = r#"{"prompt": [1], "guided_json": "{\"type\": \"string\"}"}"#;
+        assert_eq!(parse(body).unwrap().grammar, Some(("guided_json", want)));
+        let body = r#"{"prompt": [1], "guided_grammar": "start: \"a\""}"#;
+        let want = GrammarSpec::Lark("start: \"a\"".into());
+        assert_eq!(parse(body).unwrap().grammar, Some(("guided_grammar", want)));
     }
 
     #[test]

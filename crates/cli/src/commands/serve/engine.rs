@@ -11,7 +11,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use candle_core::{DType, Tensor};
 use gpt_blocks::{left_padded, Gpt, GptCache, Logits};
 use rayon::prelude::*;
@@ -21,6 +21,7 @@ use super::metrics::Metrics;
 use super::prompt_cache::PromptCache;
 use super::queue::Queue;
 use super::shared::Shared;
+use crate::text::grammar::{Allowed, Constrained};
 
 /// A sequence in the running batch.
 struct Seq {
@@ -340,7 +341,16 @@ fn start(
             generated: 0,
             job,
         };
-        match catch(|| advance(&mut seq, &row, metrics)) {
+        let first = catch(|| {
+            let allowed = seq
+                .job
+                .constraint
+                .as_mut()
+                .map(|c| c.allowed())
+                .transpose()?;
+            advance(&mut seq, &row, allowed, metrics)
+        });
+        match first {
             Ok(true) => going.push(seq),
             Ok(false) => done.push(seq),
             Err(e) => seq.job.fail(&e),
@@ -353,25 +363,48 @@ fn start(
 /// `done`, those that fail are dropped.
 fn step_all(model: &Gpt, active: &mut Vec<Seq>, metrics: &Metrics, done: &mut Vec<Seq>) {
     let lens: Vec<usize> = active.iter().map(|s| s.cache.len()).collect();
-    let logits = match catch(|| forward(model, active)) {
-        Ok(rows) => rows.into_iter().map(Ok).collect(),
-        // Undo what the batched step wrote, and find who fails on their own.
-        Err(_) if active.len() > 1 => active
-            .iter_mut()
-            .zip(&lens)
-            .map(|(seq, &len)| {
-                seq.cache.truncate(len);
-                catch(|| forward(model, std::slice::from_mut(seq)))
-                    .map(|mut rows| rows.pop().unwrap_or_default())
-            })
-            .collect(),
-        Err(e) => vec![Err(e)],
+    let last: Vec<u32> = active.iter().map(Seq::last).collect();
+    let mut caches = Vec::with_capacity(active.len());
+    let mut constraints = Vec::with_capacity(active.len());
+    for Seq { cache, job, .. } in active.iter_mut() {
+        caches.push(cache);
+        constraints.push(job.constraint.as_mut());
+    }
+    // The constrained sequences' token masks are computed on a thread of their own while
+    // the forward pass runs (neither reads what the other writes).
+    let masking = constraints.iter().any(Option::is_some);
+    let (logits, masks) = std::thread::scope(|s| {
+        let thread = match masking {
+            true => std::thread::Builder::new()
+                .spawn_scoped(s, || mask_all(&mut constraints))
+                .ok(),
+            false => None,
+        };
+        let logits = decode(model, &last, &mut caches, &lens);
+        (logits, thread.map(|t| t.join().unwrap_or_default()))
+    });
+    let mut masks = match masks {
+        Some(masks) => masks,
+        // No thread to be had: after the pass.
+        None if masking => mask_all(&mut constraints),
+        None => Vec::new(),
     };
+    masks.resize_with(active.len(), || None);
     // Sampling reads the whole vocabulary per sequence: split it across the cores.
     let outcomes: Vec<Result<bool>> = active
         .par_iter_mut()
         .zip(logits)
-        .map(|(seq, row)| catch(|| advance(seq, &row?, metrics)))
+        .zip(masks)
+        .map(|((seq, row), allowed)| {
+            catch(|| {
+                let allowed = match (allowed, seq.job.constraint.is_some()) {
+                    (Some(a), _) => Some(a?),
+                    (None, false) => None,
+                    (None, true) => bail!("structured output: no token mask was computed"),
+                };
+                advance(seq, &row?, allowed, metrics)
+            })
+        })
         .collect();
     let mut kept = Vec::with_capacity(active.len());
     for (seq, outcome) in active.drain(..).zip(outcomes) {
@@ -384,20 +417,72 @@ fn step_all(model: &Gpt, active: &mut Vec<Seq>, metrics: &Metrics, done: &mut Ve
     *active = kept;
 }
 
-/// The batched decoding pass over `seqs`: each one's next-token logits.
-fn forward(model: &Gpt, seqs: &mut [Seq]) -> Result<Vec<Vec<f32>>> {
-    let n = seqs.len();
-    let last: Vec<u32> = seqs.iter().map(Seq::last).collect();
-    let ids = Tensor::from_vec(last, (n, 1), model.device())?;
-    let mut caches: Vec<&mut GptCache> = seqs.iter_mut().map(|s| &mut s.cache).collect();
+/// The tokens each constrained sequence may take next (`None` for the others).
+fn mask_all(constraints: &mut [Option<&mut Constrained>]) -> Vec<Option<Result<Allowed>>> {
+    constraints
+        .iter_mut()
+        .map(|c| c.as_mut().map(|c| catch(|| c.allowed())))
+        .collect()
+}
+
+/// Each sequence's next-token logits after feeding it `last[i]`: one batched pass, or, if
+/// that fails, the pass undone (every cache truncated to `lens[i]`) and each sequence run
+/// alone, so that only what fails on its own fails.
+fn decode(
+    model: &Gpt,
+    last: &[u32],
+    caches: &mut [&mut GptCache],
+    lens: &[usize],
+) -> Vec<Result<Vec<f32>>> {
+    match catch(|| forward(model, last, caches)) {
+        Ok(rows) => rows.into_iter().map(Ok).collect(),
+        Err(_) if caches.len() > 1 => caches
+            .iter_mut()
+            .zip(last.iter().zip(lens))
+            .map(|(cache, (&id, &len))| {
+                cache.truncate(len);
+                catch(|| forward(model, &[id], std::slice::from_mut(cache)))
+                    .map(|mut rows| rows.pop().unwrap_or_default())
+            })
+            .collect(),
+        Err(e) => vec![Err(e)],
+    }
+}
+
+/// The batched decoding pass: each row's next-token logits after feeding it `last[i]`.
+fn forward(model: &Gpt, last: &[u32], caches: &mut [&mut GptCache]) -> Result<Vec<Vec<f32>>> {
+    let ids = Tensor::from_vec(last.to_vec(), (last.len(), 1), model.device())?;
     // (n, 1, vocab)
-    let logits = model.infer_rows(&ids, &mut caches, Logits::Last)?;
+    let logits = model.infer_rows(&ids, caches, Logits::Last)?;
     Ok(logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?)
 }
 
-/// Samples the next token from `logits`, sends it, and says whether the sequence goes on.
-fn advance(seq: &mut Seq, logits: &[f32], metrics: &Metrics) -> Result<bool> {
-    let id = seq.job.sampler.sample(logits, &seq.history)?;
+/// Samples the next token from `logits` (among those `allowed`, when the sequence is
+/// constrained), sends it, and says whether the sequence goes on. A constrained sequence
+/// whose grammar is complete, with nothing that may follow, ends here without a token.
+fn advance(
+    seq: &mut Seq,
+    logits: &[f32],
+    allowed: Option<Allowed>,
+    metrics: &Metrics,
+) -> Result<bool> {
+    let id = match &allowed {
+        None => seq.job.sampler.sample(logits, &seq.history)?,
+        Some(a) if a.must_end() => {
+            seq.job.send(Event::Done { stopped: true });
+            return Ok(false);
+        }
+        Some(a) => {
+            let mut masked = logits.to_vec();
+            a.apply(&mut masked, &seq.job.stop_ids);
+            seq.job.sampler.sample(&masked, &seq.history)?
+        }
+    };
+    if let Some(c) = seq.job.constraint.as_mut() {
+        if !seq.job.stop_ids.contains(&id) {
+            c.commit(id)?;
+        }
+    }
     metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
     seq.history.push(id);
     seq.generated += 1;
@@ -487,6 +572,7 @@ mod tests {
             sampler: Sampler::new(params).unwrap(),
             stop_ids: Vec::new(),
             logprobs: Some(2),
+            constraint: None,
             events: tx,
             cancel: Arc::new(AtomicBool::new(false)),
             queued_at: Instant::now(),
@@ -633,6 +719,77 @@ mod tests {
         assert_eq!(cache.matched(&second), second.len());
     }
 
+    /// Constrained sequences decode in a batch beside unconstrained ones: each constrained
+    /// reply is a JSON object of its schema that ends where the schema is complete, and the
+    /// unconstrained rows are what they are alone (the masks touch only their own rows).
+    #[test]
+    fn constrained_rows_follow_their_schema_in_a_mixed_batch() {
+        use crate::text::grammar::{GrammarSpec, Grammars};
+        let json = include_bytes!("../../../models/default/tokenizer.json");
+        let tok: crate::text::tokenizer::Tokenizer =
+            tokenizers::Tokenizer::from_bytes(json).unwrap().into();
+        let tok = Arc::new(tok);
+        let model = {
+            let cfg = GptConfig {
+                vocab_size: 2048,
+                n_positions: 128,
+                n_embd: 16,
+                n_layer: 2,
+                n_head: 4,
+                ..GptConfig::gpt2()
+            };
+            let vm = VarMap::new();
+            Gpt::new(&cfg, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap()
+        };
+        let grammars = Grammars::new(tok.clone(), 2048, 0).unwrap();
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {"yes": {"type": "boolean"}, "n": {"enum": [1, 22, 333]}},
+            "required": ["yes", "n"], "additionalProperties": false,
+        });
+        let spec = GrammarSpec::JsonSchema(schema);
+        let prompts: [&[u32]; 4] = [&[5, 6, 7], &[8, 9], &[10, 11, 12, 13], &[14]];
+        let mut rxs = Vec::new();
+        let mut jobs = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let (mut job, rx) = seq_job(p, 60);
+            job.stop_ids = vec![0];
+            if i % 2 == 0 {
+                job.constraint = Some(grammars.compile(&spec).unwrap());
+            }
+            jobs.push(job);
+            rxs.push(rx);
+        }
+        let active = prefill_group(&model, jobs, &Metrics::default(), &mut Vec::new());
+        run_to_end(&model, active);
+        for (i, rx) in rxs.iter_mut().enumerate() {
+            let got = events(rx);
+            let ids: Vec<u32> = got
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Token(t) if !t.is_stop => Some(t.id),
+                    _ => None,
+                })
+                .collect();
+            if i % 2 == 0 {
+                assert_eq!(got.last(), Some(&Event::Done { stopped: true }));
+                let text = tok.decode(&ids).unwrap();
+                let v: serde_json::Value =
+                    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+                assert!(v["yes"].is_boolean() && [1, 22, 333].contains(&v["n"].as_i64().unwrap()));
+            } else {
+                let mut job = seq_job(prompts[i], 60);
+                job.0.stop_ids = vec![0];
+                run_to_end(
+                    &model,
+                    prefill_group(&model, vec![job.0], &Metrics::default(), &mut Vec::new()),
+                );
+                // Batches of other sizes round differently in the last bits.
+                assert_same_reply(&got, &events(&mut job.1), 1e-5);
+            }
+        }
+    }
+
     fn job(len: usize) -> Job {
         Job {
             index: len,
@@ -641,6 +798,7 @@ mod tests {
             sampler: Sampler::new(gpt_blocks::SamplingParams::default()).unwrap(),
             stop_ids: Vec::new(),
             logprobs: None,
+            constraint: None,
             events: tokio::sync::mpsc::unbounded_channel().0,
             cancel: Arc::new(AtomicBool::new(false)),
             queued_at: Instant::now(),

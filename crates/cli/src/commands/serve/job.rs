@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::text::grammar::Constrained;
 use gpt_blocks::Sampler;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -23,6 +24,9 @@ pub struct Job {
     pub stop_ids: Vec<u32>,
     /// `Some(n)`: report each token's log-probability and the `n` most likely tokens.
     pub logprobs: Option<usize>,
+    /// What the text must follow, if anything: tokens it forbids are never sampled, and
+    /// the sequence ends when it is complete.
+    pub constraint: Option<Constrained>,
     /// Where the tokens go, tagged with `index`; closed when the client has gone.
     pub events: UnboundedSender<(usize, Event)>,
     /// Set when the request no longer wants this choice (a stop text was seen).

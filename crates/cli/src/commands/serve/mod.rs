@@ -129,6 +129,7 @@ pub fn run(a: &ServeArgs, margs: &ModelArgs) -> Result<()> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
         ids: AtomicU64::new(0),
+        grammars: OnceLock::new(),
     });
     // HTTP needs little CPU; the cores are the model's.
     let rt = tokio::runtime::Builder::new_multi_thread()

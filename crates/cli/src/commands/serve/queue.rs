@@ -186,6 +186,7 @@ mod tests {
             sampler: gpt_blocks::Sampler::new(SamplingParams::default()).unwrap(),
             stop_ids: Vec::new(),
             logprobs: None,
+            constraint: None,
             events: tokio::sync::mpsc::unbounded_channel().0,
             cancel: Arc::new(AtomicBool::new(false)),
             queued_at: Instant::now(),

@@ -22,6 +22,7 @@ use super::conns::{Busy, ConnBusy};
 use super::job::{Event, Failure, Job, TokenOut};
 use super::queue::{QueueError, Ticket};
 use super::shared::{authorize, Shared};
+use crate::text::grammar::Constrained;
 use crate::tokens::visible;
 
 /// Every route.
@@ -285,6 +286,19 @@ fn submit(
     let (tx, rx) = unbounded_channel();
     let mut cancels = Vec::new();
     let mut jobs = Vec::new();
+    // Compiled here, so that what cannot be enforced is a 400 before anything is queued.
+    let constraint = match &plan.grammar {
+        None => None,
+        Some((field, spec)) => {
+            let grammars = s
+                .grammars()
+                .map_err(|e| ApiError::invalid(Some(field), format!("`{field}`: {e}")))?;
+            let c = grammars.compile(spec).map_err(|e| {
+                ApiError::invalid(Some(field), format!("`{field}` cannot be enforced: {e:#}"))
+            })?;
+            Some(c)
+        }
+    };
     for (index, prompt) in plan.prompts.iter().enumerate() {
         let cancel = Arc::new(AtomicBool::new(false));
         // The request's fields were checked in the types the sampler uses, so this fails
@@ -298,6 +312,7 @@ fn submit(
             sampler,
             stop_ids: plan.stop_ids.clone(),
             logprobs: plan.logprobs,
+            constraint: constraint.as_ref().map(Constrained::fork),
             events: tx.clone(),
             cancel: cancel.clone(),
             queued_at: Instant::now(),

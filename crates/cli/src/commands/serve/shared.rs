@@ -12,6 +12,7 @@ use super::api::{ApiError, ModelInfo};
 use super::metrics::Metrics;
 use super::queue::Queue;
 use crate::text::chat_template::ChatTemplate;
+use crate::text::grammar::Grammars;
 use crate::text::tokenizer::Tokenizer;
 
 /// What the HTTP handlers and the scheduler share.
@@ -31,6 +32,9 @@ pub struct Shared {
     /// Unix time the server started (the model's `created`).
     pub(super) created: u64,
     pub(super) ids: AtomicU64,
+    /// Structured output's view of the vocabulary, built by the first request that asks
+    /// for it.
+    pub(super) grammars: OnceLock<Result<Grammars, String>>,
 }
 
 impl Shared {
@@ -43,6 +47,22 @@ impl Shared {
             eos: self.eos,
             name: &self.model_name,
         }
+    }
+
+    /// The model's [`Grammars`] (a pass over the vocabulary the first time).
+    pub(super) fn grammars(&self) -> Result<&Grammars, String> {
+        self.grammars
+            .get_or_init(|| {
+                let tok = self.tokenizer.clone().ok_or_else(|| {
+                    "structured output needs the model's tokenizer, and this model has none"
+                        .to_string()
+                })?;
+                // The end token is only where the grammar may end; without one, id 0.
+                Grammars::new(tok, self.vocab_size, self.eos.unwrap_or(0))
+                    .map_err(|e| format!("{e:#}"))
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     pub(super) fn next_id(&self) -> u64 {
