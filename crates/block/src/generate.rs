@@ -225,6 +225,15 @@ pub struct GenerateOptions {
     pub stop_tokens: Vec<u32>,
 }
 
+/// What a [`generate_steered`] hook decides for a row before its next token is sampled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Steer {
+    /// Sample from the logits (as the hook left them).
+    Sample,
+    /// End the row here, without another token.
+    End,
+}
+
 /// Generates continuations of `prompts` as one left-padded batch with a KV cache.
 ///
 /// `on_token(row, token)` sees each new token as it is chosen (for streaming) and may
@@ -234,6 +243,19 @@ pub fn generate(
     model: &Gpt,
     prompts: &[Vec<u32>],
     opts: &GenerateOptions,
+    on_token: impl FnMut(usize, u32) -> bool,
+) -> Result<Vec<Vec<u32>>> {
+    generate_steered(model, prompts, opts, |_, _| Ok(Steer::Sample), on_token)
+}
+
+/// As [`generate`], with `steer(row, logits)` called before each row's token is sampled:
+/// it may change the logits (set a token's to `-inf` to forbid it, as a grammar does) or
+/// end the row.
+pub fn generate_steered(
+    model: &Gpt,
+    prompts: &[Vec<u32>],
+    opts: &GenerateOptions,
+    mut steer: impl FnMut(usize, &mut [f32]) -> Result<Steer>,
     mut on_token: impl FnMut(usize, u32) -> bool,
 ) -> Result<Vec<Vec<u32>>> {
     let cfg = model.config();
@@ -261,9 +283,12 @@ pub fn generate(
         let keep_arg = padded.then_some(&keep_t);
         // (b, 1, vocab)
         let logits = model.infer(&input, keep_arg, Some(&mut cache), Logits::Last)?;
-        let logits = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut logits = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let mut next = Vec::with_capacity(b);
-        for (row, row_logits) in logits.iter().enumerate() {
+        for (row, row_logits) in logits.iter_mut().enumerate() {
+            if !done[row] && steer(row, row_logits)? == Steer::End {
+                done[row] = true;
+            }
             if done[row] {
                 next.push(0);
                 continue;

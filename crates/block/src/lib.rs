@@ -62,7 +62,8 @@ pub use checkpoint::safetensors::{
 pub use config::{Activation, GptConfig, NormKind, NormPlacement};
 pub use family::Family;
 pub use generate::{
-    argmax, generate, left_padded, GenerateOptions, Sampler, SamplingParams, SplitMix64,
+    argmax, generate, generate_steered, left_padded, GenerateOptions, Sampler, SamplingParams,
+    SplitMix64, Steer,
 };
 pub use model::{
     next_token_loss, softcap, token_logprobs, Embedding, Gpt, GptCache, Logits, RopeSet,

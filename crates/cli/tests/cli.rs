@@ -1456,3 +1456,96 @@ fn chat_messages_from_a_file_render_as_transformers_does() {
         "not JSON",
     );
 }
+
+/// `gpt generate --json-schema` and `--grammar` on the built-in model: sampled replies
+/// (two prompts in one padded batch, several seeds) follow the schema and end where it is
+/// complete; a grammar's text matches it; what cannot be enforced is one line.
+#[test]
+fn generate_follows_a_json_schema_or_a_grammar() {
+    let dir = tempfile::tempdir().unwrap();
+    let schema = dir.path().join("schema.json");
+    std::fs::write(
+        &schema,
+        r#"{"type": "object", "properties": {
+            "speaker": {"enum": ["ROMEO", "JULIET"]},
+            "acts": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 5},
+                     "minItems": 1, "maxItems": 3}},
+            "required": ["speaker", "acts"], "additionalProperties": false}"#,
+    )
+    .unwrap();
+    let schema = schema.to_str().unwrap();
+    for seed in ["1", "2", "3"] {
+        let out = ok(&[
+            "generate",
+            "--prompt",
+            "ROMEO:",
+            "--prompt",
+            "KING HENRY: Now",
+            "--json-schema",
+            schema,
+            "--seed",
+            seed,
+            "--max-new-tokens",
+            "60",
+            "--format",
+            "json",
+        ]);
+        for line in out.lines() {
+            let row: serde_json::Value = serde_json::from_str(line).unwrap();
+            assert_eq!(row["finish_reason"], "grammar_complete", "{line}");
+            let v: serde_json::Value = serde_json::from_str(row["text"].as_str().unwrap()).unwrap();
+            assert!(
+                ["ROMEO", "JULIET"].contains(&v["speaker"].as_str().unwrap()),
+                "{v}"
+            );
+            let acts = v["acts"].as_array().unwrap();
+            assert!((1..=3).contains(&acts.len()), "{v}");
+            assert!(
+                acts.iter().all(|a| (1..=5).contains(&a.as_i64().unwrap())),
+                "{v}"
+            );
+            assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
+        }
+    }
+    let grammar = dir.path().join("answer.lark");
+    std::fs::write(&grammar, "start: /[A-Z]{3,6}/ \": \" (\"yes\" | \"no\")\n").unwrap();
+    let out = ok(&[
+        "generate",
+        "--prompt",
+        "ROMEO:",
+        "--grammar",
+        grammar.to_str().unwrap(),
+        "--temperature",
+        "0",
+        "--format",
+        "json",
+    ]);
+    let row: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let text = row["text"].as_str().unwrap();
+    let (name, answer) = text.split_once(": ").unwrap();
+    assert!((3..=6).contains(&name.len()) && name.chars().all(|c| c.is_ascii_uppercase()));
+    assert!(["yes", "no"].contains(&answer), "{text}");
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, r#"{"type": "string", "not": {"const": "a"}}"#).unwrap();
+    fails(
+        &[
+            "generate",
+            "--prompt",
+            "x",
+            "--json-schema",
+            bad.to_str().unwrap(),
+        ],
+        "cannot be enforced: Unimplemented keys: [\"not\"]",
+    );
+    std::fs::write(&bad, "{not json").unwrap();
+    fails(
+        &[
+            "generate",
+            "--prompt",
+            "x",
+            "--json-schema",
+            bad.to_str().unwrap(),
+        ],
+        "not JSON",
+    );
+}

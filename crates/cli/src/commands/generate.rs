@@ -6,10 +6,11 @@ use std::time::Instant;
 use crate::args::{self, Format, ModelArgs, SamplingArgs};
 use crate::model::{self, Loaded};
 use crate::text::chat_template::{message, Conversation};
+use crate::text::grammar::{GrammarSpec, Grammars};
 use crate::tokens::{self, visible, Truncate};
 use anyhow::{bail, Result};
 use clap::Args;
-use gpt_blocks::GenerateOptions;
+use gpt_blocks::{GenerateOptions, Steer};
 
 /// Options of `gpt generate`.
 #[derive(Debug, Clone, Args)]
@@ -50,6 +51,15 @@ pub struct GenerateArgs {
     /// (`{"enable_thinking": false}`), passed to the template as transformers passes them.
     #[arg(long, requires = "chat", conflicts_with_all = ["prompt", "prompt_file", "system"])]
     pub messages: Option<std::path::PathBuf>,
+    /// Generate JSON that follows this JSON schema (a file), as `gpt serve`'s
+    /// `response_format` does: tokens that would break it are never sampled, and a reply
+    /// ends where the JSON is complete.
+    #[arg(long, conflicts_with = "grammar")]
+    pub json_schema: Option<std::path::PathBuf>,
+    /// Generate text that follows this grammar (a file in llguidance's Lark syntax, which
+    /// takes regular expressions as `/.../` terminals).
+    #[arg(long)]
+    pub grammar: Option<std::path::PathBuf>,
 }
 
 /// Runs `gpt generate`.
@@ -63,7 +73,8 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
         chat,
         ..
     } = model::load_for_inference(margs)?;
-    let tok = tokenizer.as_ref();
+    let tokenizer = tokenizer.map(std::sync::Arc::new);
+    let tok = tokenizer.as_deref();
     let cfg = model.config().clone();
     let asked = a.max_new_tokens.unwrap_or(0);
     if asked >= cfg.n_positions {
@@ -132,6 +143,32 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
         sampling,
         stop_tokens,
     };
+    let spec = match (&a.json_schema, &a.grammar) {
+        (Some(f), _) => {
+            let text = args::read_text(f)?;
+            let schema = serde_json::from_str(&text)
+                .map_err(|e| anyhow::anyhow!("{}: not JSON: {e}", f.display()))?;
+            Some((f, GrammarSpec::JsonSchema(schema)))
+        }
+        (None, Some(f)) => Some((f, GrammarSpec::Lark(args::read_text(f)?))),
+        (None, None) => None,
+    };
+    let constraints = match spec {
+        None => Vec::new(),
+        Some((file, spec)) => {
+            let Some(tok) = tokenizer.clone() else {
+                bail!("--json-schema and --grammar need the model's tokenizer, and this model has none")
+            };
+            let eos = opts.stop_tokens.first().copied().unwrap_or(0);
+            let grammars = Grammars::new(tok, cfg.vocab_size, eos)?;
+            let c = grammars
+                .compile(&spec)
+                .map_err(|e| anyhow::anyhow!("{}: cannot be enforced: {e:#}", file.display()))?;
+            (0..fitted.len()).map(|_| c.fork()).collect()
+        }
+    };
+    let constraints = std::cell::RefCell::new(constraints);
+    let complete = std::cell::RefCell::new(vec![false; fitted.len()]);
     let stream = a.format == Format::Text && fitted.len() == 1;
     let mut stdout = std::io::stdout().lock();
     // A chat prints the reply only.
@@ -152,7 +189,30 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
     };
     let started = Instant::now();
     let mut first_token_at = None;
-    let out = gpt_blocks::generate(&model, &fitted, &opts, |row, t| {
+    // A constrained row samples among the tokens its grammar allows, and ends where the
+    // grammar is complete.
+    let steer = |row: usize, logits: &mut [f32]| -> candle_core::Result<Steer> {
+        let mut cs = constraints.borrow_mut();
+        let Some(c) = cs.get_mut(row) else {
+            return Ok(Steer::Sample);
+        };
+        let allowed = c.allowed().map_err(candle_core::Error::wrap)?;
+        if allowed.must_end() {
+            complete.borrow_mut()[row] = true;
+            return Ok(Steer::End);
+        }
+        allowed.apply(logits, &opts.stop_tokens);
+        Ok(Steer::Sample)
+    };
+    let out = gpt_blocks::generate_steered(&model, &fitted, &opts, steer, |row, t| {
+        if let Some(c) = constraints.borrow_mut().get_mut(row) {
+            if !opts.stop_tokens.contains(&t) {
+                if let Err(e) = c.commit(t) {
+                    error = Some(e);
+                    return false;
+                }
+            }
+        }
         if first_token_at.is_none() {
             // The prefill is done: its temporaries go back to the OS before decoding.
             crate::alloc::release_freed_memory();
@@ -185,6 +245,8 @@ pub fn run(a: &GenerateArgs, margs: &ModelArgs) -> Result<()> {
             "stop_text"
         } else if new.last().is_some_and(|t| opts.stop_tokens.contains(t)) {
             "end_of_text"
+        } else if complete.borrow()[row] {
+            "grammar_complete"
         } else {
             "length"
         };
