@@ -687,3 +687,192 @@ fn clients_sharing_a_system_prompt_compute_it_once() {
     assert!(hits >= 11, "{with:?}");
     server.assert_no_internal_errors();
 }
+
+/// The built-in model's weights and tokenizer with a longer context and Qwen 2.5's chat
+/// template, which describes tools and asks for `<tool_call>` blocks.
+fn tool_model(dir: &Path) -> String {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/default");
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["max_position_embeddings"] = json!(1024);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let template = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/chat/templates/Qwen-Qwen2.5-7B-Instruct.jinja"),
+    )
+    .unwrap();
+    let tc = json!({"chat_template": template, "eos_token": "<|im_end|>"});
+    std::fs::write(dir.join("tokenizer_config.json"), tc.to_string()).unwrap();
+    dir.to_str().unwrap().to_string()
+}
+
+/// Tool calls round-trip on a model whose template has tools: `tool_choice: required` (and
+/// a named function) always yields a call whose arguments follow the function's schema,
+/// whole and streamed; the call and its result go back as history (`tool_calls` with
+/// arguments as JSON text, a `role: tool` message) and the model answers; bad tool fields
+/// are 400s naming them.
+#[test]
+fn tool_calls_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&["--model", &tool_model(dir.path())]);
+    let weather = json!({"type": "function", "function": {"name": "weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": false}}});
+    let time = json!({"type": "function", "function": {"name": "time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}},
+            "required": ["zone"], "additionalProperties": false}}});
+    let question = json!({"role": "user", "content": "What is the weather in Verona?"});
+    let check_call = |call: &Value, want: Option<&str>| -> Value {
+        let name = call["function"]["name"].as_str().unwrap();
+        let args: Value =
+            serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert!(want.is_none_or(|w| w == name), "{call}");
+        match name {
+            "weather" => {
+                assert!(
+                    args["city"].as_str().unwrap().chars().count() <= 12,
+                    "{args}"
+                );
+                assert!((1..=7).contains(&args["days"].as_i64().unwrap()), "{args}");
+                assert_eq!(args.as_object().unwrap().len(), 2);
+            }
+            "time" => assert!(["CET", "UTC"].contains(&args["zone"].as_str().unwrap())),
+            other => panic!("called {other}"),
+        }
+        assert_eq!(call["type"], "function");
+        args
+    };
+    for seed in 0..6 {
+        let choice = if seed % 2 == 0 {
+            json!("required")
+        } else {
+            json!({"type": "function", "function": {"name": "time"}})
+        };
+        let want = (seed % 2 == 1).then_some("time");
+        let body = json!({"messages": [question], "tools": [weather, time], "tool_choice": choice,
+            "parallel_tool_calls": false, "max_tokens": 150, "temperature": 1.0, "seed": seed});
+        let (status, v) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{v}");
+        check_call(&calls[0], want);
+        assert!(choice["message"]["content"].is_null(), "{v}");
+    }
+    // Streamed: the same call, in the last delta.
+    let body = json!({"messages": [question], "tools": [weather], "tool_choice": "required",
+        "parallel_tool_calls": false, "max_tokens": 150, "seed": 9, "stream": true});
+    let (status, text) = server.call(
+        "POST",
+        "/v1/chat/completions",
+        Some(&body.to_string()),
+        None,
+    );
+    assert_eq!(status, 200);
+    let chunks: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let last = &chunks.last().unwrap()["choices"][0];
+    assert_eq!(last["finish_reason"], "tool_calls");
+    let call = &last["delta"]["tool_calls"][0];
+    assert_eq!(call["index"], 0);
+    let args = check_call(call, Some("weather"));
+    let (_, whole) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [question], "tools": [weather], "tool_choice": "required",
+            "parallel_tool_calls": false, "max_tokens": 150, "seed": 9}),
+    );
+    assert_eq!(
+        whole["choices"][0]["message"]["tool_calls"][0]["function"],
+        call["function"]
+    );
+    // The call and its result go back; the model answers in text.
+    let id = call["id"].as_str().unwrap();
+    let history = json!([question,
+        {"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
+            "function": {"name": "weather", "arguments": args.to_string()}}]},
+        {"role": "tool", "tool_call_id": id, "content": "{\"sky\": \"clear\", \"high\": 21}"}]);
+    let (status, v) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": history, "tools": [weather], "tool_choice": "none", "max_tokens": 12,
+            "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    assert!(
+        v["choices"][0]["message"].get("tool_calls").is_none(),
+        "{v}"
+    );
+    // The tool result is in the prompt: more tokens than the question alone.
+    let (_, alone) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [question], "tools": [weather], "tool_choice": "none", "max_tokens": 1}),
+    );
+    assert!(v["usage"]["prompt_tokens"].as_u64() > alone["usage"]["prompt_tokens"].as_u64());
+    for (body, param) in [
+        (
+            json!({"messages": [question], "tools": [{"type": "function"}]}),
+            "tools",
+        ),
+        (
+            json!({"messages": [question], "tools": [weather], "tool_choice": "sometimes"}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [question], "tools": [weather],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [question], "tools": [weather, weather]}),
+            "tools",
+        ),
+        (
+            json!({"messages": [question], "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [question, {"role": "assistant", "tool_calls": [{"type": "function",
+            "function": {"name": "weather", "arguments": "{not json"}}]}]}),
+            "messages",
+        ),
+        (
+            json!({"messages": [question], "tools": [weather], "tool_choice": "required",
+            "response_format": {"type": "json_object"}}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [question], "tools": vec![weather.clone(); 600]}),
+            "tools",
+        ),
+    ] {
+        let (status, v) = server.post("/v1/chat/completions", &body);
+        assert_eq!(
+            (status, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{v}"
+        );
+    }
+    // The built-in model's plain format takes no tools.
+    let plain = Server::start(&[]);
+    let (status, v) = plain.post(
+        "/v1/chat/completions",
+        &json!({"messages": [question], "tools": [weather]}),
+    );
+    assert_eq!(
+        (status, v["error"]["param"].as_str()),
+        (400, Some("tools")),
+        "{v}"
+    );
+    server.assert_no_internal_errors();
+}

@@ -1,6 +1,7 @@
 //! The OpenAI request bodies, read field by field so that every mistake is a 4xx that
 //! names the parameter, and the error shape OpenAI's clients expect.
 
+use super::tools::{Tool, ToolChoice, ToolFormat, ToolPlan};
 use crate::text::grammar::GrammarSpec;
 use crate::text::tokenizer::Tokenizer;
 use crate::tokens;
@@ -109,9 +110,11 @@ pub struct Plan {
     pub stream: bool,
     /// `stream_options.include_usage`: a last chunk carrying only `usage`.
     pub include_usage: bool,
-    /// What the text must follow (`response_format`, vLLM's `guided_*`), with the field
-    /// that asked for it.
+    /// What the text must follow (`response_format`, vLLM's `guided_*`, `tool_choice`),
+    /// with the field that asked for it.
     pub grammar: Option<(&'static str, GrammarSpec)>,
+    /// Tools the model may call, and how its replies carry the calls (chat only).
+    pub tools: Option<ToolPlan>,
 }
 
 /// A request body's fields.
@@ -238,7 +241,6 @@ fn refuse_unsupported(o: &Obj) -> Result<(), ApiError> {
         ("best_of", json!(1)),
         ("frequency_penalty", json!(0)),
         ("presence_penalty", json!(0)),
-        ("tools", json!([])),
         ("functions", json!([])),
         ("logit_bias", json!({})),
     ] {
@@ -499,6 +501,7 @@ fn empty_plan() -> Plan {
         stream: false,
         include_usage: false,
         grammar: None,
+        tools: None,
     }
 }
 
@@ -572,6 +575,12 @@ fn fit(
 /// `POST /v1/completions`.
 pub fn completions(o: &Obj, info: &ModelInfo) -> Result<Plan, ApiError> {
     check_model(o, info)?;
+    if opt(o, "tools").is_some_and(|t| t != &json!([])) {
+        return Err(ApiError::invalid(
+            Some("tools"),
+            "`tools` belongs to /v1/chat/completions (completions take no tools)",
+        ));
+    }
     let mut plan = empty_plan();
     common_fields(o, &mut plan, info)?;
     let text = |s: &str| -> Result<Vec<u32>, ApiError> {
@@ -660,9 +669,24 @@ pub fn chat(o: &Obj, info: &ModelInfo) -> Result<Plan, ApiError> {
     let mut plan = empty_plan();
     common_fields(o, &mut plan, info)?;
     let messages = messages(o)?;
+    let (offered, tool_plan) = tools(o, info)?;
+    if let Some(grammar) = tool_plan.as_ref().and_then(ToolPlan::grammar) {
+        if let Some((field, _)) = plan.grammar {
+            return Err(ApiError::invalid(
+                Some("tool_choice"),
+                format!("`tool_choice` that forces a call cannot go with `{field}`"),
+            ));
+        }
+        plan.grammar = Some(("tool_choice", GrammarSpec::Lark(grammar)));
+    }
+    plan.tools = tool_plan;
+    let conv = Conversation {
+        tools: offered,
+        ..Conversation::new(messages)
+    };
     let ids = info
         .chat
-        .prompt_ids(info.tokenizer, &Conversation::new(messages))
+        .prompt_ids(info.tokenizer, &conv)
         .map_err(|e| ApiError::invalid(Some("messages"), format!("{e:#}")))?;
     plan.prompts = vec![ids];
     plan.stop_ids = info.chat.stop_ids(info.tokenizer, info.eos);
@@ -698,6 +722,118 @@ pub fn chat(o: &Obj, info: &ModelInfo) -> Result<Plan, ApiError> {
 
 /// `messages`: roles `system` (`developer` is its newer name), `user`, `assistant`;
 /// content a string or a list of text parts.
+/// Most tools a request may offer.
+const MAX_TOOLS: usize = 512;
+
+/// `tools`, `tool_choice` and `parallel_tool_calls`: the tools as the chat template gets them
+/// (`None` when there are none), and the plan for the reply (`None` when no call may come:
+/// no tools, or `tool_choice` `none`).
+fn tools(o: &Obj, info: &ModelInfo) -> Result<(Option<Vec<Value>>, Option<ToolPlan>), ApiError> {
+    let bad = |name: &'static str, m: String| ApiError::invalid(Some(name), m);
+    let list = match opt(o, "tools") {
+        None => {
+            return match opt(o, "tool_choice") {
+                None => Ok((None, None)),
+                Some(Value::String(s)) if s == "none" || s == "auto" => Ok((None, None)),
+                Some(_) => Err(bad("tool_choice", "`tool_choice` needs `tools`".into())),
+            }
+        }
+        Some(Value::Array(list)) if list.is_empty() => return Ok((None, None)),
+        Some(Value::Array(list)) => list,
+        Some(v) => {
+            return Err(bad(
+                "tools",
+                format!("`tools` must be a list, got {}", kind(v)),
+            ))
+        }
+    };
+    if list.len() > MAX_TOOLS {
+        return Err(bad(
+            "tools",
+            format!("at most {MAX_TOOLS} tools, got {}", list.len()),
+        ));
+    }
+    let mut tools = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let f = t
+            .get("function")
+            .filter(|_| t.get("type").and_then(Value::as_str) == Some("function"));
+        let name = f.and_then(|f| f.get("name")).and_then(Value::as_str);
+        let (Some(f), Some(name)) = (f, name) else {
+            return Err(bad(
+                "tools",
+                format!("tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+            ));
+        };
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object"}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => {
+                return Err(bad(
+                    "tools",
+                    format!("tools[{i}].function.parameters must be a JSON schema"),
+                ))
+            }
+        };
+        if tools.iter().any(|t: &Tool| t.name == name) {
+            return Err(bad(
+                "tools",
+                format!("tools[{i}]: `{name}` is offered twice"),
+            ));
+        }
+        tools.push(Tool {
+            name: name.to_string(),
+            parameters,
+        });
+    }
+    let choice = match opt(o, "tool_choice") {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            "none" => return Ok((Some(list.clone()), None)),
+            s => return Err(bad("tool_choice", format!("`tool_choice` must be none, auto, required or a function, got `{s}`"))),
+        },
+        Some(v) => match v.get("function").and_then(|f| f.get("name")).and_then(Value::as_str) {
+            Some(name) if tools.iter().any(|t| t.name == name) => ToolChoice::Function(name.to_string()),
+            Some(name) => return Err(bad("tool_choice", format!("`tool_choice` names `{name}`, which is not among `tools`"))),
+            None => return Err(bad("tool_choice", "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}".into())),
+        },
+    };
+    let parallel = match opt(o, "parallel_tool_calls") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(bad(
+                "parallel_tool_calls",
+                format!("`parallel_tool_calls` must be a boolean, got {}", kind(v)),
+            ))
+        }
+    };
+    let source = info.chat.own_template().unwrap_or("");
+    if !source.contains("tools") {
+        return Err(bad(
+            "tools",
+            "this model's chat template takes no tools".into(),
+        ));
+    }
+    let Some(format) = ToolFormat::of_template(source) else {
+        return Err(bad(
+            "tools",
+            "this model's chat template writes tool calls in a format this server does not read (it reads Hermes/Qwen <tool_call>, Mistral [TOOL_CALLS] and Llama 3 JSON)".into(),
+        ));
+    };
+    Ok((
+        Some(list.clone()),
+        Some(ToolPlan {
+            format,
+            choice,
+            tools,
+            parallel,
+        }),
+    ))
+}
+
 fn messages(o: &Obj) -> Result<Vec<serde_json::Value>, ApiError> {
     let bad = |m: String| ApiError::invalid(Some("messages"), m);
     let items = match opt(o, "messages") {
@@ -721,9 +857,10 @@ fn messages(o: &Obj) -> Result<Vec<serde_json::Value>, ApiError> {
                     "system" | "developer" => "system",
                     "user" => "user",
                     "assistant" => "assistant",
+                    "tool" => "tool",
                     r => {
                         return Err(bad(format!(
-                            "messages[{i}]: role `{r}` is not supported (system, developer, user, assistant)"
+                            "messages[{i}]: role `{r}` is not supported (system, developer, user, assistant, tool)"
                         )))
                     }
                 },
@@ -749,9 +886,62 @@ fn messages(o: &Obj) -> Result<Vec<serde_json::Value>, ApiError> {
                     )))
                 }
             };
-            Ok(message(role, &content))
+            let mut msg = message(role, &content);
+            if role == "tool" {
+                for key in ["tool_call_id", "name"] {
+                    match m.get(key) {
+                        None | Some(Value::Null) => {}
+                        Some(v @ Value::String(_)) => msg[key] = v.clone(),
+                        Some(_) => return Err(bad(format!("messages[{i}]: `{key}` must be a string"))),
+                    }
+                }
+            }
+            if let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) {
+                if role != "assistant" {
+                    return Err(bad(format!("messages[{i}]: only assistant messages have `tool_calls`")));
+                }
+                msg["tool_calls"] = history_calls(calls).map_err(|e| bad(format!("messages[{i}].tool_calls: {e}")))?;
+            }
+            Ok(msg)
         })
         .collect()
+}
+
+/// An assistant message's `tool_calls` as chat templates read them (transformers' form):
+/// each call's `arguments` a JSON object, not the JSON text OpenAI's clients send.
+fn history_calls(calls: &Value) -> Result<Value, String> {
+    let Value::Array(calls) = calls else {
+        return Err("must be a list".into());
+    };
+    calls
+        .iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let f = c
+                .get("function")
+                .ok_or_else(|| format!("[{j}] needs a `function`"))?;
+            let name = f
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| format!("[{j}].function needs a string `name`"))?;
+            let arguments = match f.get("arguments") {
+                None | Some(Value::Null) => json!({}),
+                Some(a @ Value::Object(_)) => a.clone(),
+                Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+                    Ok(a @ Value::Object(_)) => a,
+                    _ => return Err(format!("[{j}].function.arguments is not a JSON object")),
+                },
+                Some(_) => return Err(format!("[{j}].function.arguments must be JSON text")),
+            };
+            let mut call =
+                json!({"type": "function", "function": {"name": name, "arguments": arguments}});
+            if let Some(id) = c.get("id").and_then(Value::as_str) {
+                call["id"] = json!(id);
+            }
+            Ok(call)
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Value::Array)
 }
 
 #[cfg(test)]
@@ -915,7 +1105,7 @@ mod tests {
         for (body, what) in [
             (r#"{"messages": []}"#, "must not be empty"),
             (
-                r#"{"messages": [{"role": "tool", "content": "x"}]}"#,
+                r#"{"messages": [{"role": "function", "content": "x"}]}"#,
                 "not supported",
             ),
             (

@@ -17,6 +17,7 @@ mod queue;
 mod routes;
 mod shared;
 mod tokenize;
+mod tools;
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;

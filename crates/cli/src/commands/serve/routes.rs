@@ -529,11 +529,43 @@ impl Run {
         })
     }
 
+    /// Choice `i`'s content and tool calls: while it runs, the content up to where a call
+    /// may begin (and no calls); once finished, the reply parsed (each call with its
+    /// `index` in a stream, as OpenAI's deltas carry it).
+    fn content_and_calls(&self, i: usize, stream: bool) -> (String, Vec<Value>) {
+        let c = &self.choices[i];
+        let Some(tools) = self
+            .plan
+            .tools
+            .as_ref()
+            .filter(|_| self.ep == Endpoint::Chat)
+        else {
+            return (c.text.clone(), Vec::new());
+        };
+        if c.finish.is_none() {
+            return (tools.format.content_so_far(&c.text).to_string(), Vec::new());
+        }
+        let (content, calls) = tools.format.parse(&c.text);
+        let calls = calls
+            .iter()
+            .enumerate()
+            .map(|(k, call)| {
+                let id = format!("call-{}-{i}-{k}", self.id);
+                call.to_openai(&id, stream.then_some(k))
+            })
+            .collect();
+        (content, calls)
+    }
+
     /// A streamed chunk of choice `i`: its text since the last chunk.
     fn chunk(&mut self, i: usize, first: bool) -> Option<Value> {
+        let (content, calls) = self.content_and_calls(i, true);
         let c = &self.choices[i];
-        let delta = c.text.get(c.sent_bytes..).unwrap_or("").to_string();
-        let finish = c.finish;
+        let delta = content.get(c.sent_bytes..).unwrap_or("").to_string();
+        let finish = match calls.is_empty() {
+            true => c.finish,
+            false => Some("tool_calls"),
+        };
         // One chunk per token (its text may be held back: half a character, or what could
         // still become a stop string), as OpenAI streams.
         if delta.is_empty() && finish.is_none() && !first && c.tokens.len() == c.sent_tokens {
@@ -558,6 +590,9 @@ impl Run {
                 }
                 if !delta.is_empty() || first {
                     d["content"] = json!(delta);
+                }
+                if !calls.is_empty() {
+                    d["tool_calls"] = Value::Array(calls);
                 }
                 json!({"index": i, "delta": d, "logprobs": logprobs, "finish_reason": finish})
             }
@@ -587,12 +622,24 @@ async fn whole(mut run: Run) -> Result<Response, ApiError> {
                 Endpoint::Completions => json!({
                     "index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish,
                 }),
-                Endpoint::Chat => json!({
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish,
-                }),
+                Endpoint::Chat => {
+                    let (content, calls) = run.content_and_calls(i, false);
+                    let mut message = json!({"role": "assistant", "content": content});
+                    let mut finish = json!(c.finish);
+                    if !calls.is_empty() {
+                        if content.is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                        message["tool_calls"] = Value::Array(calls);
+                        finish = json!("tool_calls");
+                    }
+                    json!({
+                        "index": i,
+                        "message": message,
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                    })
+                }
             }
         })
         .collect();
