@@ -1,5 +1,5 @@
 """Small random-weight checkpoints of the Llama, Mistral, Qwen2, GPT-NeoX, GPT-Neo, Qwen3,
-SmolLM3, OLMo 2, Granite and Gemma 3 families, and what Hugging Face transformers computes with
+SmolLM3, OLMo 2, Granite, Gemma 2 and Gemma 3 families, and what Hugging Face transformers computes with
 them. Read by crates/block/tests/families.rs.
 
     python3 -m venv /tmp/ref && /tmp/ref/bin/pip install torch transformers safetensors
@@ -54,6 +54,9 @@ def legacy(cfg):
         # The hub's LFM2 files list the attention layers instead of every layer's type.
         types = cfg.pop("layer_types")
         cfg["full_attn_idxs"] = [i for i, t in enumerate(types) if t == "full_attention"]
+    if cfg["model_type"] == "gemma2":
+        # The hub's Gemma 2 files: no layer list (every even layer slides).
+        cfg.pop("layer_types", None)
     if cfg["model_type"] == "gemma3_text":
         # The hub's Gemma 3 files: a period instead of the list, the local base beside the
         # global one, the global scaling as rope_scaling.
@@ -103,7 +106,7 @@ def build(name, family, seed, tokenizer=None, **kw):
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[2]))
             elif "norm" in pname or "ln" in pname:
                 if pname.endswith("weight"):
-                    shift = 0.0 if family == "gemma3_text" else 1.0
+                    shift = 0.0 if family in ("gemma2", "gemma3_text") else 1.0
                     p.copy_(shift + 0.1 * torch.randn_like(p))
                 else:
                     p.copy_(0.1 * torch.randn_like(p))
@@ -254,6 +257,13 @@ build("gemma3_local_global", "gemma3_text", 23, num_key_value_heads=2, head_dim=
       rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 10000.0,
                                           "factor": 2.0},
                        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+      **{**common, "num_hidden_layers": 4})
+# Gemma 2: Gemma 3's sandwich norms, GeGLU and scaled embeddings without q/k norms,
+# alternate layers windowed (4 < T), scores by query_pre_attn_scalar 24 and soft-capped at 2
+# (small enough that the cap bends most scores), logits capped at 3, GQA, tied head.
+build("gemma2_softcap", "gemma2", 29, num_key_value_heads=2, head_dim=16, sliding_window=4,
+      query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+      pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
       **{**common, "num_hidden_layers": 4})
 if ONLY and "llama_tokenizer" not in ONLY:
     sys.exit(0)

@@ -169,6 +169,10 @@ pub struct GptConfig {
     /// The logits become `cap · tanh(logits / cap)` (Gemma's `final_logit_softcapping`).
     #[serde(skip)]
     pub final_logit_softcapping: Option<f64>,
+    /// The scaled attention scores become `cap · tanh(s / cap)` before the mask (Gemma 2's
+    /// `attn_logit_softcapping`).
+    #[serde(skip)]
+    pub attn_logit_softcapping: Option<f64>,
     /// Blocks without rotary positions (SmolLM3's NoPE layers), as runs of a repeated
     /// pattern like `windows`: `true` for a block that does not rotate. Empty: every block
     /// of a rotary model rotates.
@@ -250,6 +254,7 @@ impl GptConfig {
             no_rope_every: None,
             rope_local: None,
             final_logit_softcapping: None,
+            attn_logit_softcapping: None,
             conv_layers: Vec::new(),
             conv_taps: 0,
             conv_bias: false,
@@ -490,6 +495,10 @@ impl GptConfig {
             (
                 "final_logit_softcapping",
                 self.final_logit_softcapping.unwrap_or(1.0),
+            ),
+            (
+                "attn_logit_softcapping",
+                self.attn_logit_softcapping.unwrap_or(1.0),
             ),
             ("embedding_multiplier", self.embedding_multiplier),
             ("residual_multiplier", self.residual_multiplier),

@@ -23,7 +23,7 @@ use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
 use gpt_blocks::{read_config, Gpt, GptCache, LoadOptions, Logits};
 
-const MODELS: [&str; 15] = [
+const MODELS: [&str; 16] = [
     "llama_gqa_bias",
     "llama_mqa_linear",
     "mistral_window",
@@ -35,6 +35,7 @@ const MODELS: [&str; 15] = [
     "smollm3_nope",
     "olmo2_post_norm",
     "granite_multipliers",
+    "gemma2_softcap",
     "gemma3_local_global",
     "phi3_window",
     "lfm2_hybrid",
@@ -551,6 +552,25 @@ fn bad_configs_are_one_line_errors_naming_the_field() {
         ),
         ("qwen3_qk_norm", "/head_dim", json!(-1), "head_dim"),
         (
+            "gemma2_softcap",
+            "/attn_logit_softcapping",
+            json!(0.0),
+            "attn_logit_softcapping must be a positive number",
+        ),
+        (
+            "gemma2_softcap",
+            "/attn_logit_softcapping",
+            json!(-5),
+            "attn_logit_softcapping must be a positive number",
+        ),
+        ("gemma2_softcap", "/sliding_window", json!(0), "window"),
+        (
+            "gemma2_softcap",
+            "/use_bidirectional_attention",
+            json!(true),
+            "use_bidirectional_attention",
+        ),
+        (
             "qwen3_qk_norm",
             "/head_dim",
             json!(1u64 << 31),
@@ -922,6 +942,7 @@ fn llama_configs_round_trip_and_others_are_refused() {
         "qwen2_bias_window",
         "neox_parallel",
         "neo_local",
+        "gemma2_softcap",
         "gemma3_local_global",
         "phi3_window",
         "lfm2_hybrid",
@@ -1034,7 +1055,8 @@ fn loading_for_inference_fuses_in_place_and_computes_the_same() {
                 // Converted as read, to what Candle's `to_dtype` makes of the f32 weights.
                 let f32_named = load(dir, DType::F32).named_tensors().unwrap();
                 // Gemma's norms are held as their factors `1 + w`: rounded as those.
-                let shift = match family == gpt_blocks::Family::Gemma3 {
+                let gemma = [gpt_blocks::Family::Gemma2, gpt_blocks::Family::Gemma3];
+                let shift = match gemma.contains(&family) {
                     true => 1.0,
                     false => 0.0,
                 };

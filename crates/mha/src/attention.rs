@@ -13,7 +13,7 @@ use crate::layout::{self, Projections, QkvProj, WeightLayout};
 use crate::mask::Mask;
 use crate::qk_norm::QkNormWeights;
 use crate::rope::{Rope, RopeTables};
-use crate::sdpa::{sdpa, SdpaParams};
+use crate::sdpa::{sdpa_softcapped, SdpaParams};
 use gpt_kernels::Proj;
 
 /// Attention weights returned by [`MultiHeadAttention::forward_with_weights`].
@@ -210,9 +210,10 @@ impl MultiHeadAttention {
             vs.push(Tensor::zeros((b, h_kv, 1, hd), dtype, &dev)?);
         }
         let extra = ks.len() - 1;
+        let cap = self.cfg.softcap;
         if extra == 0 {
             let (k, v) = (ks.swap_remove(0), vs.swap_remove(0));
-            return sdpa(q, &k, &v, mask, params);
+            return sdpa_softcapped(q, &k, &v, mask, params, cap);
         }
         let (_, h, tq, _) = q.dims4()?;
         let k = Tensor::cat(&ks, 2)?;
@@ -224,7 +225,7 @@ impl MultiHeadAttention {
         };
         let open = Tensor::zeros((b, h, tq, extra), DType::F32, &dev)?;
         let bias = Tensor::cat(&[&real, &open], 3)?;
-        sdpa(q, &k, &v, &Mask::NONE.with_additive(&bias), params)
+        sdpa_softcapped(q, &k, &v, &Mask::NONE.with_additive(&bias), params, cap)
     }
 
     /// The rotary embedding of this layer, when it has one.
@@ -504,6 +505,7 @@ impl MultiHeadAttention {
             cache,
             mask,
             cfg.softmax_scale(),
+            cfg.softcap,
         )
     }
 
@@ -538,7 +540,8 @@ impl MultiHeadAttention {
             && query.device().is_cpu()
             && query.dtype() == DType::F32
             && b * t > 0
-            && cfg.qk_norm.is_none();
+            && cfg.qk_norm.is_none()
+            && cfg.softcap.is_none();
         if !applies {
             return Ok(None);
         }

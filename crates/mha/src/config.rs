@@ -83,6 +83,9 @@ pub struct MhaConfig {
     pub qk_norm: Option<QkNorm>,
     /// Factor applied to the scores `q·k`; `None` is `1/sqrt(head_dim)`.
     pub scale: Option<f64>,
+    /// Soft cap of the scaled scores: each `s` becomes `cap · tanh(s / cap)` before the
+    /// mask (Gemma 2's `attn_logit_softcapping`); `None` for none.
+    pub softcap: Option<f64>,
     /// Seed of the dropout mask stream, so that training runs can be repeated.
     pub seed: u64,
     /// PyTorch's `add_bias_kv`: learned `bias_k`/`bias_v` (`[1, 1, kv_width]` in the state
@@ -116,6 +119,7 @@ impl MhaConfig {
             qk_norm: None,
             dropout: 0.0,
             scale: None,
+            softcap: None,
             seed: 0,
             add_bias_kv: false,
             add_zero_attn: false,
@@ -195,6 +199,11 @@ impl MhaConfig {
         }
         if self.window == Some(0) {
             bail!("window must be at least 1 (the query itself)")
+        }
+        if let Some(cap) = self.softcap {
+            if !(cap.is_finite() && cap > 0.0) {
+                bail!("softcap must be a positive number, got {cap}")
+            }
         }
         if let Some(rope) = &self.rope {
             rope.validate(self.head_dim())?;

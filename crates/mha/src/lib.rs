@@ -90,7 +90,10 @@ pub use gpt_kernels::{OutputAct, Proj};
 pub use layout::{neox_to_fused, QkvProj, WeightLayout};
 pub use mask::{KeyPadding, Mask};
 pub use rope::{Rope, RopeConfig, RopeScaling, RopeTables};
-pub use sdpa::{masked_softmax, repeat_kv, sdpa, sdpa_reference, SdpaParams};
+pub use sdpa::{
+    masked_softmax, repeat_kv, sdpa, sdpa_reference, sdpa_reference_softcapped, sdpa_softcapped,
+    SdpaParams,
+};
 
 // The crate README's examples run as doctests.
 #[doc = include_str!("../README.md")]

@@ -90,6 +90,25 @@ pub fn sdpa(
     mask: &Mask,
     p: &SdpaParams,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    sdpa_softcapped(q, k, v, mask, p, None)
+}
+
+/// [`sdpa`] with each score `s = q·kᵀ·scale` soft-capped to `cap · tanh(s / cap)` before
+/// the mask (Gemma 2's `attn_logit_softcapping`). Gradients and dropout take the reference
+/// path (the fused training kernel has no soft cap).
+pub fn sdpa_softcapped(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    p: &SdpaParams,
+    softcap: Option<f64>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    if let Some(cap) = softcap {
+        if !(cap.is_finite() && cap > 0.0) {
+            bail!("attention: a soft cap must be a positive number, got {cap}")
+        }
+    }
     let (b, h, tq, tk) = check_heads(q, k, v)?;
     let dropout = p.dropout.filter(|d| d.is_active(p.train));
     let fused = ![b, h, tq, tk].contains(&0)
@@ -99,15 +118,16 @@ pub fn sdpa(
         && !p.need_weights;
     let grad = q.track_op() || k.track_op() || v.track_op();
     let mixed = k.dtype() != q.dtype() || v.dtype() != q.dtype();
-    if fused && !(mixed && (grad || dropout.is_some())) {
-        let ys = if grad || dropout.is_some() {
+    let training = grad || dropout.is_some();
+    if fused && !(mixed && training) && !(softcap.is_some() && training) {
+        let ys = if training {
             flash::flash_attn_cpu_train(q, k, v, mask, p.scale, dropout)?
         } else {
-            flash::flash_attn_cpu(q, k, v, mask, p.scale)?
+            flash::flash_attn_cpu_softcapped(q, k, v, mask, p.scale, softcap)?
         };
         return Ok((ys, None));
     }
-    sdpa_reference(q, k, v, mask, p)
+    reference(q, k, v, mask, p, softcap)
 }
 
 /// The plain path: materialise the scores, mask, softmax, multiply. Differentiable, any
@@ -120,6 +140,29 @@ pub fn sdpa_reference(
     v: &Tensor,
     mask: &Mask,
     p: &SdpaParams,
+) -> Result<(Tensor, Option<Tensor>)> {
+    reference(q, k, v, mask, p, None)
+}
+
+/// [`sdpa_reference`] with [`sdpa_softcapped`]'s soft cap.
+pub fn sdpa_reference_softcapped(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    p: &SdpaParams,
+    softcap: f64,
+) -> Result<(Tensor, Option<Tensor>)> {
+    reference(q, k, v, mask, p, Some(softcap))
+}
+
+fn reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    p: &SdpaParams,
+    softcap: Option<f64>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let (b, h, tq, tk) = check_heads(q, k, v)?;
     if [b, h, tq, tk].contains(&0) {
@@ -146,6 +189,10 @@ pub fn sdpa_reference(
     let kc = k.to_dtype(compute)?.contiguous()?;
     // (b, h, tq, tk)
     let scores = (qc.matmul(&kc.t()?)? * p.scale)?;
+    let scores = match softcap {
+        Some(cap) => ((scores / cap)?.tanh()? * cap)?,
+        None => scores,
+    };
     let scores = match mask.to_bias((b, h, tq, tk), q.device())? {
         Some(bias) => scores.broadcast_add(&bias.to_dtype(compute)?)?,
         None => scores,

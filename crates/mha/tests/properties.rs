@@ -790,7 +790,7 @@ proptest! {
     })]
 
     /// The fused CPU kernel equals the reference path for any shape, GQA factor, causal
-    /// offset, local-attention window and key padding.
+    /// offset, local-attention window, key padding and soft cap of the scores.
     #[test]
     fn fused_kernel_equals_reference(
         b in 1usize..3,
@@ -807,6 +807,7 @@ proptest! {
         bits in any::<u64>(),
         seed in any::<u64>(),
         kv_dtype in prop::sample::select(vec![DType::F32, DType::F16, DType::BF16]),
+        softcap in proptest::option::of(0.5f64..8.0),
     ) {
         let tk = tq + extra;
         let h = h_kv * rep;
@@ -834,15 +835,20 @@ proptest! {
         // Keys and values in half precision (a half-precision cache) beside f32 queries:
         // the kernel widens them as it reads them; the reference gets the same values.
         let (k, v) = (k.to_dtype(kv_dtype).unwrap(), v.to_dtype(kv_dtype).unwrap());
-        let fast = mha::flash::flash_attn_cpu(&q, &k, &v, &mask, p.scale).unwrap();
+        let fast =
+            mha::flash::flash_attn_cpu_softcapped(&q, &k, &v, &mask, p.scale, softcap).unwrap();
         let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-        let (slow, _) = sdpa_reference(&q, &f32(&k), &f32(&v), &mask, &p).unwrap();
+        let reference = |k: &Tensor, v: &Tensor| match softcap {
+            Some(cap) => mha::sdpa_reference_softcapped(&q, k, v, &mask, &p, cap).unwrap().0,
+            None => sdpa_reference(&q, k, v, &mask, &p).unwrap().0,
+        };
+        let slow = reference(&f32(&k), &f32(&v));
         assert_eq!(fast.dtype(), DType::F32);
-        assert_close(&fast, &slow, 1e-5, 1e-4, &format!("fused vs reference, {kv_dtype:?} keys"));
+        assert_close(&fast, &slow, 1e-5, 1e-4, &format!("fused vs reference, {kv_dtype:?} keys, cap {softcap:?}"));
         // `sdpa` takes the kernel for them, and the reference takes them too.
-        let (routed, _) = mha::sdpa(&q, &k, &v, &mask, &p).unwrap();
+        let (routed, _) = mha::sdpa_softcapped(&q, &k, &v, &mask, &p, softcap).unwrap();
         assert_close(&routed, &fast, 0.0, 0.0, "sdpa");
-        let (mixed, _) = sdpa_reference(&q, &k, &v, &mask, &p).unwrap();
+        let mixed = reference(&k, &v);
         assert_close(&mixed, &slow, 0.0, 0.0, "reference, mixed dtypes");
     }
 }

@@ -33,6 +33,9 @@ pub enum Family {
     /// Granite 3: Llama's layout with multipliers on the embeddings, scores, residual
     /// branches and logits.
     Granite,
+    /// Gemma 2: Gemma 3's blocks without the q/k norms, one rotation for every layer, and
+    /// soft-capped attention scores.
+    Gemma2,
     /// Gemma 3 (text): norms before and after attention and MLP (stored as `w` for
     /// `1 + w`), per-head q/k norms, GeGLU, scaled embeddings, local and global layers
     /// rotating at different bases, soft-capped logits.
@@ -46,7 +49,7 @@ pub enum Family {
 
 impl Family {
     /// Every family, in the order of the README's table.
-    pub const ALL: [Family; 13] = [
+    pub const ALL: [Family; 14] = [
         Self::Gpt2,
         Self::Llama,
         Self::Mistral,
@@ -57,13 +60,14 @@ impl Family {
         Self::SmolLm3,
         Self::Olmo2,
         Self::Granite,
+        Self::Gemma2,
         Self::Gemma3,
         Self::Phi3,
         Self::Lfm2,
     ];
 
     /// The `model_type` values read, in the order of the README's table.
-    pub const SUPPORTED: [&'static str; 13] = [
+    pub const SUPPORTED: [&'static str; 14] = [
         "gpt2",
         "llama",
         "mistral",
@@ -74,6 +78,7 @@ impl Family {
         "smollm3",
         "olmo2",
         "granite",
+        "gemma2",
         "gemma3_text",
         "phi3",
         "lfm2",
@@ -103,6 +108,7 @@ impl Family {
             Self::SmolLm3 => "smollm3",
             Self::Olmo2 => "olmo2",
             Self::Granite => "granite",
+            Self::Gemma2 => "gemma2",
             Self::Gemma3 => "gemma3_text",
             Self::Phi3 => "phi3",
             Self::Lfm2 => "lfm2",
@@ -122,6 +128,7 @@ impl Family {
             Self::SmolLm3 => Some("smollm3"),
             Self::Olmo2 => Some("olmo2"),
             Self::Granite => Some("granite"),
+            Self::Gemma2 => Some("gemma2"),
             Self::Gemma3 => Some("gemma3"),
             Self::Phi3 => Some("phi3"),
             Self::Lfm2 => Some("lfm2"),
@@ -132,7 +139,7 @@ impl Family {
     /// multiplies by: Gemma's RMSNorm multiplies by `1 + w` (its GGUF files hold `1 + w`).
     pub(crate) fn norm_weight_shift(self) -> f64 {
         match self {
-            Self::Gemma3 => 1.0,
+            Self::Gemma2 | Self::Gemma3 => 1.0,
             _ => 0.0,
         }
     }

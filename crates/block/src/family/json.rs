@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::fields::Fields;
 use super::id::Family;
-use super::{gemma3, gpt2, granite, lfm2, llama, neo, neox, olmo2, phi3, qwen3, smollm3};
+use super::{gemma2, gemma3, gpt2, granite, lfm2, llama, neo, neox, olmo2, phi3, qwen3, smollm3};
 use crate::config::GptConfig;
 
 impl GptConfig {
@@ -33,6 +33,7 @@ impl GptConfig {
             Family::SmolLm3 => smollm3::read(&f)?,
             Family::Olmo2 => olmo2::read(&f)?,
             Family::Granite => granite::read(&f)?,
+            Family::Gemma2 => gemma2::read(&f)?,
             Family::Gemma3 => gemma3::read(&f)?,
             Family::Phi3 => phi3::read(&f)?,
             Family::Lfm2 => lfm2::read(&f)?,

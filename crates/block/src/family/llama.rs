@@ -134,6 +134,7 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
         && rope.rotary_dim.is_none_or(|r| r == head_dim)
         && cfg.rope_local.is_none()
         && cfg.final_logit_softcapping.is_none()
+        && cfg.attn_logit_softcapping.is_none()
         && !cfg.scale_attn_by_inverse_layer_idx
         && cfg.scale_attn_weights;
     if !fits {

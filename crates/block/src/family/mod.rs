@@ -4,6 +4,7 @@
 //! decides the parts and their names; one model runs them all.
 
 mod fields;
+mod gemma2;
 mod gemma3;
 mod gpt2;
 mod granite;
@@ -35,7 +36,7 @@ impl Family {
             | Self::SmolLm3
             | Self::Granite => &llama::NAMES,
             Self::Olmo2 => &olmo2::NAMES,
-            Self::Gemma3 => &gemma3::NAMES,
+            Self::Gemma2 | Self::Gemma3 => &gemma3::NAMES,
             Self::Phi3 => &phi3::NAMES,
             Self::Lfm2 => &lfm2::NAMES,
             Self::GptNeox => &neox::NAMES,

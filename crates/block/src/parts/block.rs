@@ -156,6 +156,7 @@ impl Block {
             window: cfg.window(layer_idx),
             dropout: cfg.attn_pdrop,
             scale: Some(scale),
+            softcap: cfg.attn_logit_softcapping,
             seed: Self::seed(cfg, layer_idx),
             ..MhaConfig::new(cfg.n_embd, cfg.n_head)
         }

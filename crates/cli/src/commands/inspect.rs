@@ -85,6 +85,7 @@ fn parts_of(cfg: &gpt_blocks::GptConfig) -> serde_json::Value {
             "residual": cfg.residual_multiplier,
             "logits_divided_by": cfg.logits_scaling,
             "logit_soft_cap": cfg.final_logit_softcapping,
+            "attention_soft_cap": cfg.attn_logit_softcapping,
         }),
         "local_attention_windows": windows,
         "short_convolution_layers": (0..cfg.n_layer)

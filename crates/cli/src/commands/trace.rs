@@ -176,6 +176,18 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
                     "[B, H, S, S]",
                     &scores,
                 );
+                let scores = match attn.config().softcap {
+                    Some(cap) => {
+                        let capped = ((scores / cap)?.tanh()? * cap)?;
+                        say(
+                            &format!("soft cap: {cap}·tanh(scores / {cap})"),
+                            "[B, H, S, S]",
+                            &capped,
+                        );
+                        capped
+                    }
+                    None => scores,
+                };
                 let window = attn.config().window;
                 let mask = mha::Mask {
                     window,

@@ -28,6 +28,9 @@ pub(crate) fn backward(
     out: &Tensor,
     grad_out: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    if op.softcap.is_some() {
+        candle_core::bail!("flash attention: soft-capped scores have no backward pass here")
+    }
     let (b, h, tq, d) = q.dims4()?;
     let (_, h_kv, tk, dv) = v.dims4()?;
     let (dq, dk, dv_all) = gradients(op, q, k, v, out, grad_out)?;

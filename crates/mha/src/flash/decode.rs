@@ -12,7 +12,7 @@
 //! maximum, sum and weighted values, merged at the end through their log-sum-exp
 //! (flash-decoding).
 
-use super::tiles::{FlashAttn, KvPtr, KvRows, Rows};
+use super::tiles::{soft_cap, FlashAttn, KvPtr, KvRows, Rows};
 use gpt_kernels::simd;
 
 /// Keys per block of the online softmax (the weighted values are rescaled once a block).
@@ -192,6 +192,7 @@ impl Call<'_> {
             }
             for qi in 0..nq {
                 let row = &mut s[qi * bc..(qi + 1) * bc];
+                soft_cap(row, op.softcap);
                 let visible = vis.mask_row(row, qi % tq, j0);
                 let m_new = part.m[qi].max(simd::max(&row[..visible]));
                 if m_new == f32::NEG_INFINITY {

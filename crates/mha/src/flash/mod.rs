@@ -43,7 +43,20 @@ pub fn flash_attn_cpu(
     mask: &Mask,
     scale: f64,
 ) -> Result<Tensor> {
-    let op = FlashAttn::new(q, k, mask, scale, None)?;
+    flash_attn_cpu_softcapped(q, k, v, mask, scale, None)
+}
+
+/// [`flash_attn_cpu`] with each score `s` (after the scale) soft-capped to
+/// `cap · tanh(s / cap)` before the mask, as Gemma 2's `attn_logit_softcapping` does.
+pub fn flash_attn_cpu_softcapped(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    scale: f64,
+    softcap: Option<f64>,
+) -> Result<Tensor> {
+    let op = FlashAttn::new(q, k, mask, scale, None)?.capped(softcap)?;
     unit(q)?.apply_op3_no_bwd(&unit(k)?, &unit(v)?, &op)
 }
 

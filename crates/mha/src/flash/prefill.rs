@@ -8,7 +8,7 @@ use gpt_kernels::simd;
 use rayon::prelude::*;
 
 use super::decode;
-use super::tiles::{FlashAttn, KvPtr, KvRows, Rows, Visibility, BC, BR, DIRECT_ROWS};
+use super::tiles::{soft_cap, FlashAttn, KvPtr, KvRows, Rows, Visibility, BC, BR, DIRECT_ROWS};
 use crate::dropout::DropMask;
 
 impl CustomOp3 for FlashAttn {
@@ -115,6 +115,7 @@ impl CustomOp3 for FlashAttn {
                                 vis: self.visibility(bi, tk, i0),
                                 drop: self.drop.map(|m| (m, ((bh * tq + i0) * tk) as u64)),
                                 scale: self.scale,
+                                softcap: self.softcap,
                             };
                             block.run(out_blk, lse_blk, scratch);
                         },
@@ -161,6 +162,7 @@ struct Block<'a> {
     /// The dropout mask and the index of the block's element `(0, 0)` in it.
     drop: Option<(DropMask, u64)>,
     scale: f32,
+    softcap: Option<f32>,
 }
 
 impl Block<'_> {
@@ -211,6 +213,7 @@ impl Block<'_> {
             }
             for r in 0..rows {
                 let row = &mut s[r * bc..(r + 1) * bc];
+                soft_cap(row, self.softcap);
                 let visible = self.vis.mask_row(row, r, j0);
                 let row_max = simd::max(&row[..visible]);
                 let m_new = m[r].max(row_max);

@@ -131,6 +131,7 @@ pub(crate) fn attend(
     cache: &mut KvCache,
     mask: &Mask,
     scale: f64,
+    softcap: Option<f64>,
 ) -> Result<Tensor> {
     let Heads { h, h_kv, d } = heads;
     let (b, t, w) = qkv.dims3()?;
@@ -156,7 +157,7 @@ pub(crate) fn attend(
     cv.inplace_op2(qkv, &values)?;
     let (k, v) = cache.advance(t)?;
     let tk = k.dim(2)?;
-    let op = FlashAttn::over(b, tk, qkv.device(), mask, scale)?;
+    let op = FlashAttn::over(b, tk, qkv.device(), mask, scale)?.capped(softcap)?;
 
     // The queries, rotated: `[b, t, h, d]`, read as `[b, h, t, d]`.
     let mut q = Vec::with_capacity(b * t * h * d);

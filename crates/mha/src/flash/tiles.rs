@@ -31,6 +31,9 @@ pub(crate) fn unit(t: &Tensor) -> Result<Tensor> {
 
 pub(crate) struct FlashAttn {
     pub(crate) scale: f32,
+    /// Gemma 2's soft cap: each score `s` becomes `cap · tanh(s / cap)` before the mask.
+    /// Forward passes only (the differentiable path is the reference one).
+    pub(crate) softcap: Option<f32>,
     pub(crate) causal: Option<usize>,
     /// Keys visible to a query with `causal`, itself included (local attention).
     pub(crate) window: Option<usize>,
@@ -78,11 +81,23 @@ impl FlashAttn {
         }
         Ok(Self {
             scale: scale as f32,
+            softcap: None,
             causal: mask.causal,
             window: mask.causal.and(mask.window),
             keep,
             drop: None,
             lse: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The op with its scores soft-capped at `cap` (see [`FlashAttn::softcap`]).
+    pub(crate) fn capped(self, cap: Option<f64>) -> Result<Self> {
+        if cap.is_some() && self.drop.is_some() {
+            bail!("flash_attn_cpu: soft-capped scores have no training kernel")
+        }
+        Ok(Self {
+            softcap: cap.map(|c| c as f32),
+            ..self
         })
     }
 
@@ -279,5 +294,14 @@ impl Visibility<'_> {
             }
         }
         visible
+    }
+}
+
+/// `cap · tanh(s / cap)` for every score of `row` (Gemma 2's soft cap).
+pub(crate) fn soft_cap(row: &mut [f32], cap: Option<f32>) {
+    if let Some(cap) = cap {
+        for s in row {
+            *s = cap * (*s / cap).tanh();
+        }
     }
 }

@@ -102,6 +102,7 @@ impl Gguf {
                 | Family::SmolLm3
                 | Family::Olmo2
                 | Family::Granite
+                | Family::Gemma2
                 | Family::Gemma3
                 | Family::Lfm2
                 | Family::Phi3
@@ -187,7 +188,8 @@ impl Gguf {
                     ..cfg
                 }
             }
-            Family::Gemma3 => self.gemma3(arch, cfg)?,
+            Family::Gemma2 => self.gemma(arch, cfg, 2)?,
+            Family::Gemma3 => self.gemma(arch, cfg, 3)?,
             // LFM2 as llama.cpp runs it: a layer without key/value heads is a short
             // convolution of `shortconv.l_cache` taps (no biases); per-head q/k norms.
             Family::Lfm2 => {
@@ -255,10 +257,20 @@ impl Gguf {
     /// `attention.sliding_window_pattern` (a flag per layer, or a period whose last layer
     /// is global; 6 when absent) rotating at `rope.freq_base_swa` (10000 when absent),
     /// soft-capped logits.
-    fn gemma3(&self, arch: &str, cfg: GptConfig) -> Result<GptConfig> {
+    ///
+    /// Gemma 2 (`generation` 2) as llama.cpp reads it: no q/k norms, a window of 4096 when
+    /// absent, a period of 2, every layer at one base unless `rope.freq_base_swa` is given,
+    /// the attention scores soft-capped by `attn_logit_softcapping`, and the 27B rule for the
+    /// score scale at 46 layers.
+    fn gemma(&self, arch: &str, cfg: GptConfig, generation: u8) -> Result<GptConfig> {
         let key = |k: &str| format!("{arch}.{k}");
         let n = cfg.n_layer;
-        let windows = match self.size(&key("attention.sliding_window"))? {
+        let gemma2 = generation == 2;
+        let sliding = match (self.size(&key("attention.sliding_window"))?, gemma2) {
+            (None, true) => Some(4096),
+            (w, _) => w,
+        };
+        let windows = match sliding {
             None | Some(0) => Vec::new(),
             Some(w) => match self.value(&key("attention.sliding_window_pattern")) {
                 Some(candle_core::quantized::gguf_file::Value::Array(flags)) => {
@@ -278,35 +290,45 @@ impl Gguf {
                 _ => {
                     let p = self
                         .size(&key("attention.sliding_window_pattern"))?
-                        .unwrap_or(6);
+                        .unwrap_or(if gemma2 { 2 } else { 6 });
                     // llama.cpp's set_swa_pattern: every layer windowed for a period of 0.
                     periodic_windows(if p == 0 { usize::MAX } else { p }, n, w)?
                 }
             },
         };
-        let swa_theta = self.float(&key("rope.freq_base_swa"))?.unwrap_or(10_000.0);
-        let rope = cfg.rope.as_ref().map(|r| RopeConfig {
-            theta: swa_theta,
-            scaling: RopeScaling::None,
-            ..r.clone()
-        });
-        let head_dim = match n {
-            62 => cfg.n_embd / cfg.n_head.max(1),
+        let swa_theta = match (self.float(&key("rope.freq_base_swa"))?, gemma2) {
+            (Some(t), _) => Some(t),
+            (None, true) => None, // the global base
+            (None, false) => Some(10_000.0),
+        };
+        let rope = match swa_theta {
+            Some(theta) => cfg.rope.as_ref().map(|r| RopeConfig {
+                theta,
+                scaling: RopeScaling::None,
+                ..r.clone()
+            }),
+            None => None,
+        };
+        let head_dim = match (n, gemma2) {
+            (62, false) | (46, true) => cfg.n_embd / cfg.n_head.max(1),
             _ => cfg.head_dim(),
         };
-        let softcap = self
-            .float(&key("final_logit_softcapping"))?
-            .filter(|&c| c != 0.0);
+        let cap =
+            |k: &str| -> Result<Option<f64>> { Ok(self.float(&key(k))?.filter(|&c| c != 0.0)) };
         Ok(GptConfig {
             activation_function: Activation::GeluNew,
-            qk_norm: Some(mha::QkNorm {
+            qk_norm: (!gemma2).then_some(mha::QkNorm {
                 per_head: true,
                 eps: cfg.layer_norm_epsilon,
             }),
+            attn_logit_softcapping: match gemma2 {
+                true => cap("attn_logit_softcapping")?,
+                false => None,
+            },
             norm_placement: NormPlacement::Sandwich,
             embedding_multiplier: (cfg.n_embd as f32).sqrt() as f64,
             attn_scale: Some((1.0 / (head_dim as f32).sqrt()) as f64),
-            final_logit_softcapping: softcap,
+            final_logit_softcapping: cap("final_logit_softcapping")?,
             rope_local: rope,
             windows,
             ..cfg

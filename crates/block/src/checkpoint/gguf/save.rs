@@ -63,11 +63,12 @@ pub fn save_gguf(
             cfg.family.model_type()
         )
     };
-    // llama.cpp's Gemma 3 reads one window and a flag per layer; the others none.
+    // llama.cpp's Gemma 2 and 3 read one window and a flag per layer; the others none.
+    let gemma = matches!(cfg.family, Family::Gemma2 | Family::Gemma3);
     let windows: Vec<Option<usize>> = (0..cfg.n_layer).map(|i| cfg.window(i)).collect();
     let window = windows.iter().flatten().next().copied();
     if let Some(w) = window {
-        if cfg.family != Family::Gemma3 {
+        if !gemma {
             bail!("llama.cpp's {arch} architecture has no sliding-window attention")
         }
         if windows.iter().flatten().any(|&x| x != w) {
@@ -82,7 +83,6 @@ pub fn save_gguf(
     {
         bail!("llama.cpp's {arch} architecture has no LongRoPE scaling (its phi3 has)")
     }
-    let gemma = cfg.family == Family::Gemma3;
     if let Some(local) = &cfg.rope_local {
         let same_dims = cfg.rope.as_ref().map(|r| r.rotary_dim) == Some(local.rotary_dim);
         if !gemma || local.scaling != RopeScaling::None || !same_dims {
@@ -92,9 +92,12 @@ pub fn save_gguf(
     if cfg.final_logit_softcapping.is_some() && !gemma {
         bail!("llama.cpp's {arch} architecture has no soft cap on the logits")
     }
+    if cfg.attn_logit_softcapping.is_some() && cfg.family != Family::Gemma2 {
+        bail!("llama.cpp's {arch} architecture has no soft cap on the attention scores")
+    }
     let placement = match cfg.family {
         Family::Olmo2 => NormPlacement::PostBranch,
-        Family::Gemma3 => NormPlacement::Sandwich,
+        Family::Gemma2 | Family::Gemma3 => NormPlacement::Sandwich,
         _ => NormPlacement::Pre,
     };
     if cfg.norm_placement != placement || cfg.scale_attn_by_inverse_layer_idx {
@@ -133,10 +136,11 @@ pub fn save_gguf(
             cfg.logits_scaling,
         ] != [1.0; 3];
     if gemma {
-        // llama.cpp fixes Gemma 3's scales: embeddings times sqrtf(width), scores times
-        // 1/sqrtf(head width) (the 62-layer 27B: width / heads).
-        let head = match cfg.n_layer {
-            62 => cfg.n_embd / cfg.n_head.max(1),
+        // llama.cpp fixes Gemma's scales: embeddings times sqrtf(width), scores times
+        // 1/sqrtf(head width) (the 27B, 62 layers of Gemma 3 or 46 of Gemma 2: width /
+        // heads).
+        let head = match (cfg.n_layer, cfg.family) {
+            (62, Family::Gemma3) | (46, Family::Gemma2) => cfg.n_embd / cfg.n_head.max(1),
             _ => cfg.head_dim(),
         };
         let near = |x: f64, y: f32| (x - y as f64).abs() <= 1e-6 * x.abs();
@@ -145,7 +149,7 @@ pub fn save_gguf(
             && [cfg.residual_multiplier, cfg.logits_scaling] == [1.0; 2]
             && cfg.activation_function == Activation::GeluNew;
         if !fits {
-            bail!("llama.cpp's gemma3 architecture fixes the embedding scale (sqrt of the width), the score scale (1/sqrt of the head width) and the tanh GELU; this model differs")
+            bail!("llama.cpp's {arch} architecture fixes the embedding scale (sqrt of the width), the score scale (1/sqrt of the head width) and the tanh GELU; this model differs")
         }
     } else if scaled && cfg.family != Family::Granite {
         bail!("llama.cpp's {arch} architecture has no embedding, attention, residual or logit multipliers")
@@ -407,6 +411,9 @@ pub fn save_gguf(
     }
     if let Some(cap) = cfg.final_logit_softcapping {
         meta.push((key("final_logit_softcapping"), Value::F32(cap as f32)));
+    }
+    if let Some(cap) = cfg.attn_logit_softcapping {
+        meta.push((key("attn_logit_softcapping"), Value::F32(cap as f32)));
     }
     if cfg.family == Family::GptNeox {
         meta.push((
