@@ -38,6 +38,10 @@ Models (random weights, every parameter redrawn so that a dropped or swapped par
   adds Gemma's 1 to them), per-head q/k norms, heads of 32 over a width of 64, one kv
   head, query_pre_attn_scalar equal to the head width (llama.cpp fixes it so),
   soft-capped logits;
+- gemma2: the Llama's SentencePiece tokenizer (the converter reads tokenizer.model), four
+  layers alternating windowed (window 4) and global, attention scores
+  soft-capped at 2 and logits at 5, sandwich norms, heads of 32 over a width of 64, one kv
+  head, query_pre_attn_scalar equal to the head width (llama.cpp fixes it so);
 - phi4_mini (phi3): Phi-4-mini's parts: q/k/v and gate/up fused as stored, 0.75 of each head rotated,
   LongRoPE (a context of 131072 over 4096: attention factor 1.19; the sample stays within
   the original context, where transformers and llama.cpp both take the short factors), tied;
@@ -116,7 +120,7 @@ def perturb(model, seed):
                 p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
             elif "norm" in name or "ln_" in name:
                 # Gemma's RMSNorm multiplies by 1 + w: its w near 0.
-                shift = 0.0 if model.config.model_type == "gemma3_text" else 1.0
+                shift = 0.0 if model.config.model_type in ("gemma2", "gemma3_text") else 1.0
                 p.copy_(shift + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
@@ -356,6 +360,16 @@ def gguf_models():
           rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0},
                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
           **{**small, "num_hidden_layers": 6})
+    # llama.cpp's Gemma 2 converter reads a SentencePiece tokenizer.model.
+    with_spm("gemma2")
+    build("gemma2", "gemma2", spm_tok, 17, work, ["f32", "q8_0", "q4_0"],
+          num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=4,
+          attn_logit_softcapping=2.0, final_logit_softcapping=5.0, tie_word_embeddings=True,
+          bos_token_id=1, eos_token_id=2, pad_token_id=0,
+          # Gemma 2's own base: the converter writes no rope.freq_base for it, and llama.cpp
+          # then takes 10000.
+          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+          **{**small, "num_hidden_layers": 4})
     build("phi4_mini", "phi3", bpe, 13, work, ["f32", "q8_0", "q4_0"], num_key_value_heads=2,
           tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
           original_max_position_embeddings=4096,

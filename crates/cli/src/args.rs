@@ -96,8 +96,8 @@ pub enum Format {
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// A Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2,
-    /// Granite, Gemma 3, Phi-3/Phi-4-mini, LFM2, GPT-NeoX or GPT-Neo), a GGUF file (llama, qwen2, qwen3, smollm3,
-    /// olmo2, granite, gemma3, gpt2, gptneox), a nanoGPT ckpt.pt, or a model id on the Hugging Face hub
+    /// Granite, Gemma 2, Gemma 3, Phi-3/Phi-4-mini, LFM2, GPT-NeoX or GPT-Neo), a GGUF file (llama, qwen2, qwen3, smollm3,
+    /// olmo2, granite, gemma2, gemma3, phi3, lfm2, gpt2, gptneox), a nanoGPT ckpt.pt, or a model id on the Hugging Face hub
     /// (e.g. openai-community/gpt2).
     /// Default: the small model built into gpt.
     #[arg(long, global = true)]

@@ -6,7 +6,8 @@
 //! `layer_types` or the hub's `sliding_window_pattern`, each kind with its own rotation
 //! (`rope_parameters.{sliding,full}_attention`, or the hub's `rope_theta`,
 //! `rope_local_base_freq` and `rope_scaling`, which applies to the global layers), and
-//! soft-capped logits (`final_logit_softcapping`).
+//! soft-capped logits (`final_logit_softcapping`) and, when a file sets it, soft-capped
+//! attention scores (`attn_logit_softcapping`, Gemma 2's).
 
 use candle_core::{bail, Result};
 use mha::{QkNorm, RopeConfig};
@@ -35,9 +36,6 @@ const LOCAL_THETA: f64 = 10_000.0;
 pub(super) fn read(f: &Fields) -> Result<GptConfig> {
     if f.bool("use_bidirectional_attention")?.unwrap_or(false) {
         bail!("config: use_bidirectional_attention (Gemma as an encoder) is not supported")
-    }
-    if let Some(cap) = f.f64("attn_logit_softcapping")? {
-        bail!("config: attn_logit_softcapping={cap} (soft-capped attention scores, Gemma 2's) is not supported")
     }
     let cfg = llama::read(Family::Gemma3, f)?;
     let n = cfg.n_layer;
@@ -72,6 +70,7 @@ pub(super) fn read(f: &Fields) -> Result<GptConfig> {
         attn_scale: Some(scalar.powf(-0.5)),
         embedding_multiplier: (cfg.n_embd as f64).sqrt(),
         final_logit_softcapping: f.f64("final_logit_softcapping")?,
+        attn_logit_softcapping: f.f64("attn_logit_softcapping")?,
         rope: Some(rope(global)?),
         rope_local: Some(rope(local)?),
         windows,
