@@ -34,6 +34,8 @@ p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--quantize", default="q8_0", help="'' for the f32 weights")
 p.add_argument("--dir", default="/tmp/qwen3-0.6b-v2048")
+p.add_argument("--shared", type=int, default=0,
+               help="instead: this many concurrent clients sharing one long system prompt")
 args = p.parse_args()
 
 QUESTIONS = [
@@ -133,7 +135,51 @@ def replay(model, cache_mem):
         proc.wait(timeout=60)
 
 
+def shared(model, cache_mem):
+    """`args.shared` clients at once, each with the same system prompt of about 1,000
+    tokens and a question of its own: (replies, wall seconds, median and largest time to
+    the first token, cached tokens in all)."""
+    import concurrent.futures
+    proc, addr = start(model, cache_mem)
+    try:
+        system = " ".join(QUESTIONS * 6)  # about 1,000 tokens
+        def ask(i):
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"Question {i}: {QUESTIONS[i % len(QUESTIONS)]}"}]
+            return turn(addr, messages)
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.shared) as pool:
+            out = list(pool.map(ask, range(args.shared)))
+        wall = time.perf_counter() - t0
+        ttfts = sorted(o[1] for o in out)
+        return ([o[0] for o in out], wall, statistics.median(ttfts), ttfts[-1],
+                sum(o[2] for o in out), out[0][3])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 model = checkpoint(args.dir)
+if args.shared:
+    res = {}
+    for r in range(args.rounds):
+        for mode in (["none", "cache"] if r % 2 == 0 else ["cache", "none"]):
+            res.setdefault(mode, []).append(shared(model, 1024 if mode == "cache" else 0))
+            replies, wall, p50, worst, cached, prompt = res[mode][-1]
+            print(f"round {r + 1} {mode:5}: {args.shared} clients, prompts of {prompt} tokens, "
+                  f"{cached} cached in all; {wall:.1f} s, first token p50 {p50:.2f} s, "
+                  f"last {worst:.2f} s", flush=True)
+    ok = all(a[0] == b[0] for a in res["cache"] for b in res["none"])
+    print(f"\nreplies identical with and without the cache: {ok}")
+    med = lambda m, k: statistics.median(x[k] for x in res[m])  # noqa: E731
+    print("| | wall s | first token p50 s | last first token s |")
+    print("|---|---|---|---|")
+    for m in ("none", "cache"):
+        print(f"| {m} | {med(m, 1):.1f} | {med(m, 2):.2f} | {med(m, 3):.2f} |")
+    print(f"| ratio | {med('none', 1) / med('cache', 1):.1f}x | "
+          f"{med('none', 2) / med('cache', 2):.1f}x | {med('none', 3) / med('cache', 3):.1f}x |")
+    sys.exit(0 if ok else 1)
+
 runs = {"cache": [], "none": []}
 for r in range(args.rounds):
     for mode in (["none", "cache"] if r % 2 == 0 else ["cache", "none"]):

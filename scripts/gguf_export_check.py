@@ -8,8 +8,8 @@ ids gpt gives, and continues it greedily with the tokens gpt picks.
 
 Models: the built-in one (GPT-2 layout, trained by `gpt train`) and the GGUF fixtures of
 crates/block/tests/fixtures/gguf/ (Llama, Qwen2, GPT-NeoX, GPT-2, Llama with Llama 3.1's RoPE
-scaling, Qwen3, SmolLM3, OLMo 2, Granite, Gemma 3, LFM2, Phi-4-mini), re-exported. Prints one
-line per file and exits non-zero on any difference.
+scaling, Qwen3, SmolLM3, OLMo 2, Granite, Gemma 2, Gemma 3, LFM2, Phi-4-mini), re-exported.
+Prints one line per file and exits non-zero on any difference. With names, only those.
 """
 
 import json
@@ -54,7 +54,10 @@ def main():
     sources = [(None, "builtin")] + [(os.path.join(FIX, f"{n}.f32.gguf"), n)
                                      for n in ["llama", "qwen2", "neox", "gpt2", "llama3",
                                                "qwen3", "smollm3", "olmo2", "granite",
-                                               "gemma3", "lfm2", "phi4_mini"]]
+                                               "gemma2", "gemma3", "lfm2", "phi4_mini"]]
+    only = set(sys.argv[1:])
+    if only:
+        sources = [s for s in sources if s[1] in only]
     failed = False
     for src, name in sources:
         for kind in ["f32", "f16", "q8_0", "q4_0"]:
