@@ -84,9 +84,15 @@ impl TokenizerEnv for ModelTokens {
     }
 }
 
+/// Compiled constraints kept for reuse: applications send the same schema with every
+/// request, and compiling one takes milliseconds where a small model's token takes less.
+const COMPILED_KEPT: usize = 32;
+
 /// Compiles constraints for one model (see the module's documentation).
 pub struct Grammars {
     factory: ParserFactory,
+    /// The last [`COMPILED_KEPT`] constraints compiled, most recently used last.
+    compiled: std::sync::Mutex<Vec<(GrammarSpec, Constrained)>>,
 }
 
 impl std::fmt::Debug for Grammars {
@@ -130,11 +136,33 @@ impl Grammars {
             verbose_errors: false,
             ..ParserLimits::default()
         };
-        Ok(Self { factory })
+        Ok(Self {
+            factory,
+            compiled: std::sync::Mutex::new(Vec::new()),
+        })
     }
 
-    /// `spec` compiled for this model; an error names what cannot be enforced.
+    /// `spec` compiled for this model, ready to run (a copy of the one compiled before, if
+    /// it was); an error names what cannot be enforced.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Constrained> {
+        let mut kept = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = kept.iter().position(|(s, _)| s == spec) {
+            let entry = kept.remove(i);
+            let fresh = entry.1.fork();
+            kept.push(entry);
+            return Ok(fresh);
+        }
+        drop(kept);
+        let c = self.compile_new(spec)?;
+        let mut kept = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() >= COMPILED_KEPT {
+            kept.remove(0);
+        }
+        kept.push((spec.clone(), c.fork()));
+        Ok(c)
+    }
+
+    fn compile_new(&self, spec: &GrammarSpec) -> Result<Constrained> {
         let parser = self
             .factory
             .create_parser(spec.top_level())
