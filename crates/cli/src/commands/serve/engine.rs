@@ -370,24 +370,16 @@ fn step_all(model: &Gpt, active: &mut Vec<Seq>, metrics: &Metrics, done: &mut Ve
         caches.push(cache);
         constraints.push(job.constraint.as_mut());
     }
-    // The constrained sequences' token masks are computed on a thread of their own while
-    // the forward pass runs (neither reads what the other writes).
-    let masking = constraints.iter().any(Option::is_some);
-    let (logits, masks) = std::thread::scope(|s| {
-        let thread = match masking {
-            true => std::thread::Builder::new()
-                .spawn_scoped(s, || mask_all(&mut constraints))
-                .ok(),
-            false => None,
-        };
-        let logits = decode(model, &last, &mut caches, &lens);
-        (logits, thread.map(|t| t.join().unwrap_or_default()))
-    });
-    let mut masks = match masks {
-        Some(masks) => masks,
-        // No thread to be had: after the pass.
-        None if masking => mask_all(&mut constraints),
-        None => Vec::new(),
+    // The constrained sequences' token masks are computed while the forward pass runs
+    // (neither reads what the other writes): the forward pass splits its products over the
+    // kernels' own team, so an idle worker of rayon's pool takes the masks (when none is
+    // free, this thread computes them after the pass).
+    let (logits, mut masks) = match constraints.iter().any(Option::is_some) {
+        true => rayon::join(
+            || decode(model, &last, &mut caches, &lens),
+            || mask_all(&mut constraints),
+        ),
+        false => (decode(model, &last, &mut caches, &lens), Vec::new()),
     };
     masks.resize_with(active.len(), || None);
     // Sampling reads the whole vocabulary per sequence: split it across the cores.
