@@ -123,6 +123,20 @@ impl PromptCache {
         walk
     }
 
+    /// Stores `node` in a free slot, or a new one; returns its index.
+    fn add(&mut self, node: Node) -> usize {
+        match self.free.pop() {
+            Some(i) => {
+                self.nodes[i] = Some(node);
+                i
+            }
+            None => {
+                self.nodes.push(Some(node));
+                self.nodes.len() - 1
+            }
+        }
+    }
+
     fn touch(&mut self, nodes: impl IntoIterator<Item = usize>) {
         self.clock += 1;
         let now = self.clock;
@@ -203,16 +217,7 @@ impl PromptCache {
             };
             self.used += leaf.bytes;
             let first = leaf.tokens[0];
-            let i = match self.free.pop() {
-                Some(i) => {
-                    self.nodes[i] = Some(leaf);
-                    i
-                }
-                None => {
-                    self.nodes.push(Some(leaf));
-                    self.nodes.len() - 1
-                }
-            };
+            let i = self.add(leaf);
             self.node_mut(at).children.insert(first, i);
             path.push(i);
         }
@@ -245,16 +250,7 @@ impl PromptCache {
             children: HashMap::new(),
             last_used: node.last_used,
         };
-        let j = match self.free.pop() {
-            Some(j) => {
-                self.nodes[j] = Some(head);
-                j
-            }
-            None => {
-                self.nodes.push(Some(head));
-                self.nodes.len() - 1
-            }
-        };
+        let j = self.add(head);
         let node = self.node_mut(i);
         node.tokens.drain(..m);
         node.bytes = span_bytes(&tail);
