@@ -1,9 +1,10 @@
 """Real chat templates rendered by transformers, for the differential test of our renderer.
 
 Every template of llama.cpp's models/templates/ (real models' templates, as their hub
-repositories publish them) and the five our earlier tests used (Llama 3.2, Qwen2.5 and SmolLM3
+repositories publish them), the five our earlier tests used (Llama 3.2, Qwen2.5 and SmolLM3
 from the same directory; Zephyr/TinyLlama and SmolLM2 as their tokenizer_config.json on the hub
-publishes them), each rendered by transformers' own `apply_chat_template` (Python Jinja2 in its
+publishes them) and Gemma 3's (from transformers' own Gemma 3 converter), each rendered by
+transformers' own `apply_chat_template` (Python Jinja2 in its
 sandbox, with transformers' `tojson`, `raise_exception`, `strftime_now`, the `generation` tag,
 `namespace` and `dict`, and the special tokens as variables) for ten conversations, with
 `add_generation_prompt` both ways. What transformers raises is recorded as a refusal: our
@@ -46,6 +47,53 @@ SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'
            "Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
            "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt "
            "%}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# The template transformers' Gemma 3 converter writes beside the tokenizer (its `_CHAT_TEMPLATE`,
+# huggingface/transformers src/transformers/models/gemma3/convert_gemma3_weights_orbax_to_hf.py at
+# 58827fc), as Gemma 3's instruction-tuned hub repositories publish it; llama.cpp's directory has
+# Gemma 2's and Gemma 4's only. Copied as the Python source spells it ("\n" inside its Jinja strings
+# is a newline).
+GEMMA3 = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
 
 # The special tokens' texts of the models whose tokens the templates name; others get Llama's.
 SPECIAL = {
@@ -131,6 +179,9 @@ def templates() -> dict[str, tuple[str, str]]:
                           f"llama.cpp models/templates/{path.name} (llama-cpp-python 0.3.36's vendored tree)")
     out["zephyr"] = (ZEPHYR, "HuggingFaceH4/zephyr-7b-beta tokenizer_config.json (TinyLlama-1.1B-Chat's too)")
     out["smollm2"] = (SMOLLM2, "HuggingFaceTB/SmolLM2-135M-Instruct tokenizer_config.json")
+    out["google-gemma-3-it"] = (GEMMA3, "transformers' Gemma 3 converter, `_CHAT_TEMPLATE` in "
+                                "src/transformers/models/gemma3/convert_gemma3_weights_orbax_to_hf.py "
+                                "(huggingface/transformers 58827fc)")
     return out
 
 

@@ -37,7 +37,8 @@ Models (random weights, every parameter redrawn so that a dropped or swapped par
   fixed period of 6), local and global bases 100 and 1000, sandwich norms (the converter
   adds Gemma's 1 to them), per-head q/k norms, heads of 32 over a width of 64, one kv
   head, query_pre_attn_scalar equal to the head width (llama.cpp fixes it so),
-  soft-capped logits;
+  soft-capped logits; Gemma 3's chat template (the chat fixtures' copy of it), which folds
+  the system turn into the first user turn;
 - gemma2: the Llama's SentencePiece tokenizer (the converter reads tokenizer.model), four
   layers alternating windowed (window 4) and global, attention scores
   soft-capped at 2 and logits at 5, sandwich norms, heads of 32 over a width of 64, one kv
@@ -353,7 +354,7 @@ def gguf_models():
           embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.5,
           logits_scaling=3.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
           pad_token_id=0, **small)
-    build("gemma3", "gemma3_text", bpe, 11, work, ["f32", "q8_0", "q4_0"],
+    build("gemma3", "gemma3_text", bpe, 11, work, ["f32", "q8_0", "q4_0"], chat_template=GEMMA3,
           num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=4,
           sliding_window_pattern=6, final_logit_softcapping=5.0, tie_word_embeddings=True,
           bos_token_id=0, eos_token_id=0, pad_token_id=0,
@@ -391,6 +392,9 @@ ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{
           "'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n{% endif "
           "%}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif "
           "%}\n{% endfor %}")
+# Gemma 3's template, as scripts/chat_template_fixtures.py copied it from transformers.
+GEMMA3 = open(os.path.join(HERE, "..", "crates", "cli", "tests", "fixtures", "chat", "templates",
+                           "google-gemma-3-it.jinja"), encoding="utf-8").read()
 
 if __name__ == "__main__":
     gguf_models()

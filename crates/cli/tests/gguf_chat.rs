@@ -101,29 +101,37 @@ fn text_through_a_gguf_file_gives_transformers_ids_and_llama_cpp_tokens() {
     }
 }
 
+/// The template a GGUF file carries, rendered for a system and a user turn, gives the ids
+/// transformers' `apply_chat_template` gives: Zephyr's roles (llama), and Gemma 3's, which has
+/// no system role and folds the system turn into the first user turn (`<start_of_turn>model`).
 #[test]
 fn chat_renders_the_files_template_as_transformers_does() {
-    let exp = expected("llama");
-    let out = ok(&[
-        "--model",
-        &gguf("llama.q4_0.gguf"),
-        "generate",
-        "--chat",
-        "--system",
-        "Be brief.",
-        "--prompt",
-        "Hello there!",
-        "--temperature",
-        "0",
-        "--max-new-tokens",
-        "6",
-        "--format",
-        "json",
-    ]);
-    let got: Vec<u32> = serde_json::from_value(json(&out)["prompt_ids"].clone()).unwrap();
-    assert_eq!(got, ids(&exp["chat_ids"]));
-    let text = ok(&["--model", &gguf("llama.q4_0.gguf"), "inspect"]);
-    assert!(text.contains("chat: the model's own template"), "{text}");
+    for (name, file) in [("llama", "llama.q4_0.gguf"), ("gemma3", "gemma3.q8_0.gguf")] {
+        let exp = expected(name);
+        let out = ok(&[
+            "--model",
+            &gguf(file),
+            "generate",
+            "--chat",
+            "--system",
+            "Be brief.",
+            "--prompt",
+            "Hello there!",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "6",
+            "--format",
+            "json",
+        ]);
+        let got: Vec<u32> = serde_json::from_value(json(&out)["prompt_ids"].clone()).unwrap();
+        assert_eq!(got, ids(&exp["chat_ids"]), "{file}");
+        let text = ok(&["--model", &gguf(file), "inspect"]);
+        assert!(
+            text.contains("chat: the model's own template"),
+            "{file}: {text}"
+        );
+    }
 }
 
 #[test]
