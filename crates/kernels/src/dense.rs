@@ -511,7 +511,8 @@ pub(crate) fn spans(d_in: usize, width: usize, weights: usize) -> (Vec<(usize, u
 }
 
 /// `dst[r·ds + j] = (x · w)[r, j]` for `x` `[m, in]` and the `[in, n]` span `w` whose
-/// element (k, j) is `w[k·rs + j·cs]`, by the f32 GEMM on this thread.
+/// element (k, j) is `w[k·rs + j·cs]`, on this thread: by [`simd::avx512_gemm`] where the
+/// CPU has AVX-512F, else by the `gemm` crate's f32 GEMM.
 ///
 /// # Safety
 /// `dst` has `m` rows of stride `ds` with `n` writable columns that no other thread
@@ -528,6 +529,11 @@ unsafe fn gemm_span(
     rs: usize,
     cs: usize,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the caller's, and the CPU has just been seen to have AVX-512F.
+        return unsafe { simd::avx512_gemm::gemm(x, m, d_in, dst, ds, n, w, rs, cs) };
+    }
     // SAFETY: the caller's.
     unsafe {
         gemm::gemm(

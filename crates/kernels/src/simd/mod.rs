@@ -22,6 +22,10 @@ pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
 
+/// The f32 GEMM of a prefill product's tasks on AVX-512.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512_gemm;
+
 /// Whether this CPU has the f16 product kernels below (AVX-512F, or AVX2 with FMA and
 /// F16C).
 pub fn f16_kernels() -> bool {
