@@ -393,8 +393,8 @@ fn strftime(format: &str, secs: u64) -> String {
 
 #[cfg(test)]
 mod tests {
-    //! The differential test against transformers: 72 real chat templates (llama.cpp's
-    //! models/templates, Zephyr's and SmolLM2's) × 10 conversations (system, several turns,
+    //! The differential test against transformers: 73 real chat templates (llama.cpp's
+    //! models/templates, Zephyr's, SmolLM2's and Gemma 3's) × 10 conversations (system, several turns,
     //! tool calls with mapping and string arguments and their results, null content,
     //! non-ASCII, an assistant turn last, reasoning, documents, text parts) × both settings
     //! of `add_generation_prompt`, rendered by transformers' `apply_chat_template`
