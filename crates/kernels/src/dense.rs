@@ -479,7 +479,8 @@ fn span_products<E: SpanElem>(
 /// `[in, width]` product, and whether they run on the pool (a weight of `weights` values
 /// at least `PARALLEL_MIN`): tasks of about `TASK_SLAB` weights, as many as a multiple of
 /// the threads (a GQA model's k and v projections are small: one task would leave a thread
-/// idle), of at least `MIN_COLS` columns (the GEMM packs `x` again for every task).
+/// idle), of at least `MIN_COLS` columns (the `gemm` crate, where it runs, packs `x` again
+/// for every task).
 pub(crate) fn spans(d_in: usize, width: usize, weights: usize) -> (Vec<(usize, usize)>, bool) {
     let parallel = weights >= PARALLEL_MIN;
     let threads = if parallel {

@@ -5,7 +5,7 @@
 //! Why not the `gemm` crate here: for such a span it packs `x` (all `m × k` of it) again for
 //! every task, and with the span's columns as its vector dimension the spans' widths
 //! (multiples of 16, rarely of its 64) fall to its narrower edge kernels; both cost a fifth
-//! of a prefill (docs/PERFORMANCE.md, "Prefill GEMM"). Here the vectors run along the output
+//! of a prefill (docs/PERFORMANCE.md, "Dense products"). Here the vectors run along the output
 //! columns instead: the span's weights are packed, a block of `KC` inputs by 64 columns at a
 //! time, into a panel (`[KC][64]` f32, in L1 while every row of `x` passes), and `x` is
 //! read where it lies, each value broadcast to a 6 × 64 tile of 24 accumulators (the BLIS
@@ -333,7 +333,15 @@ mod tests {
     use super::*;
     use half::f16;
 
-    fn reference(x: &[f32], m: usize, k: usize, w: &[f32], rs: usize, cs: usize, n: usize) -> Vec<f64> {
+    fn reference(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        w: &[f32],
+        rs: usize,
+        cs: usize,
+        n: usize,
+    ) -> Vec<f64> {
         let mut out = vec![0f64; m * n];
         for r in 0..m {
             for j in 0..n {
@@ -414,9 +422,15 @@ mod tests {
                 for r in 0..m {
                     for j in 0..n {
                         let (g, e) = (dst[r * ds + j] as f64, want[r * n + j]);
-                        assert!((g - e).abs() <= 1e-5 * (1.0 + e.abs()) * (k as f64).sqrt(), "m {m} k {k} n {n} layout {layout} ({r}, {j}): {g} vs {e}");
+                        assert!(
+                            (g - e).abs() <= 1e-5 * (1.0 + e.abs()) * (k as f64).sqrt(),
+                            "m {m} k {k} n {n} layout {layout} ({r}, {j}): {g} vs {e}"
+                        );
                     }
-                    assert!(dst[r * ds + n..(r + 1) * ds].iter().all(|v| v.is_nan()), "wrote past n");
+                    assert!(
+                        dst[r * ds + n..(r + 1) * ds].iter().all(|v| v.is_nan()),
+                        "wrote past n"
+                    );
                 }
             }
         }
