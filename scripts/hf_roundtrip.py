@@ -1,5 +1,5 @@
-"""Checks that checkpoints written by `block::save_dir` (GPT-2, Llama, Qwen3, SmolLM3, OLMo 2
-and Granite directories) load
+"""Checks that checkpoints written by `block::save_dir` (GPT-2, Llama, Qwen3, SmolLM3, OLMo 2,
+Granite, Gemma 2 and Gemma 3 directories) load
 in transformers and give our logits. Run it after changing the writer:
 
     /tmp/ref/bin/python scripts/hf_roundtrip.py
@@ -30,6 +30,9 @@ sources += [os.path.join(FIX, "families", n) for n in ("llama_gqa_bias", "llama_
 # (SmolLM3), norms after the branches (OLMo 2), multipliers (Granite).
 sources += [os.path.join(FIX, "families", n)
             for n in ("qwen3_qk_norm", "smollm3_nope", "olmo2_post_norm", "granite_multipliers")]
+# Gemma 2 and 3: sandwich norms stored as `w` for `1 + w`, windows by layer type, soft caps,
+# and Gemma 3's two rotations.
+sources += [os.path.join(FIX, "families", n) for n in ("gemma2_softcap", "gemma3_local_global")]
 # The built-in model, trained and saved by `gpt train` (f16 weights).
 sources.append(os.path.join(ROOT, "crates", "cli", "models", "default"))
 worst = 0.0
@@ -39,10 +42,12 @@ with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["cargo", "run", "-q", "-p", "gpt-blocks", "--example", "resave", "--", src, out],
                        cwd=ROOT, check=True)
         ours = load_file(os.path.join(out, "ours.safetensors"))
-        model = AutoModelForCausalLM.from_pretrained(out).eval()
+        # Eager attention: the plain reference (Gemma 2's soft-capped scores need it).
+        model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
         assert type(model).__name__ in ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM",
                                     "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
-                                    "GraniteForCausalLM"), type(model)
+                                    "GraniteForCausalLM", "Gemma2ForCausalLM",
+                                    "Gemma3ForCausalLM"), type(model)
         with torch.no_grad():
             theirs = model(ours["input_ids"]).logits
         diff = (theirs - ours["logits"]).abs().max().item()

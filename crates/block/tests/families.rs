@@ -909,8 +909,9 @@ fn training_gpt_neox_is_refused_with_the_reason() {
     assert!(!err.contains("bias"), "a misleading hint: {err}");
 }
 
-/// Llama's configs and those of the families in its layout (Qwen3, SmolLM3, OLMo 2,
-/// Granite) are written as transformers reads them (`scripts/hf_roundtrip.py` loads the
+/// Llama's configs, those of the families in its layout (Qwen3, SmolLM3, OLMo 2, Granite)
+/// and Gemma 2's and 3's (norms written back as `w` for `1 + w`) are written as
+/// transformers reads them (`scripts/hf_roundtrip.py` loads the
 /// written directories in transformers) and read back as the same model; what a family's
 /// file cannot express is refused before anything is written.
 #[test]
@@ -922,6 +923,8 @@ fn llama_configs_round_trip_and_others_are_refused() {
         "smollm3_nope",
         "olmo2_post_norm",
         "granite_multipliers",
+        "gemma2_softcap",
+        "gemma3_local_global",
     ] {
         let model = load(&fixture(name), DType::F32);
         let dir =
@@ -942,8 +945,6 @@ fn llama_configs_round_trip_and_others_are_refused() {
         "qwen2_bias_window",
         "neox_parallel",
         "neo_local",
-        "gemma2_softcap",
-        "gemma3_local_global",
         "phi3_window",
         "lfm2_hybrid",
     ] {

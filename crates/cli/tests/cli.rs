@@ -884,6 +884,110 @@ fn train_fine_tunes_a_model_with_its_tokenizer() {
     fails(&a, "exceeds the model's context of 64");
 }
 
+/// Gemma 3 (`gemma3_text`: sandwich norms stored as `w` for `1 + w`, q/k norms, GeGLU,
+/// local and global layers with their own rotations, soft-capped logits) is fine-tuned and
+/// written back as a Gemma 3 directory that loads again; the fixture's vocabulary (64) takes
+/// a character-level tokenizer of the corpus. Phi-3 and LFM2 are refused by name.
+#[test]
+fn train_fine_tunes_gemma_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_corpus(dir.path());
+    let text = std::fs::read_to_string(&data).unwrap();
+    let mut chars: Vec<char> = text.chars().collect();
+    chars.sort_unstable();
+    chars.dedup();
+    // BPE without merges and without a pre-tokenizer: one token per character.
+    let vocab: serde_json::Map<String, serde_json::Value> = std::iter::once("<unk>".to_string())
+        .chain(chars.iter().map(char::to_string))
+        .enumerate()
+        .map(|(i, c)| (c, i.into()))
+        .collect();
+    assert!(vocab.len() <= 64, "{} characters", vocab.len());
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+        "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "added_tokens": [{"id": 0, "content": "<unk>", "single_word": false, "lstrip": false,
+                          "rstrip": false, "normalized": false, "special": true}],
+        "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>",
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": []}
+    });
+    let copy = |name: &str| -> PathBuf {
+        let src = dir.path().join(name);
+        std::fs::create_dir_all(&src).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture("families").join(name).join(f), src.join(f)).unwrap();
+        }
+        std::fs::write(src.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+        src
+    };
+    let src = copy("gemma3_local_global");
+    let out = dir.path().join("tuned");
+    let (data, out_s, model) = (
+        data.to_str().unwrap(),
+        out.to_str().unwrap(),
+        src.to_str().unwrap(),
+    );
+    let run = |model: &str, out: &str| {
+        gpt(&[
+            "train",
+            "--data",
+            data,
+            "--out",
+            out,
+            "--model",
+            model,
+            "--block-size",
+            "32",
+            "--batch-size",
+            "8",
+            "--steps",
+            "20",
+            "--lr",
+            "3e-3",
+            "--warmup",
+            "1",
+            "--dropout",
+            "0",
+            "--eval-every",
+            "5",
+            "--eval-batches",
+            "2",
+            "--quiet",
+            "--device",
+            "cpu",
+        ])
+    };
+    let o = run(model, out_s);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let vals = val_losses(&out);
+    assert!(vals[vals.len() - 1] < vals[0], "{vals:?}");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "Gemma3ForCausalLM");
+    assert_eq!(cfg["model_type"], "gemma3_text");
+    ok(&[
+        "--model",
+        out_s,
+        "score",
+        "--text",
+        "The cat sat on the mat.",
+    ]);
+    for name in ["phi3_window", "lfm2_hybrid"] {
+        let src = copy(name);
+        let o = run(
+            src.to_str().unwrap(),
+            dir.path().join("no").to_str().unwrap(),
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && err.contains("are not saved"),
+            "{name}: {err}"
+        );
+    }
+}
+
 #[test]
 fn train_refuses_architecture_options_that_do_not_fit() {
     let dir = tempfile::tempdir().unwrap();

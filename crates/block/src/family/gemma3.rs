@@ -7,13 +7,14 @@
 //! (`rope_parameters.{sliding,full}_attention`, or the hub's `rope_theta`,
 //! `rope_local_base_freq` and `rope_scaling`, which applies to the global layers), and
 //! soft-capped logits (`final_logit_softcapping`) and, when a file sets it, soft-capped
-//! attention scores (`attn_logit_softcapping`, Gemma 2's).
+//! attention scores (`attn_logit_softcapping`, Gemma 2's). [`write`] writes Gemma 3's and
+//! Gemma 2's files.
 
 use candle_core::{bail, Result};
 use mha::{QkNorm, RopeConfig};
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
-use super::fields::{layer_windows, Fields};
+use super::fields::{decimal, layer_windows, Fields};
 use super::id::Family;
 use super::llama;
 use super::names::{gguf, name, TensorNames};
@@ -122,4 +123,80 @@ fn rope_params(f: &Fields) -> Result<(Map<String, Value>, Map<String, Value>)> {
     fill(&mut global, global_theta);
     fill(&mut local, local_theta);
     Ok((global.unwrap_or_default(), local.unwrap_or_default()))
+}
+
+/// The `config.json` of Gemma 3 (`Gemma3ForCausalLM`, transformers 5's fields: `layer_types`,
+/// `rope_parameters` per layer type) or Gemma 2 (`Gemma2ForCausalLM`, one rotation). What
+/// the fields cannot say (windows of two widths, a GELU other than the tanh form, ...) is
+/// caught by [`GptConfig::to_json`]'s re-read and refused.
+pub(super) fn write(cfg: &GptConfig) -> Result<Value> {
+    let family = cfg.family;
+    let (Some(rope), Some(scale)) = (&cfg.rope, cfg.attn_scale) else {
+        bail!(
+            "a {} model without rotary positions or a score scale cannot be saved",
+            family.model_type()
+        )
+    };
+    if cfg.activation_function != Activation::GeluNew {
+        bail!(
+            "a {} model with an MLP activation other than the tanh GELU cannot be saved",
+            family.model_type()
+        )
+    }
+    let windows: Vec<Option<usize>> = (0..cfg.n_layer).map(|l| cfg.window(l)).collect();
+    let window = windows.iter().flatten().next().copied();
+    let types: Vec<&str> = windows
+        .iter()
+        .map(|w| match w {
+            Some(_) => "sliding_attention",
+            None => "full_attention",
+        })
+        .collect();
+    // `attn_scale` is `query_pre_attn_scalar^-0.5`; the files' scalars are whole numbers
+    // (a head width), written as such so that the re-read gives the same scale.
+    let scalar = scale.powi(-2);
+    let scalar = match (scalar.round() - scalar).abs() < 1e-9 * scalar {
+        true => json!(scalar.round() as u64),
+        false => json!(scalar),
+    };
+    let mut json = json!({
+        "architectures": [match family {
+            Family::Gemma2 => "Gemma2ForCausalLM",
+            _ => "Gemma3ForCausalLM",
+        }],
+        "model_type": family.model_type(),
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.inner_dim(),
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads(),
+        "head_dim": cfg.head_dim(),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": cfg.n_positions,
+        "rms_norm_eps": cfg.layer_norm_epsilon,
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": window.unwrap_or(4096),
+        "layer_types": types,
+        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "attn_logit_softcapping": cfg.attn_logit_softcapping,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attn_bias,
+        "attention_dropout": decimal(cfg.attn_pdrop),
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": null,
+    });
+    match family {
+        Family::Gemma2 => json["rope_parameters"] = llama::rope_json(rope),
+        _ => {
+            let local = cfg.rope_local.as_ref().unwrap_or(rope);
+            json["rope_parameters"] = json!({
+                "full_attention": llama::rope_json(rope),
+                "sliding_attention": llama::rope_json(local),
+            });
+            json["use_bidirectional_attention"] = false.into();
+        }
+    }
+    Ok(json)
 }

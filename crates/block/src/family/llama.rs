@@ -2,7 +2,7 @@
 //! `config.json` read, and Llama's written.
 
 use candle_core::{bail, Result};
-use mha::RopeScaling;
+use mha::{RopeConfig, RopeScaling};
 
 use super::fields::{base, decimal, free_head_dim, layer_windows, Fields};
 use super::id::Family;
@@ -140,38 +140,7 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
     if !fits {
         bail!("this model has parts the {} config.json cannot express (windows, partial rotary, LayerNorm, an ungated MLP, parallel residuals, unequal attention biases, q/k norms, layers without rotation or multipliers where the family has none); it cannot be saved", family.model_type())
     }
-    let mut params = serde_json::json!({ "rope_theta": rope.theta, "rope_type": "default" });
-    match &rope.scaling {
-        RopeScaling::None => {}
-        RopeScaling::LongRope {
-            short_factor,
-            long_factor,
-            original_max_position_embeddings,
-            attention_factor,
-        } => {
-            params["rope_type"] = "longrope".into();
-            params["short_factor"] = short_factor.clone().into();
-            params["long_factor"] = long_factor.clone().into();
-            params["original_max_position_embeddings"] = (*original_max_position_embeddings).into();
-            params["attention_factor"] = (*attention_factor).into();
-        }
-        RopeScaling::Linear { factor } => {
-            params["rope_type"] = "linear".into();
-            params["factor"] = (*factor).into();
-        }
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => {
-            params["rope_type"] = "llama3".into();
-            params["factor"] = (*factor).into();
-            params["low_freq_factor"] = (*low_freq_factor).into();
-            params["high_freq_factor"] = (*high_freq_factor).into();
-            params["original_max_position_embeddings"] = (*original_max_position_embeddings).into();
-        }
-    }
+    let params = rope_json(rope);
     let arch = match family {
         Family::Qwen3 => "Qwen3ForCausalLM",
         Family::SmolLm3 => "SmolLM3ForCausalLM",
@@ -234,4 +203,42 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
         _ => {}
     }
     Ok(json)
+}
+
+/// A rotation as transformers 5's `rope_parameters` (`rope_theta`, `rope_type` and the
+/// scaling's own fields).
+pub(super) fn rope_json(rope: &RopeConfig) -> serde_json::Value {
+    let mut params = serde_json::json!({ "rope_theta": rope.theta, "rope_type": "default" });
+    match &rope.scaling {
+        RopeScaling::None => {}
+        RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        } => {
+            params["rope_type"] = "longrope".into();
+            params["short_factor"] = short_factor.clone().into();
+            params["long_factor"] = long_factor.clone().into();
+            params["original_max_position_embeddings"] = (*original_max_position_embeddings).into();
+            params["attention_factor"] = (*attention_factor).into();
+        }
+        RopeScaling::Linear { factor } => {
+            params["rope_type"] = "linear".into();
+            params["factor"] = (*factor).into();
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            params["rope_type"] = "llama3".into();
+            params["factor"] = (*factor).into();
+            params["low_freq_factor"] = (*low_freq_factor).into();
+            params["high_freq_factor"] = (*high_freq_factor).into();
+            params["original_max_position_embeddings"] = (*original_max_position_embeddings).into();
+        }
+    }
+    params
 }

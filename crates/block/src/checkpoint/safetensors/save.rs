@@ -1,5 +1,6 @@
-//! A model written as a Hugging Face directory: the `config.json` of GPT-2, Llama or a
-//! family in Llama's layout (Qwen3, SmolLM3, OLMo 2, Granite), and `model.safetensors`.
+//! A model written as a Hugging Face directory: the `config.json` of GPT-2, Llama, a
+//! family in Llama's layout (Qwen3, SmolLM3, OLMo 2, Granite) or Gemma 2 and 3, and
+//! `model.safetensors`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -12,8 +13,8 @@ use crate::model::Gpt;
 
 /// Writes `model` as a Hugging Face directory (`config.json`, `model.safetensors`) that
 /// `transformers.AutoModelForCausalLM.from_pretrained` loads: GPT-2 models as
-/// `GPT2LMHeadModel`, Llama models as `LlamaForCausalLM`, Qwen3, SmolLM3, OLMo 2 and
-/// Granite as their own classes (other families are refused, see
+/// `GPT2LMHeadModel`, Llama models as `LlamaForCausalLM`, Qwen3, SmolLM3, OLMo 2,
+/// Granite, Gemma 2 and Gemma 3 as their own classes (other families are refused, see
 /// [`GptConfig::to_json`](crate::GptConfig::to_json)). Each file is written to a
 /// temporary name and renamed, so an interrupted save never leaves a half-written file.
 pub fn save_dir(model: &Gpt, dir: &Path) -> Result<()> {
