@@ -1,5 +1,5 @@
 """Checks that checkpoints written by `block::save_dir` (GPT-2, Llama, Qwen3, SmolLM3, OLMo 2,
-Granite, Gemma 2 and Gemma 3 directories) load
+Granite, Phi-3, Gemma 2, Gemma 3 and LFM2 directories) load
 in transformers and give our logits. Run it after changing the writer:
 
     /tmp/ref/bin/python scripts/hf_roundtrip.py
@@ -33,6 +33,11 @@ sources += [os.path.join(FIX, "families", n)
 # Gemma 2 and 3: sandwich norms stored as `w` for `1 + w`, windows by layer type, soft caps,
 # and Gemma 3's two rotations.
 sources += [os.path.join(FIX, "families", n) for n in ("gemma2_softcap", "gemma3_local_global")]
+# LFM2: convolution blocks between attention blocks, with and without the convolution's bias.
+sources += [os.path.join(FIX, "families", n) for n in ("lfm2_hybrid", "lfm2_conv_bias")]
+# Phi-3: q/k/v and gate/up fused again as stored; a window; Phi-4-mini's partial rotary and
+# LongRoPE.
+sources += [os.path.join(FIX, "families", n) for n in ("phi3_window", "phi4_longrope")]
 # The built-in model, trained and saved by `gpt train` (f16 weights).
 sources.append(os.path.join(ROOT, "crates", "cli", "models", "default"))
 worst = 0.0
@@ -47,7 +52,8 @@ with tempfile.TemporaryDirectory() as tmp:
         assert type(model).__name__ in ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM",
                                     "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
                                     "GraniteForCausalLM", "Gemma2ForCausalLM",
-                                    "Gemma3ForCausalLM"), type(model)
+                                    "Gemma3ForCausalLM", "Lfm2ForCausalLM",
+                                    "Phi3ForCausalLM"), type(model)
         with torch.no_grad():
             theirs = model(ours["input_ids"]).logits
         diff = (theirs - ours["logits"]).abs().max().item()

@@ -57,7 +57,7 @@ pub use checkpoint::load::load;
 pub use checkpoint::nanogpt::{load_nanogpt, nanogpt_config};
 pub use checkpoint::options::LoadOptions;
 pub use checkpoint::safetensors::{
-    load_bytes, load_files, read_config, save_dir, save_dir_as, weight_files,
+    load_bytes, load_files, parts_of_stored, read_config, save_dir, save_dir_as, weight_files,
 };
 pub use config::{Activation, GptConfig, NormKind, NormPlacement};
 pub use family::Family;

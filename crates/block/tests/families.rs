@@ -832,9 +832,28 @@ fn trainable(name: &str, dtype: DType) -> (Vec<(String, candle_core::Var)>, Gpt)
         candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
     let mut vars = common::vars_of(&varmap);
     vars.sort_by(|a, b| a.0.cmp(&b.0));
+    // Phi-3 stores q/k/v and gate/up fused: a part is its rows of the stored tensor.
+    let hd = cfg.head_dim();
+    let (q, kv, inner) = (cfg.n_head * hd, cfg.kv_heads() * hd, cfg.inner_dim());
+    let fused = [
+        ("q_proj", "qkv_proj", 0, q),
+        ("k_proj", "qkv_proj", q, kv),
+        ("v_proj", "qkv_proj", q + kv, kv),
+        ("gate_proj", "gate_up_proj", 0, inner),
+        ("up_proj", "gate_up_proj", inner, inner),
+    ];
+    let part = |n: &str| {
+        fused.iter().find_map(|(part, stored, first, rows)| {
+            let w = weights.get(&n.replace(&format!(".{part}."), &format!(".{stored}.")))?;
+            n.contains(&format!(".{part}."))
+                .then(|| w.narrow(0, *first, *rows).unwrap())
+        })
+    };
     for (n, var) in &vars {
         let w = weights
             .get(n)
+            .cloned()
+            .or_else(|| part(n))
             .unwrap_or_else(|| panic!("{name}: no {n} in the file"));
         var.set(&w.to_dtype(dtype).unwrap()).unwrap();
     }
@@ -848,16 +867,14 @@ const TRAIN_IDS: [[u32; 10]; 2] = [
 
 /// Training through every family but GPT-NeoX (whose fused, head-interleaved q/k/v rows
 /// are regrouped at load, for inference): RoPE (partial and scaled), RMSNorm, SwiGLU,
-/// grouped and multi-query heads, q/k/v biases, sliding and local windows, untied heads.
+/// grouped and multi-query heads, q/k/v biases, sliding and local windows, untied heads,
+/// Phi-3's partial rotary, Gemma's sandwich norms and soft caps, LFM2's convolutions.
 /// The loss's gradient in f64 against central finite differences.
 #[test]
 fn gradients_match_finite_differences_in_the_trainable_families() {
     let ids = Tensor::new(&TRAIN_IDS, &Device::Cpu).unwrap();
-    // Phi-3's parts are Llama's (its files store them fused; `trainable` reads them apart).
-    for name in MODELS
-        .iter()
-        .filter(|n| !n.starts_with("neox") && !n.starts_with("phi3"))
-    {
+    // Phi-3's files store q/k/v and gate/up fused; `trainable` reads them apart.
+    for name in MODELS.iter().filter(|n| !n.starts_with("neox")) {
         let (vars, gpt) = trainable(name, DType::F64);
         let loss = gpt.loss(&ids, true).unwrap();
         assert_eq!(loss.dtype(), DType::F64, "{name}: the loss keeps f64");
@@ -873,11 +890,7 @@ fn gradients_match_finite_differences_in_the_trainable_families() {
 #[test]
 fn f32_training_kernels_track_f64_in_every_family() {
     let ids = Tensor::new(&TRAIN_IDS, &Device::Cpu).unwrap();
-    // Phi-3's parts are Llama's (its files store them fused; `trainable` reads them apart).
-    for name in MODELS
-        .iter()
-        .filter(|n| !n.starts_with("neox") && !n.starts_with("phi3"))
-    {
+    for name in MODELS.iter().filter(|n| !n.starts_with("neox")) {
         let (vars32, gpt32) = trainable(name, DType::F32);
         let (vars64, gpt64) = trainable(name, DType::F64);
         let (loss32, loss64) = (
@@ -909,9 +922,9 @@ fn training_gpt_neox_is_refused_with_the_reason() {
     assert!(!err.contains("bias"), "a misleading hint: {err}");
 }
 
-/// Llama's configs, those of the families in its layout (Qwen3, SmolLM3, OLMo 2, Granite)
-/// and Gemma 2's and 3's (norms written back as `w` for `1 + w`) are written as
-/// transformers reads them (`scripts/hf_roundtrip.py` loads the
+/// Llama's configs, those of the families in its layout (Qwen3, SmolLM3, OLMo 2, Granite,
+/// Phi-3 with q/k/v and gate/up fused again), Gemma 2's and 3's (norms written back as `w`
+/// for `1 + w`) and LFM2's are written as transformers reads them (`scripts/hf_roundtrip.py` loads the
 /// written directories in transformers) and read back as the same model; what a family's
 /// file cannot express is refused before anything is written.
 #[test]
@@ -925,6 +938,10 @@ fn llama_configs_round_trip_and_others_are_refused() {
         "granite_multipliers",
         "gemma2_softcap",
         "gemma3_local_global",
+        "lfm2_hybrid",
+        "lfm2_conv_bias",
+        "phi3_window",
+        "phi4_longrope",
     ] {
         let model = load(&fixture(name), DType::F32);
         let dir =
@@ -945,8 +962,6 @@ fn llama_configs_round_trip_and_others_are_refused() {
         "qwen2_bias_window",
         "neox_parallel",
         "neo_local",
-        "phi3_window",
-        "lfm2_hybrid",
     ] {
         let dir =
             std::env::temp_dir().join(format!("gpt-blocks-save-{name}-{}", std::process::id()));

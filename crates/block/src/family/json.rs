@@ -44,19 +44,23 @@ impl GptConfig {
 
     /// The configuration as a Hugging Face `config.json` text, with the fields
     /// `transformers` reads: GPT-2's, Llama's (`LlamaForCausalLM`) and its layout's
-    /// families', Gemma 2's and Gemma 3's. Other families (Phi-3's fused projections,
-    /// LFM2's convolutions, GPT-NeoX, GPT-Neo, Mistral, Qwen2), and configs with what their
+    /// families' (Phi-3's among them), Gemma 2's, Gemma 3's and LFM2's. Other families
+    /// (GPT-NeoX, GPT-Neo, Mistral, Qwen2), and configs with what their
     /// family's file cannot say (windows in a Llama, partial rotary, different q/k/v and
     /// output biases), are refused: those files are read, not written, here.
     pub fn to_json(&self) -> Result<String> {
         let value = match self.family {
             Family::Gpt2 => gpt2::write(self)?,
-            Family::Llama | Family::Qwen3 | Family::SmolLm3 | Family::Olmo2 | Family::Granite => {
-                llama::write(self)?
-            }
+            Family::Llama
+            | Family::Qwen3
+            | Family::SmolLm3
+            | Family::Olmo2
+            | Family::Granite
+            | Family::Phi3 => llama::write(self)?,
             Family::Gemma2 | Family::Gemma3 => gemma3::write(self)?,
+            Family::Lfm2 => lfm2::write(self)?,
             other => bail!(
-                "{} models are not saved as Hugging Face directories (GPT-2, Llama, Qwen3, SmolLM3, OLMo 2, Granite, Gemma 2 and Gemma 3 are)",
+                "{} models are not saved as Hugging Face directories (GPT-2, Llama, Qwen3, SmolLM3, OLMo 2, Granite, Phi-3, Gemma 2, Gemma 3 and LFM2 are)",
                 other.model_type()
             ),
         };

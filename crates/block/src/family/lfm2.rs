@@ -8,7 +8,7 @@
 
 use candle_core::{bail, Result};
 use mha::QkNorm;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::fields::{base, free_head_dim, Fields};
 use super::id::Family;
@@ -164,4 +164,41 @@ fn ff_width(f: &Fields) -> Result<usize> {
         0 => bail!("config: the MLP width derived from intermediate_size={size} is 0"),
         w => Ok(w),
     }
+}
+
+/// The `config.json` of an LFM2 model (`Lfm2ForCausalLM`): `layer_types`, the MLP's width as
+/// it is (`block_auto_adjust_ff_dim` false), the convolution's taps and bias. What the
+/// fields cannot say (windows, a head width other than `hidden_size / heads`, ...) is
+/// caught by [`GptConfig::to_json`]'s re-read and refused.
+pub(super) fn write(cfg: &GptConfig) -> Result<Value> {
+    let Some(rope) = &cfg.rope else {
+        bail!("an lfm2 model without rotary positions cannot be saved")
+    };
+    let types: Vec<&str> = (0..cfg.n_layer)
+        .map(|l| match cfg.is_conv(l) {
+            true => "conv",
+            false => "full_attention",
+        })
+        .collect();
+    Ok(json!({
+        "architectures": ["Lfm2ForCausalLM"],
+        "model_type": "lfm2",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.inner_dim(),
+        "block_auto_adjust_ff_dim": false,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads(),
+        "max_position_embeddings": cfg.n_positions,
+        "norm_eps": cfg.layer_norm_epsilon,
+        "conv_bias": cfg.conv_bias,
+        "conv_L_cache": cfg.conv_taps,
+        "layer_types": types,
+        "rope_parameters": llama::rope_json(rope),
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": null,
+    }))
 }

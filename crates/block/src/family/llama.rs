@@ -95,7 +95,8 @@ pub(super) fn read(family: Family, f: &Fields) -> Result<GptConfig> {
 
 /// The `config.json` of Llama or a family in its layout that adds fields (Qwen3's q/k
 /// norms and windows, SmolLM3's `no_rope_layers`, OLMo 2's norms after the branches,
-/// Granite's multipliers), refusing what its fields cannot express.
+/// Granite's multipliers, Phi-3's window, partial rotary and LongRoPE context), refusing
+/// what its fields cannot express.
 pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
     let family = cfg.family;
     let Some(rope) = &cfg.rope else {
@@ -112,6 +113,8 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
     let fits = cfg.norm == NormKind::RmsNorm
         && match family {
             Family::Qwen3 => qk == Some(true) && one_window,
+            // Phi-3: one window on every layer, or none.
+            Family::Phi3 => qk.is_none() && windows.iter().all(|w| *w == window),
             Family::Olmo2 => qk == Some(false) && window.is_none(),
             _ => qk.is_none() && window.is_none(),
         }
@@ -131,7 +134,7 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
                 _ => NormPlacement::Pre,
             }
         && cfg.attn_bias == cfg.attn_out_bias
-        && rope.rotary_dim.is_none_or(|r| r == head_dim)
+        && (family == Family::Phi3 || rope.rotary_dim.is_none_or(|r| r == head_dim))
         && cfg.rope_local.is_none()
         && cfg.final_logit_softcapping.is_none()
         && cfg.attn_logit_softcapping.is_none()
@@ -140,12 +143,16 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
     if !fits {
         bail!("this model has parts the {} config.json cannot express (windows, partial rotary, LayerNorm, an ungated MLP, parallel residuals, unequal attention biases, q/k norms, layers without rotation or multipliers where the family has none); it cannot be saved", family.model_type())
     }
-    let params = rope_json(rope);
+    let mut params = rope_json(rope);
+    if let Some(r) = rope.rotary_dim.filter(|&r| r != head_dim) {
+        params["partial_rotary_factor"] = (r as f64 / head_dim as f64).into();
+    }
     let arch = match family {
         Family::Qwen3 => "Qwen3ForCausalLM",
         Family::SmolLm3 => "SmolLM3ForCausalLM",
         Family::Olmo2 => "Olmo2ForCausalLM",
         Family::Granite => "GraniteForCausalLM",
+        Family::Phi3 => "Phi3ForCausalLM",
         _ => "LlamaForCausalLM",
     };
     let mut json = serde_json::json!({
@@ -193,6 +200,16 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
                 .map(|l| u8::from(cfg.layer_rope(l).is_some()))
                 .collect();
             json["no_rope_layers"] = flags.into();
+        }
+        Family::Phi3 => {
+            json["sliding_window"] = window.into();
+            if let RopeScaling::LongRope {
+                original_max_position_embeddings,
+                ..
+            } = rope.scaling
+            {
+                json["original_max_position_embeddings"] = original_max_position_embeddings.into();
+            }
         }
         Family::Granite => {
             json["embedding_multiplier"] = cfg.embedding_multiplier.into();

@@ -527,7 +527,7 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
     let (mut step, mut best_val, mut rng) = (0, f64::INFINITY, Rng(a.seed));
     match base {
         Some((model, _)) => {
-            let weights = model.named_tensors()?;
+            let weights = gpt_blocks::parts_of_stored(&cfg, model.named_tensors()?)?;
             for (name, var) in &named {
                 let t = weights
                     .get(name)
@@ -538,7 +538,10 @@ pub fn run(a: &TrainArgs, margs: &ModelArgs) -> Result<()> {
         None => init_weights(&named, &cfg, a.seed)?,
     }
     if let Some((dir, state)) = &resume {
-        let weights = candle_core::safetensors::load(dir.join("model.safetensors"), &dev)?;
+        let weights = gpt_blocks::parts_of_stored(
+            &cfg,
+            candle_core::safetensors::load(dir.join("model.safetensors"), &dev)?,
+        )?;
         for (name, var) in &named {
             let t = weights
                 .get(name)

@@ -15,6 +15,7 @@ use candle_core::{bail, DType, Device, Result};
 use candle_nn::VarBuilder;
 
 pub use save::{save_dir, save_dir_as};
+pub use stored_fused::parts_of_stored;
 
 use super::check;
 use super::io::path_err;

@@ -1,6 +1,6 @@
 //! A model written as a Hugging Face directory: the `config.json` of GPT-2, Llama, a
-//! family in Llama's layout (Qwen3, SmolLM3, OLMo 2, Granite) or Gemma 2 and 3, and
-//! `model.safetensors`.
+//! family in Llama's layout (Qwen3, SmolLM3, OLMo 2, Granite, Phi-3), Gemma 2 and 3 or
+//! LFM2, and `model.safetensors`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -14,9 +14,10 @@ use crate::model::Gpt;
 /// Writes `model` as a Hugging Face directory (`config.json`, `model.safetensors`) that
 /// `transformers.AutoModelForCausalLM.from_pretrained` loads: GPT-2 models as
 /// `GPT2LMHeadModel`, Llama models as `LlamaForCausalLM`, Qwen3, SmolLM3, OLMo 2,
-/// Granite, Gemma 2 and Gemma 3 as their own classes (other families are refused, see
-/// [`GptConfig::to_json`](crate::GptConfig::to_json)). Each file is written to a
-/// temporary name and renamed, so an interrupted save never leaves a half-written file.
+/// Granite, Phi-3, Gemma 2, Gemma 3 and LFM2 as their own classes (other families are
+/// refused, see [`GptConfig::to_json`](crate::GptConfig::to_json)). Each file is written
+/// to a temporary name and renamed, so an interrupted save never leaves a half-written
+/// file.
 pub fn save_dir(model: &Gpt, dir: &Path) -> Result<()> {
     save_dir_as(model, dir, model.dtype())
 }

@@ -1,7 +1,8 @@
 //! Projections a family's files store fused and the model keeps apart (Phi-3's
 //! `qkv_proj` and `gate_up_proj`): their headers checked and expanded into the parts, and
 //! each part served as its rows of the stored tensor while reading. The parts are fused
-//! again for inference where the model fuses Llama's ([`crate::Gpt::fused`]).
+//! again for inference where the model fuses Llama's ([`crate::Gpt::fused`]), and split
+//! again from saved tensors for training ([`parts_of_stored`]).
 
 use std::collections::HashMap;
 
@@ -77,6 +78,34 @@ pub(super) fn expand_shapes(
         }
     }
     Ok(out)
+}
+
+/// `tensors` as stored ([`crate::Gpt::named_tensors`], a saved file) under the names of the
+/// model's variables: each stored-fused tensor replaced by its parts, their rows of it
+/// (training keeps Phi-3's q, k, v, gate and up as variables of their own).
+pub fn parts_of_stored(
+    cfg: &GptConfig,
+    mut tensors: HashMap<String, Tensor>,
+) -> Result<HashMap<String, Tensor>> {
+    for (suffix, parts) in splits(cfg) {
+        let fused: Vec<String> = tensors
+            .keys()
+            .filter(|n| n.ends_with(suffix.as_str()))
+            .cloned()
+            .collect();
+        for name in fused {
+            let Some(t) = tensors.remove(&name) else {
+                continue;
+            };
+            let prefix = &name[..name.len() - suffix.len()];
+            let mut first = 0;
+            for (part, rows) in &parts {
+                tensors.insert(format!("{prefix}{part}"), t.narrow(0, first, *rows)?);
+                first += rows;
+            }
+        }
+    }
+    Ok(tensors)
 }
 
 /// `inner`'s tensors, with the parts of stored-fused tensors served as their rows.
