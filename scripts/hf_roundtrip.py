@@ -1,5 +1,5 @@
 """Checks that checkpoints written by `block::save_dir` (GPT-2, Llama, Qwen3, SmolLM3, OLMo 2,
-Granite, Phi-3, Gemma 2, Gemma 3 and LFM2 directories) load
+Granite, Phi-3, Mistral, Qwen2, Gemma 2, Gemma 3 and LFM2 directories) load
 in transformers and give our logits. Run it after changing the writer:
 
     /tmp/ref/bin/python scripts/hf_roundtrip.py
@@ -38,6 +38,8 @@ sources += [os.path.join(FIX, "families", n) for n in ("lfm2_hybrid", "lfm2_conv
 # Phi-3: q/k/v and gate/up fused again as stored; a window; Phi-4-mini's partial rotary and
 # LongRoPE.
 sources += [os.path.join(FIX, "families", n) for n in ("phi3_window", "phi4_longrope")]
+# Mistral's window on every layer; Qwen2's q/k/v biases and windowed layers.
+sources += [os.path.join(FIX, "families", n) for n in ("mistral_window", "qwen2_bias_window")]
 # The built-in model, trained and saved by `gpt train` (f16 weights).
 sources.append(os.path.join(ROOT, "crates", "cli", "models", "default"))
 worst = 0.0
@@ -53,7 +55,8 @@ with tempfile.TemporaryDirectory() as tmp:
                                     "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
                                     "GraniteForCausalLM", "Gemma2ForCausalLM",
                                     "Gemma3ForCausalLM", "Lfm2ForCausalLM",
-                                    "Phi3ForCausalLM"), type(model)
+                                    "Phi3ForCausalLM", "MistralForCausalLM",
+                                    "Qwen2ForCausalLM"), type(model)
         with torch.no_grad():
             theirs = model(ours["input_ids"]).logits
         diff = (theirs - ours["logits"]).abs().max().item()

@@ -48,8 +48,8 @@ enum Command {
     /// One forward pass step by step, with every tensor's shape.
     Trace(trace::TraceArgs),
     /// Train a GPT on text files: a new one (--arch and the size options), or with --model
-    /// the model it names, fine-tuned (GPT-2, Llama, Qwen3, SmolLM3, OLMo 2, Granite, Gemma 2,
-    /// Gemma 3, Phi-3 or LFM2; its tokenizer, architecture and size).
+    /// the model it names, fine-tuned (any family but GPT-NeoX and GPT-Neo; its tokenizer,
+    /// architecture and size).
     Train(train::TrainArgs),
     /// Serve the OpenAI HTTP API (completions, chat) with continuous batching.
     Serve(serve::ServeArgs),

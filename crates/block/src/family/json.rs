@@ -44,14 +44,16 @@ impl GptConfig {
 
     /// The configuration as a Hugging Face `config.json` text, with the fields
     /// `transformers` reads: GPT-2's, Llama's (`LlamaForCausalLM`) and its layout's
-    /// families' (Phi-3's among them), Gemma 2's, Gemma 3's and LFM2's. Other families
-    /// (GPT-NeoX, GPT-Neo, Mistral, Qwen2), and configs with what their
+    /// families' (Mistral's, Qwen2's and Phi-3's among them), Gemma 2's, Gemma 3's and
+    /// LFM2's. Other families (GPT-NeoX, GPT-Neo), and configs with what their
     /// family's file cannot say (windows in a Llama, partial rotary, different q/k/v and
     /// output biases), are refused: those files are read, not written, here.
     pub fn to_json(&self) -> Result<String> {
         let value = match self.family {
             Family::Gpt2 => gpt2::write(self)?,
             Family::Llama
+            | Family::Mistral
+            | Family::Qwen2
             | Family::Qwen3
             | Family::SmolLm3
             | Family::Olmo2
@@ -60,7 +62,7 @@ impl GptConfig {
             Family::Gemma2 | Family::Gemma3 => gemma3::write(self)?,
             Family::Lfm2 => lfm2::write(self)?,
             other => bail!(
-                "{} models are not saved as Hugging Face directories (GPT-2, Llama, Qwen3, SmolLM3, OLMo 2, Granite, Phi-3, Gemma 2, Gemma 3 and LFM2 are)",
+                "{} models are not saved as Hugging Face directories (GPT-2, Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Granite, Phi-3, Gemma 2, Gemma 3 and LFM2 are)",
                 other.model_type()
             ),
         };

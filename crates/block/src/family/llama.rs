@@ -95,8 +95,8 @@ pub(super) fn read(family: Family, f: &Fields) -> Result<GptConfig> {
 
 /// The `config.json` of Llama or a family in its layout that adds fields (Qwen3's q/k
 /// norms and windows, SmolLM3's `no_rope_layers`, OLMo 2's norms after the branches,
-/// Granite's multipliers, Phi-3's window, partial rotary and LongRoPE context), refusing
-/// what its fields cannot express.
+/// Granite's multipliers, Phi-3's window, partial rotary and LongRoPE context, Mistral's
+/// window, Qwen2's biases and windowed layers), refusing what its fields cannot express.
 pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
     let family = cfg.family;
     let Some(rope) = &cfg.rope else {
@@ -113,8 +113,9 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
     let fits = cfg.norm == NormKind::RmsNorm
         && match family {
             Family::Qwen3 => qk == Some(true) && one_window,
-            // Phi-3: one window on every layer, or none.
-            Family::Phi3 => qk.is_none() && windows.iter().all(|w| *w == window),
+            Family::Qwen2 => qk.is_none() && one_window,
+            // Mistral and Phi-3: one window on every layer, or none.
+            Family::Mistral | Family::Phi3 => qk.is_none() && windows.iter().all(|w| *w == window),
             Family::Olmo2 => qk == Some(false) && window.is_none(),
             _ => qk.is_none() && window.is_none(),
         }
@@ -133,7 +134,11 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
                 Family::Olmo2 => NormPlacement::PostBranch,
                 _ => NormPlacement::Pre,
             }
-        && cfg.attn_bias == cfg.attn_out_bias
+        && match family {
+            // Qwen2: biases on q, k and v, none on the output, whatever the file says.
+            Family::Qwen2 => cfg.attn_bias && !cfg.attn_out_bias,
+            _ => cfg.attn_bias == cfg.attn_out_bias,
+        }
         && (family == Family::Phi3 || rope.rotary_dim.is_none_or(|r| r == head_dim))
         && cfg.rope_local.is_none()
         && cfg.final_logit_softcapping.is_none()
@@ -153,6 +158,8 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
         Family::Olmo2 => "Olmo2ForCausalLM",
         Family::Granite => "GraniteForCausalLM",
         Family::Phi3 => "Phi3ForCausalLM",
+        Family::Mistral => "MistralForCausalLM",
+        Family::Qwen2 => "Qwen2ForCausalLM",
         _ => "LlamaForCausalLM",
     };
     let mut json = serde_json::json!({
@@ -180,7 +187,7 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
         "pad_token_id": null,
     });
     match family {
-        Family::Qwen3 => {
+        Family::Qwen2 | Family::Qwen3 => {
             json["use_sliding_window"] = window.is_some().into();
             if let Some(w) = window {
                 let types: Vec<&str> = windows
@@ -201,6 +208,7 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
                 .collect();
             json["no_rope_layers"] = flags.into();
         }
+        Family::Mistral => json["sliding_window"] = window.into(),
         Family::Phi3 => {
             json["sliding_window"] = window.into();
             if let RopeScaling::LongRope {
