@@ -2,7 +2,8 @@
 //! `sqrt(hidden_size)` embeddings, `query_pre_attn_scalar`, soft-capped logits) without
 //! the q/k norms, every layer rotating alike (`rope_theta`), local (windowed) and global
 //! layers alternating (`layer_types`, else every even layer slides), and attention scores
-//! soft-capped (`attn_logit_softcapping`).
+//! soft-capped (`attn_logit_softcapping`). Its file is written by Gemma 3's writer
+//! (`gemma3::write`), which knows both.
 
 use candle_core::{bail, Result};
 
