@@ -513,7 +513,11 @@ pub(crate) fn spans(d_in: usize, width: usize, weights: usize) -> (Vec<(usize, u
 
 /// `dst[r·ds + j] = (x · w)[r, j]` for `x` `[m, in]` and the `[in, n]` span `w` whose
 /// element (k, j) is `w[k·rs + j·cs]`, on this thread: by [`simd::avx512_gemm`] where the
-/// CPU has AVX-512F, else by the `gemm` crate's f32 GEMM.
+/// CPU has AVX-512F and the span is stored by columns (`rs == 1`: an `nn.Linear`'s rows,
+/// every half-precision or dequantized span widened), else by the `gemm` crate's f32 GEMM.
+/// Spans stored by rows (GPT-2's f32 Conv1D weights) stay on the crate: ours, reading them
+/// in place, was 0.67–0.98× its speed from 16 to 512 rows and 0.7× in batch-8 decoding
+/// (docs/PERFORMANCE.md, "Dense products").
 ///
 /// # Safety
 /// `dst` has `m` rows of stride `ds` with `n` writable columns that no other thread
@@ -531,7 +535,7 @@ unsafe fn gemm_span(
     cs: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
+    if rs == 1 && std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the caller's, and the CPU has just been seen to have AVX-512F.
         return unsafe { simd::avx512_gemm::gemm(x, m, d_in, dst, ds, n, w, rs, cs) };
     }

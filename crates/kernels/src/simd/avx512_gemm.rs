@@ -1,21 +1,20 @@
 //! The f32 GEMM of one prefill task on AVX-512: `dst [m, n] = x [m, k] · w [k, n]` on the
 //! calling thread, for the spans of [`crate::dense`]'s prefill products (a few dozen to a few
-//! hundred output columns, hundreds of rows, `k` the model's width).
+//! hundred output columns, from 9 rows to thousands, `k` the model's width).
 //!
 //! Why not the `gemm` crate here: for such a span it packs `x` (all `m × k` of it) again for
 //! every task, and with the span's columns as its vector dimension the spans' widths
 //! (multiples of 16, rarely of its 64) fall to its narrower edge kernels; both cost a fifth
 //! of a prefill (docs/PERFORMANCE.md, "Dense products"). Here the vectors run along the output
-//! columns instead: the span's weights are packed, a block of `KC` inputs by 64 columns at a
-//! time, into a panel (`[KC][64]` f32, in L1 while every row of `x` passes), and `x` is
-//! read where it lies, each value broadcast to a 6 × 64 tile of 24 accumulators (the BLIS
-//! arrangement: 24 FMAs per 4 panel loads and 6 broadcasts; `x`'s block of `KC` columns
-//! stays in L2 from panel to panel). A panel narrower than 64 takes 16, 32 or 48 lanes, the
-//! last masked to the span's width.
-//!
-//! The packing widens f16 and bf16 as well, but [`crate::dense`] hands it spans it has
-//! widened whole (row by row, which the prefetchers follow) into its task's buffer: packing
-//! straight from half-precision rows (16 rows read side by side) measured 1% slower.
+//! columns instead: `x` is read where it lies, each value broadcast to a 6 × 64 tile of 24
+//! accumulators (the BLIS arrangement: 24 FMAs per 4 weight loads and 6 broadcasts), over
+//! the weights of a block of `KC` inputs by 64 columns at a time (in L1 while every row of
+//! `x` passes; `x`'s block of `KC` columns stays in L2 from panel to panel). Weights stored
+//! by columns (an `nn.Linear`'s `[out, in]`, and the widened or dequantized spans of such
+//! weights) are packed into a `[KC][64]` panel first, transposed 16 × 16 in registers;
+//! stored by rows (`[in, out]`) they are read in place, though `dense` keeps those on the
+//! `gemm` crate, which measured faster for them. A panel narrower than 64 takes 16, 32 or
+//! 48 lanes, the last masked to the span's width.
 //!
 //! Sums run over `k` in blocks of `KC`, each block's partial sums added to `dst` in order;
 //! the result differs from a single running sum by rounding only (the tests hold it to
@@ -23,8 +22,6 @@
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
-
-use super::avx512::Load;
 
 /// Rows of `x` per tile.
 const MR: usize = 6;
@@ -38,8 +35,7 @@ thread_local! {
     static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// `dst[r·ds + j] = Σ_k x[r·d_in + k] · w[k·rs + j·cs]` for `r < m`, `j < n`, `k < d_in`,
-/// the weights f32, f16 or bf16.
+/// `dst[r·ds + j] = Σ_k x[r·d_in + k] · w[k·rs + j·cs]` for `r < m`, `j < n`, `k < d_in`.
 ///
 /// # Safety
 /// The CPU has AVX-512F; `dst` has `m` rows of stride `ds` with `n` writable columns that
@@ -47,14 +43,14 @@ thread_local! {
 /// address.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-pub unsafe fn gemm<W: Load>(
+pub unsafe fn gemm(
     x: &[f32],
     m: usize,
     d_in: usize,
     dst: *mut f32,
     ds: usize,
     n: usize,
-    w: &[W],
+    w: &[f32],
     rs: usize,
     cs: usize,
 ) {
@@ -79,9 +75,15 @@ pub unsafe fn gemm<W: Load>(
             let mut j0 = 0;
             while j0 < n {
                 let cols = PANEL.min(n - j0);
-                // SAFETY: the caller's bounds on `w`; `buf` holds KC × 64.
-                unsafe { pack(w, rs, cs, k0, kc, j0, cols, &mut buf) };
-                let b = buf.as_ptr();
+                // The block's rows of the panel: in place, or packed `[kc][cols to 16]`.
+                let (b, ldb) = match cs == 1 {
+                    true => (w[k0 * rs + j0..].as_ptr(), rs),
+                    false => {
+                        // SAFETY: the caller's bounds on `w`; `buf` holds KC × 64.
+                        unsafe { pack(w, rs, cs, k0, kc, j0, cols, &mut buf) };
+                        (buf.as_ptr(), cols.next_multiple_of(16))
+                    }
+                };
                 let mut r0 = 0;
                 while r0 < m {
                     let rows = MR.min(m - r0);
@@ -95,6 +97,7 @@ pub unsafe fn gemm<W: Load>(
                             x.as_ptr().add(r0 * d_in + k0),
                             d_in,
                             b,
+                            ldb,
                             kc,
                             dst.add(r0 * ds + j0),
                             ds,
@@ -122,6 +125,7 @@ unsafe fn tile(
     a: *const f32,
     lda: usize,
     b: *const f32,
+    ldb: usize,
     kc: usize,
     c: *mut f32,
     ldc: usize,
@@ -137,10 +141,10 @@ unsafe fn tile(
         ($r:literal) => {
             // SAFETY (each): the caller's.
             match vectors {
-                1 => unsafe { micro::<$r, 1>(a, lda, b, kc, c, ldc, last, add) },
-                2 => unsafe { micro::<$r, 2>(a, lda, b, kc, c, ldc, last, add) },
-                3 => unsafe { micro::<$r, 3>(a, lda, b, kc, c, ldc, last, add) },
-                _ => unsafe { micro::<$r, 4>(a, lda, b, kc, c, ldc, last, add) },
+                1 => unsafe { micro::<$r, 1>(a, lda, b, ldb, kc, c, ldc, last, add) },
+                2 => unsafe { micro::<$r, 2>(a, lda, b, ldb, kc, c, ldc, last, add) },
+                3 => unsafe { micro::<$r, 3>(a, lda, b, ldb, kc, c, ldc, last, add) },
+                _ => unsafe { micro::<$r, 4>(a, lda, b, ldb, kc, c, ldc, last, add) },
             }
         };
     }
@@ -154,13 +158,13 @@ unsafe fn tile(
     }
 }
 
-/// `c[i][..] (+)= Σ_k a[i·lda + k] · b[k][..]` for `R` rows and `V` vectors of 16 columns,
-/// the last stored under `last`; `b` is `[kc][16·V]`.
+/// `c[i][..] (+)= Σ_k a[i·lda + k] · b[k·ldb + ..]` for `R` rows and `V` vectors of 16
+/// columns, the last read and stored under `last`.
 ///
 /// # Safety
-/// AVX-512F; `a` has `R` rows of `kc` readable values at stride `lda`, `b` has `kc × 16·V`
-/// values, and `c` has `R` rows at stride `ldc` with `16·(V − 1)` columns plus the lanes of
-/// `last` writable.
+/// AVX-512F; `a` has `R` rows of `kc` readable values at stride `lda`, `b` has `kc` rows at
+/// stride `ldb` of `16·(V − 1)` values plus the lanes of `last`, and `c` has `R` rows at
+/// stride `ldc` with as many writable columns.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -168,20 +172,24 @@ unsafe fn micro<const R: usize, const V: usize>(
     a: *const f32,
     lda: usize,
     b: *const f32,
+    ldb: usize,
     kc: usize,
     c: *mut f32,
     ldc: usize,
     last: __mmask16,
     add: bool,
 ) {
-    let pw = 16 * V;
     let mut acc = [[_mm512_setzero_ps(); V]; R];
     for k in 0..kc {
-        // SAFETY (the loads): row k of the panel and column k of the R rows of `a`.
-        let bp = unsafe { b.add(k * pw) };
+        // SAFETY (the loads): row k of `b` (the last vector under `last`) and column k of
+        // the R rows of `a`.
+        let bp = unsafe { b.add(k * ldb) };
         let mut bv = [_mm512_setzero_ps(); V];
         for (v, bv) in bv.iter_mut().enumerate() {
-            *bv = unsafe { _mm512_loadu_ps(bp.add(16 * v)) };
+            *bv = match v + 1 == V {
+                true => unsafe { _mm512_maskz_loadu_ps(last, bp.add(16 * v)) },
+                false => unsafe { _mm512_loadu_ps(bp.add(16 * v)) },
+            };
         }
         for (i, acc) in acc.iter_mut().enumerate() {
             let av = _mm512_set1_ps(unsafe { *a.add(i * lda + k) });
@@ -207,17 +215,17 @@ unsafe fn micro<const R: usize, const V: usize>(
 }
 
 /// Packs inputs `k0..k0 + kc` of columns `j0..j0 + cols` (`cols ≤ 64`) into `buf` as
-/// `[kc][width]` f32, `width` the columns rounded up to 16, lanes past `cols` zero. Weights
-/// stored by columns (`rs == 1`: an `nn.Linear`'s rows) are transposed 16 × 16 in
-/// registers; by rows (`cs == 1`) copied; both widened as they are read.
+/// `[kc][width]`, `width` the columns rounded up to 16, lanes past `cols` zero: weights
+/// stored by columns (`rs == 1`: an `nn.Linear`'s rows) transposed 16 × 16 in registers,
+/// any other strides one value at a time.
 ///
 /// # Safety
 /// AVX-512F; `w` addresses every (k, j) of the block at `k·rs + j·cs`; `buf` holds kc × 64
 /// values.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn pack<W: Load>(
-    w: &[W],
+unsafe fn pack(
+    w: &[f32],
     rs: usize,
     cs: usize,
     k0: usize,
@@ -226,67 +234,39 @@ unsafe fn pack<W: Load>(
     cols: usize,
     buf: &mut [f32],
 ) {
-    let at = |k: usize, j: usize| w[(k0 + k) * rs + (j0 + j) * cs].widen();
+    let at = |k: usize, j: usize| w[(k0 + k) * rs + (j0 + j) * cs];
     let width = cols.next_multiple_of(16);
     let panel = &mut buf[..kc * width];
-    if rs == 1 {
-        let mut jb = 0;
-        while jb < width {
-            let mut kb = 0;
-            while kb < kc {
-                if jb + 16 <= cols && kb + 16 <= kc {
-                    let mut r = [_mm512_setzero_ps(); 16];
-                    for (jj, r) in r.iter_mut().enumerate() {
-                        let row = &w[(j0 + jb + jj) * cs + k0 + kb..][..16];
-                        // SAFETY: 16 values of `row`.
-                        *r = unsafe { W::load16(row.as_ptr()) };
-                    }
-                    let t = transpose16(r);
-                    for (kk, t) in t.iter().enumerate() {
-                        let out = &mut panel[(kb + kk) * width + jb..][..16];
-                        // SAFETY: 16 values of `out`.
-                        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), *t) };
-                    }
-                } else {
-                    for kk in kb..(kb + 16).min(kc) {
-                        for jj in jb..jb + 16 {
-                            panel[kk * width + jj] = match jj < cols {
-                                true => at(kk, jj),
-                                false => 0.0,
-                            };
-                        }
+    let mut jb = 0;
+    while jb < width {
+        let mut kb = 0;
+        while kb < kc {
+            if rs == 1 && jb + 16 <= cols && kb + 16 <= kc {
+                let mut r = [_mm512_setzero_ps(); 16];
+                for (jj, r) in r.iter_mut().enumerate() {
+                    let row = &w[(j0 + jb + jj) * cs + k0 + kb..][..16];
+                    // SAFETY: 16 values of `row`.
+                    *r = unsafe { _mm512_loadu_ps(row.as_ptr()) };
+                }
+                let t = transpose16(r);
+                for (kk, t) in t.iter().enumerate() {
+                    let out = &mut panel[(kb + kk) * width + jb..][..16];
+                    // SAFETY: 16 values of `out`.
+                    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), *t) };
+                }
+            } else {
+                for kk in kb..(kb + 16).min(kc) {
+                    for jj in jb..jb + 16 {
+                        panel[kk * width + jj] = match jj < cols {
+                            true => at(kk, jj),
+                            false => 0.0,
+                        };
                     }
                 }
-                kb += 16;
             }
-            jb += 16;
+            kb += 16;
         }
-        return;
-    }
-    for k in 0..kc {
-        let out = &mut panel[k * width..][..width];
-        match cs == 1 {
-            true => {
-                let row = &w[(k0 + k) * rs + j0..][..cols];
-                let mut j = 0;
-                while j + 16 <= cols {
-                    // SAFETY: 16 values of `row` and of `out`.
-                    unsafe {
-                        _mm512_storeu_ps(out[j..].as_mut_ptr(), W::load16(row[j..].as_ptr()))
-                    };
-                    j += 16;
-                }
-                for (o, v) in out[j..cols].iter_mut().zip(&row[j..]) {
-                    *o = v.widen();
-                }
-            }
-            false => {
-                for (jj, o) in out[..cols].iter_mut().enumerate() {
-                    *o = at(k, jj);
-                }
-            }
-        }
-        out[cols..].fill(0.0);
+        jb += 16;
     }
 }
 
@@ -331,7 +311,6 @@ fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::f16;
 
     fn reference(
         x: &[f32],
@@ -432,27 +411,6 @@ mod tests {
                         "wrote past n"
                     );
                 }
-            }
-        }
-    }
-
-    /// f16 weights, by columns and by rows, give the sums over their f32 values.
-    #[test]
-    fn half_precision_weights_are_widened_as_packed() {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            return;
-        }
-        let (m, k, n) = (9, 200, 90);
-        let x = values(m * k, 3);
-        for (rs, cs) in [(1, k), (n, 1)] {
-            let w: Vec<f16> = values(n * k, 5).into_iter().map(f16::from_f32).collect();
-            let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
-            let mut dst = vec![0f32; m * n];
-            // SAFETY: AVX-512F was just seen; dst holds m × n, x m × k, w n × k.
-            unsafe { gemm(&x, m, k, dst.as_mut_ptr(), n, n, &w, rs, cs) };
-            let want = reference(&x, m, k, &wide, rs, cs, n);
-            for (g, e) in dst.iter().zip(&want) {
-                assert!((*g as f64 - e).abs() <= 1e-4, "rs {rs}: {g} vs {e}");
             }
         }
     }
