@@ -287,6 +287,18 @@ pub(super) fn free_head_dim(f: &Fields, d: usize, h: usize) -> Result<(usize, Op
     }
 }
 
+/// `layer_types` as transformers writes it for these windows (`sliding_attention` for a
+/// windowed layer, `full_attention` otherwise): [`layer_windows`]'s input, written back.
+pub(super) fn layer_types(windows: &[Option<usize>]) -> Vec<&'static str> {
+    windows
+        .iter()
+        .map(|w| match w {
+            Some(_) => "sliding_attention",
+            None => "full_attention",
+        })
+        .collect()
+}
+
 /// Which layers attend locally: `layer_types` when the config lists them, else the first
 /// `global` layers global and the rest windowed (Mistral: none global; Qwen2:
 /// `max_window_layers`), as runs (see [`GptConfig::windows`]).

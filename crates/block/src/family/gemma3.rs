@@ -14,7 +14,7 @@ use candle_core::{bail, Result};
 use mha::{QkNorm, RopeConfig};
 use serde_json::{json, Map, Value};
 
-use super::fields::{decimal, layer_windows, Fields};
+use super::fields::{decimal, layer_types, layer_windows, Fields};
 use super::id::Family;
 use super::llama;
 use super::names::{gguf, name, TensorNames};
@@ -145,13 +145,6 @@ pub(super) fn write(cfg: &GptConfig) -> Result<Value> {
     }
     let windows: Vec<Option<usize>> = (0..cfg.n_layer).map(|l| cfg.window(l)).collect();
     let window = windows.iter().flatten().next().copied();
-    let types: Vec<&str> = windows
-        .iter()
-        .map(|w| match w {
-            Some(_) => "sliding_attention",
-            None => "full_attention",
-        })
-        .collect();
     // `attn_scale` is `query_pre_attn_scalar^-0.5`; the files' scalars are whole numbers
     // (a head width), written as such so that the re-read gives the same scale.
     let scalar = scale.powi(-2);
@@ -177,7 +170,7 @@ pub(super) fn write(cfg: &GptConfig) -> Result<Value> {
         "rms_norm_eps": cfg.layer_norm_epsilon,
         "query_pre_attn_scalar": scalar,
         "sliding_window": window.unwrap_or(4096),
-        "layer_types": types,
+        "layer_types": layer_types(&windows),
         "final_logit_softcapping": cfg.final_logit_softcapping,
         "attn_logit_softcapping": cfg.attn_logit_softcapping,
         "tie_word_embeddings": cfg.tie_word_embeddings,

@@ -4,7 +4,7 @@
 use candle_core::{bail, Result};
 use mha::{RopeConfig, RopeScaling};
 
-use super::fields::{base, decimal, free_head_dim, layer_windows, Fields};
+use super::fields::{base, decimal, free_head_dim, layer_types, layer_windows, Fields};
 use super::id::Family;
 use super::names::{gguf, name, AttnNames, MlpNames, QkvLayout, TensorNames, NONE};
 use crate::config::{Activation, GptConfig, NormKind, NormPlacement};
@@ -190,15 +190,8 @@ pub(super) fn write(cfg: &GptConfig) -> Result<serde_json::Value> {
         Family::Qwen2 | Family::Qwen3 => {
             json["use_sliding_window"] = window.is_some().into();
             if let Some(w) = window {
-                let types: Vec<&str> = windows
-                    .iter()
-                    .map(|w| match w {
-                        Some(_) => "sliding_attention",
-                        None => "full_attention",
-                    })
-                    .collect();
                 json["sliding_window"] = w.into();
-                json["layer_types"] = types.into();
+                json["layer_types"] = layer_types(&windows).into();
             }
         }
         Family::SmolLm3 => {
