@@ -103,12 +103,17 @@ impl Sampler {
         if logits.is_empty() {
             bail!("no logits to sample from")
         }
-        if let Some(bad) = logits.iter().position(|x| x.is_nan()) {
+        // Branch-free within a chunk, so the compiler vectorises the common case.
+        let nan = |c: &[f32]| c.iter().fold(false, |any, x| any | x.is_nan());
+        if logits.chunks(1024).any(nan) {
+            let bad = logits.iter().position(|x| x.is_nan()).unwrap_or(0);
             bail!("logit {bad} is NaN: the model produced invalid numbers")
         }
-        let mut logits = logits.to_vec();
         let p = &self.params;
+        // Copied only when the penalty changes them (a vocabulary's logits are ~600 KB).
+        let mut logits = std::borrow::Cow::Borrowed(logits);
         if p.repeat_penalty != 1.0 {
+            let logits = logits.to_mut();
             let mut seen = context.to_vec();
             seen.sort_unstable();
             seen.dedup();
@@ -183,15 +188,12 @@ impl Sampler {
     }
 }
 
-/// Index of the largest value; the lowest index wins a tie.
+/// Index of the largest value; the lowest index wins a tie, a NaN is never chosen (0 when
+/// nothing else is there).
 pub fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
-        }
-    }
-    best as u32
+    // Vectorised: a loop that compared each value with the best so far was 1% of decoding
+    // Qwen3-0.6B (a vocabulary of 151,936).
+    gpt_kernels::simd::argmax(xs) as u32
 }
 
 /// Prompts as one left-padded batch, so that every row's last token sits in the last
@@ -309,4 +311,46 @@ pub fn generate_steered(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The vectorised argmax against the plain loop over every value, on lengths around
+    /// the 16 lanes, ties, infinities and NaNs.
+    #[test]
+    fn argmax_equals_the_plain_loop() {
+        let plain = |xs: &[f32]| {
+            let mut best: Option<usize> = None;
+            for (i, &x) in xs.iter().enumerate() {
+                if !x.is_nan() && best.is_none_or(|b| x > xs[b]) {
+                    best = Some(i);
+                }
+            }
+            best.unwrap_or(0) as u32
+        };
+        let mut seed = 7u64;
+        for len in [0, 1, 5, 15, 16, 17, 33, 100, 151_936] {
+            for case in 0..4 {
+                let mut xs: Vec<f32> = (0..len)
+                    .map(|_| {
+                        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                        ((seed >> 40) % 50) as f32 // many ties
+                    })
+                    .collect();
+                if len > 3 {
+                    match case {
+                        1 => xs[len / 2] = f32::NAN,
+                        2 => xs[0] = f32::NAN,
+                        3 => xs.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
+                        _ => {}
+                    }
+                }
+                assert_eq!(argmax(&xs), plain(&xs), "length {len}, case {case}");
+            }
+        }
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+        assert_eq!(argmax(&[1.0, f32::INFINITY, f32::INFINITY]), 1);
+    }
 }

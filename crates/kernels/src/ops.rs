@@ -216,8 +216,9 @@ struct RmsNorm {
     eps: f32,
 }
 
-/// `1 / sqrt(mean(x²) + eps)` of a row.
-fn rms_scale(x: &[f32], eps: f32) -> f32 {
+/// `1 / sqrt(mean(x²) + eps)` of a row: [`rms_norm`]'s scale, for code that normalises
+/// rows in place and must give the same values.
+pub fn rms_scale(x: &[f32], eps: f32) -> f32 {
     1.0 / (simd::dot(x, x) / x.len() as f32 + eps).sqrt()
 }
 

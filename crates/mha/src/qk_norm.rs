@@ -101,8 +101,9 @@ impl QkNormWeights {
             let (qs, rest) = r.split_at_mut(qw);
             for (xs, w) in [(qs, q), (&mut rest[..kw], k)] {
                 for x in xs.chunks_exact_mut(group(w)) {
-                    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-                    let s = 1.0 / (ms + eps).sqrt();
+                    // The scale `rms_norm` takes (the full pass's), with its vectorised
+                    // sum: a sequential sum of squares was 1% of decoding Qwen3-0.6B.
+                    let s = gpt_kernels::ops::rms_scale(x, eps);
                     x.iter_mut()
                         .zip(w.iter())
                         .for_each(|(v, w)| *v = *v * s * w);

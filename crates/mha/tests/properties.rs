@@ -936,6 +936,33 @@ fn fused_decode_rows_equal_reference() {
     }
 }
 
+/// One sequence with one key/value head (Gemma 3 270M's), fewer groups than threads: its
+/// keys split into ranges as short as 32 and merged, with a window and key padding, for
+/// each cache dtype.
+#[test]
+fn fused_decode_splits_the_keys_of_a_lone_head() {
+    for (tk, rep, window, padded) in [
+        (100, 4, None, false),
+        (70, 4, Some(50), true),
+        (33, 2, None, true),
+    ] {
+        let (b, d) = (1, 256);
+        let q = randn(&[b, rep, 1, d]);
+        let k = randn(&[b, 1, tk, d]);
+        let v = randn(&[b, 1, tk, d]);
+        let keep = keep_mask(b, tk, 0x0f0f_3355_00ff_ffff);
+        let mut mask = Mask::causal(tk - 1);
+        if padded {
+            mask = mask.with_keep(&keep);
+        }
+        mask.window = window;
+        for kv_dtype in [DType::F32, DType::F16, DType::BF16] {
+            let what = format!("lone head tk={tk} window={window:?} {kv_dtype:?}");
+            fused_equals_reference(&q, &k, &v, &mask, kv_dtype, &what);
+        }
+    }
+}
+
 /// Decoding a left-padded batch (the first sequence's prompt padded to the second's
 /// length) over a cache long enough to be split over threads: ranges that the first
 /// sequence's rows do not see at all drop out of the merge, and a sequence padded

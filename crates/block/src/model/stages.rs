@@ -53,13 +53,26 @@ impl Stages {
     }
 }
 
+/// From this many values on, [`all_finite`] reads its input on two threads.
+const PARALLEL_VALUES: usize = 1 << 16;
+
 /// Whether every value of `t` is finite: read on the CPU (f32 where it lies), reduced on
 /// other devices.
 pub(super) fn all_finite(t: &Tensor) -> Result<bool> {
     if t.device().is_cpu() {
         // Branch-free within a chunk, so the compiler vectorizes it.
         let finite = |c: &[f32]| c.iter().fold(true, |ok, v| ok & v.is_finite());
-        return gpt_kernels::dense::with_f32_values(t, |x| Ok(x.chunks(1024).all(finite)));
+        return gpt_kernels::dense::with_f32_values(t, |x| {
+            if x.len() < PARALLEL_VALUES {
+                return Ok(x.chunks(1024).all(finite));
+            }
+            // A vocabulary's logits in two halves at once, each likely in the cache of the
+            // thread whose product wrote it.
+            let half = x.len().div_ceil(2);
+            let part = |i: usize| &x[i * half..((i + 1) * half).min(x.len())];
+            let halves = gpt_kernels::team::map(2, |i| part(i).chunks(1024).all(finite));
+            Ok(halves.into_iter().all(|ok| ok))
+        });
     }
     all_finite_on_device(t)
 }
@@ -105,6 +118,19 @@ mod tests {
         }
         assert!(!all_finite(&nan)?);
         assert!(all_finite(&fine.narrow(1, 1, 2)?)?);
+        // Read in two halves (an odd count): a non-finite value anywhere is seen.
+        let n = PARALLEL_VALUES + 3;
+        assert!(all_finite(&Tensor::ones(n, DType::F32, &dev)?)?);
+        for at in [0, n / 2 - 1, n / 2, n / 2 + 1, n - 1] {
+            for bad in [f32::NAN, f32::NEG_INFINITY] {
+                let mut values = vec![1f32; n];
+                values[at] = bad;
+                assert!(
+                    !all_finite(&Tensor::from_vec(values, n, &dev)?)?,
+                    "{bad} at {at}"
+                );
+            }
+        }
         Ok(())
     }
 }

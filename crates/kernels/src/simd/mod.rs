@@ -260,6 +260,11 @@ dispatch!(
     max, max_impl, (xs: &[f32]) -> f32
 );
 dispatch!(
+    /// Where the largest element first stands; NaNs are never taken (0 when nothing else
+    /// is there, or for an empty slice).
+    argmax, argmax_impl, (xs: &[f32]) -> usize
+);
+dispatch!(
     /// Replaces each `x` by `exp(x - m)` and returns the sum.
     exp_sub_sum, exp_sub_sum_impl, (xs: &mut [f32], m: f32) -> f32
 );

@@ -72,6 +72,21 @@ pub(super) fn max_impl(xs: &[f32]) -> f32 {
 }
 
 #[inline(always)]
+pub(super) fn argmax_impl(xs: &[f32]) -> usize {
+    let m = max_impl(xs);
+    // The first block holding the largest value, by a branch-free test per block (which
+    // vectorises), then its place in that block.
+    let mut at = 0;
+    for c in xs.chunks(4 * LANES) {
+        if c.iter().fold(false, |any, &x| any | (x == m)) {
+            return at + c.iter().position(|&x| x == m).unwrap_or(0);
+        }
+        at += c.len();
+    }
+    0
+}
+
+#[inline(always)]
 pub(super) fn exp_sub_sum_impl(xs: &mut [f32], m: f32) -> f32 {
     let mut acc = [0f32; LANES];
     let mut chunks = xs.chunks_exact_mut(LANES);

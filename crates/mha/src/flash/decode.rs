@@ -19,12 +19,18 @@ use gpt_kernels::simd;
 const BLOCK: usize = 128;
 /// Key or value rows widened and multiplied together.
 const SUB: usize = 16;
+/// How many rows ahead of the one being read the keys are asked for.
+const AHEAD: usize = 3 * SUB;
 /// The fewest keys a range of a split cache holds: shorter ranges cost more in merging
 /// than they gain in parallelism (docs/PERFORMANCE.md, "Attention and small ops").
 const MIN_RANGE: usize = 256;
-/// Calls with fewer (key, query head) pairs than this run on the calling thread. Even
-/// short caches gain from two threads; below this the hand-off is all there is to measure.
-const PARALLEL_PAIRS: usize = 512;
+/// The same when there are fewer key/value heads than threads (Gemma 3 270M has one):
+/// without splitting the keys, the other threads would only wait.
+const MIN_RANGE_FEW: usize = 32;
+/// Calls multiplying fewer (key, query head, dimension) triples than this run on the
+/// calling thread. Even short caches gain from two threads; below this the hand-off is all
+/// there is to measure.
+const PARALLEL_WORK: usize = 512 * 64;
 
 /// The shapes of a call: `q [b, h, tq, d]`, `k [b, h_kv, tk, d]`, `v [b, h_kv, tk, dv]`.
 #[derive(Clone, Copy)]
@@ -91,14 +97,18 @@ pub(crate) fn run(
     // masking handles).
     let keys = op.visibility(0, tk, 0).key_range(tq);
     let groups = b * h_kv;
-    let pairs = b * h * keys.len();
+    let work = b * h * keys.len() * dims.d;
     let threads = rayon::current_num_threads();
-    let parallel = pairs >= PARALLEL_PAIRS && threads > 1;
+    let parallel = work >= PARALLEL_WORK && threads > 1;
     // Enough tasks to even out two or four threads, none shorter than MIN_RANGE keys.
+    let min_range = match groups < threads {
+        true => MIN_RANGE_FEW,
+        false => MIN_RANGE,
+    };
     let ranges = match parallel {
         true => (4 * threads)
             .div_ceil(groups)
-            .min(keys.len().div_ceil(MIN_RANGE))
+            .min(keys.len().div_ceil(min_range))
             .max(1),
         false => 1,
     };
@@ -160,26 +170,36 @@ impl Call<'_> {
         let (kp, vp) = (k.ptr(bi, hk, 0), v.ptr(bi, hk, 0));
         let (k_st, v_st) = (k.st(), v.st());
         let mut scores = vec![0f32; nq * BLOCK.min(range.len())];
-        let mut buf = vec![0f32; SUB * d.max(dv)];
+        // Scratch for widened rows, allocated when first needed (rarely, in place).
+        let mut buf = Vec::new();
         let mut part = Partial {
             m: vec![f32::NEG_INFINITY; nq],
             l: vec![0f32; nq],
             acc: vec![0f32; nq * dv],
         };
-        // One query row (no heads sharing the keys): a half-precision cache is read in
-        // place, widened as the products load it, rather than widened into `buf` and read
-        // again: the widening pass cost nearly as much as the attention itself.
-        let direct = nq == 1 && in_place(kp, d) && in_place(vp, dv);
+        // A half-precision cache is read in place, widened as the products load it,
+        // rather than widened into `buf` and read again: the widening pass cost nearly as
+        // much as the attention itself. Query heads sharing the keys (grouped-query
+        // attention) each read the 16 rows again, from the first-level cache by then.
+        let direct = in_place(kp, d) && in_place(vp, dv);
+        prefetch_rows(kp, k_st, range.start, (AHEAD - SUB).min(range.len()), d);
         for j0 in range.clone().step_by(BLOCK) {
             let bc = BLOCK.min(range.end - j0);
             let s = &mut scores[..nq * bc];
             // S[nq, bc] = scale · Q[nq, d] · K[j0.., d]ᵀ
             for sb in (0..bc).step_by(SUB) {
                 let n = SUB.min(bc - sb);
+                // The values these keys weigh, and the keys after them.
+                prefetch_rows(vp, v_st, j0 + sb, n, dv);
+                let next = (j0 + sb + AHEAD).min(range.end);
+                prefetch_rows(kp, k_st, next, SUB.min(range.end - next), d);
                 if direct && n == SUB {
-                    let s = &mut s[sb..sb + n];
-                    // SAFETY: key rows j0 + sb.. + SUB lie in the storage; `in_place` held.
-                    unsafe { scores_in_place(kp, k_st, j0 + sb, queries[0], op.scale, s) };
+                    for (qi, x) in queries.iter().enumerate() {
+                        let s = &mut s[qi * bc + sb..qi * bc + sb + n];
+                        // SAFETY: key rows j0 + sb.. + SUB lie in the storage; `in_place`
+                        // held.
+                        unsafe { scores_in_place(kp, k_st, j0 + sb, x, op.scale, s) };
+                    }
                     continue;
                 }
                 // SAFETY: key rows j0 + sb.. + n lie in the storage (`key_range` is within tk).
@@ -230,18 +250,21 @@ impl Call<'_> {
 
 /// Rows `j..j + n` (`n ≤ SUB`) of one head's keys or values as f32, `width` values each:
 /// a pointer and row stride into the storage for SUB f32 rows, otherwise into `buf`
-/// (widened, or copied), with rows `n..SUB` zero.
+/// (widened, or copied; grown to `SUB · width` rows first), with rows `n..SUB` zero.
 ///
 /// # Safety
-/// The rows must lie inside the storage `p` points into; `buf` holds `SUB · width`.
+/// The rows must lie inside the storage `p` points into.
 unsafe fn widen(
     p: KvPtr,
     st: usize,
     j: usize,
     n: usize,
     width: usize,
-    buf: &mut [f32],
+    buf: &mut Vec<f32>,
 ) -> (*const f32, usize) {
+    if buf.len() < SUB * width {
+        buf.resize(SUB * width, 0.0);
+    }
     let buf = &mut buf[..SUB * width];
     #[cfg(target_arch = "x86_64")]
     if width.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
@@ -270,6 +293,31 @@ unsafe fn widen(
     }
     buf[n * width..].fill(0.0);
     (buf.as_ptr(), width)
+}
+
+/// Asks for rows `j..j + n` (`width` values each, `st` apart) at `p` to be brought into the
+/// cache. The rows of a long cache come from memory, and its short streams (one head's
+/// rows, a few kilobytes) end before the hardware's prefetchers get going: the loads of
+/// the widening pass waited on memory for most of its time.
+fn prefetch_rows(p: KvPtr, st: usize, j: usize, n: usize, width: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let (base, size) = match p {
+            KvPtr::F32(p) => (p.cast::<u8>(), 4),
+            KvPtr::F16(p) => (p.cast::<u8>(), 2),
+            KvPtr::BF16(p) => (p.cast::<u8>(), 2),
+        };
+        for r in j..j + n {
+            let row = base.wrapping_add(r * st * size);
+            for at in (0..width * size).step_by(64) {
+                // SAFETY: a prefetch is a hint that never faults, whatever the address.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(at).cast()) };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, st, j, n, width);
 }
 
 /// Whether the AVX-512 products can read rows of `width` values at `p` in place: half
