@@ -1,0 +1,75 @@
+//! How fast decoding's packed products stream their weights, against a plain sum of
+//! memory read by the same threads in the same process, alternating: the read floor of
+//! `bench/gguf_compare.py` without its separate Python process. `layers` runs the products
+//! of 28 layers of Qwen3-0.6B's width (fused gate/up, down, fused q/k/v, o), each a few
+//! megabytes, as a decoding step does; `head` one product over a 262,144 × 640 matrix
+//! (Gemma-3-270M's tied head). docs/PERFORMANCE.md ("Quantized products") has results.
+//!
+//! `cargo run --release -p gpt-kernels --example decode_stream -- [q4_0|q8_0|q4_k|q6_k] [layers|head]`
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Result, Tensor};
+use gpt_kernels::quant::Packed;
+use std::time::Instant;
+
+/// Sums `v` with 64 independent lanes, so that the loads and not the additions bound it.
+fn sum(v: &[f32]) -> f32 {
+    let mut acc = [0f32; 64];
+    for c in v.chunks_exact(64) {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a += x;
+        }
+    }
+    acc.iter().sum()
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let dtype = match args.get(1).map(String::as_str) {
+        Some("q8_0") => GgmlDType::Q8_0,
+        Some("q4_k") => GgmlDType::Q4K,
+        Some("q6_k") => GgmlDType::Q6K,
+        _ => GgmlDType::Q4_0,
+    };
+    let shapes: Vec<(usize, usize)> = match args.get(2).map(String::as_str) {
+        Some("head") if dtype == GgmlDType::Q4K || dtype == GgmlDType::Q6K => vec![(262144, 768)],
+        Some("head") => vec![(262144, 640)],
+        _ => [(6144, 1024), (1024, 3072), (4096, 1024), (1024, 2048)].repeat(28),
+    };
+    let mut ws = Vec::new();
+    let mut bytes = 0;
+    for &(n, k) in &shapes {
+        let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
+        let Some(p) = Packed::new(&QTensor::quantize(&w, dtype)?)? else {
+            candle_core::bail!("{dtype:?} has no packed kernels on this CPU")
+        };
+        bytes += p.size_in_bytes();
+        ws.push((p, vec![0.5f32; k]));
+    }
+    // 1 GiB, far beyond the caches, read in two halves on two threads.
+    let big = vec![1f32; 1 << 28];
+    let (lo, hi) = big.split_at(big.len() / 2);
+    println!("{dtype:?}, {:.0} MB of weights", bytes as f64 / 1e6);
+    for round in 0..6 {
+        let t0 = Instant::now();
+        let (a, b) = rayon::join(|| sum(lo), || sum(hi));
+        let floor = (big.len() * 4) as f64 / t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let reps = 6;
+        for _ in 0..reps {
+            for (w, x) in &ws {
+                let (n, _) = w.dims();
+                std::hint::black_box(w.matmul(x, 1, 0..n)?);
+            }
+        }
+        let rate = (bytes * reps) as f64 / t1.elapsed().as_secs_f64();
+        println!(
+            "round {round}: sum {:.1} GB/s, products {:.1} GB/s: {:.3} of the sum ({})",
+            floor / 1e9,
+            rate / 1e9,
+            rate / floor,
+            a + b
+        );
+    }
+    Ok(())
+}
