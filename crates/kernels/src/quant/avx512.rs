@@ -814,12 +814,17 @@ pub(super) unsafe fn legacy_pair<const R: usize, const BITS: u8, const MIN: bool
     unsafe { store_pair(y, acc) };
 }
 
+/// How many tiles ahead of the one being read [`legacy_rows`] asks for the next, with
+/// `spread` (docs/PERFORMANCE.md, "Quantized products").
+const AHEAD_TILES: usize = 4;
+
 /// `R` rows of `x` (from row `r`) against `T` columns of tiles of `BITS`-bit values
 /// (q8_0, q4_0 or q5_0; with `MIN`, q4_1 or q5_1). Per block, tile and row of `x`:
 /// eight `vpdpbusd` (in two chains), one conversion and one multiply-add (two with
 /// minima); each tile's operands are loaded (and unpacked) once for the `R` rows. Two
 /// columns are read block by block together, two streams through memory where one left
-/// the reads waiting on each other.
+/// the reads waiting on each other. With `spread`, each column's tile [`AHEAD_TILES`]
+/// blocks on is asked for as this one is read (see `Packed::product`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
 pub(super) unsafe fn legacy_rows<
     const R: usize,
@@ -832,6 +837,7 @@ pub(super) unsafe fn legacy_rows<
     x: &QRows,
     r: usize,
     y: [&mut [[f32; TILE]; 4]; T],
+    spread: bool,
 ) {
     // Bytes before the nibbles (the scales, and the minima), and per tile.
     let head = if MIN { 2 * SCALES } else { SCALES };
@@ -862,6 +868,14 @@ pub(super) unsafe fn legacy_rows<
             // row of `x` is in bounds (asserted above).
             unsafe {
                 let tile = tiles.as_ptr().add(b * size);
+                if spread {
+                    // Past the column's end this only asks for bytes never read: a
+                    // prefetch never faults.
+                    let ahead = tile.wrapping_add(AHEAD_TILES * size);
+                    for l in (0..size).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l).cast());
+                    }
+                }
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
                 let m = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(SCALES).cast()));
                 // w[g] pairs with values 4g..4g+3 of `x`'s block.

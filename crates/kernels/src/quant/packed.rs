@@ -403,15 +403,20 @@ impl Packed {
         let parts = ranges(t1 - t0, 4, (t1 - t0) * TILE * self.k);
         // Decoding a model larger than the cache reads each tile from memory once, and the
         // hardware prefetchers alone fall short of the read floor while the kernels unpack:
-        // the next tile is asked for while this one is worked on. Not for q8_0, whose
-        // plain bytes the hardware streams well, nor where the weights sit in the cache:
-        // there the prefetches are pure cost. How they are asked for differs between AMD
-        // and Intel CPUs (`Ahead`).
-        let stream = m < UNPACK_ROWS
-            && self.format != Format::Q8_0
-            && PACKED_BYTES.load(Ordering::Relaxed) >= STREAMED_BYTES;
+        // the next tile is asked for while this one is worked on. Not where the weights
+        // sit in the cache: there the prefetches are pure cost. How they are asked for
+        // differs between AMD and Intel CPUs (`Ahead`), and q8_0 is decoded apart: its
+        // plain bytes take the two streams of the legacy formats (below), each asking for
+        // the tile a few blocks on (`avx512::legacy_rows`); the four-bit formats' streams
+        // decode faster without.
+        let resident = PACKED_BYTES.load(Ordering::Relaxed) < STREAMED_BYTES;
+        let stream = m < UNPACK_ROWS && self.format != Format::Q8_0 && !resident;
         let ahead = Ahead::here();
-        let spread = stream && m == 1 && ahead.spread;
+        let spread = match self.format {
+            Format::Q8_0 => m == 1 && !resident,
+            Format::Q4_0 | Format::Q5_0 | Format::Q4_1 | Format::Q5_1 => false,
+            _ => stream && m == 1 && ahead.spread,
+        };
         let pairs = m == 1
             && matches!(
                 self.format,
@@ -428,7 +433,7 @@ impl Packed {
             let out = &out;
             crate::team::map(parts.len(), |i| {
                 units.run(i, |a, b, front| match b {
-                    Some(b) => self.columns([a, b], &[], x, m, &cols, out, level, false),
+                    Some(b) => self.columns([a, b], &[], x, m, &cols, out, level, spread),
                     None => {
                         if front && stream && ahead.column && a + 1 < t1 {
                             prefetch(self.tiles(a + 1));
@@ -465,7 +470,7 @@ impl Packed {
                 };
                 for j in 0..half {
                     let (a, b) = (lo + j, lo + half + j);
-                    self.columns([t0 + a, t0 + b], &[], x, m, &cols, out, level, false);
+                    self.columns([t0 + a, t0 + b], &[], x, m, &cols, out, level, spread);
                 }
                 let mut t = lo + 2 * half;
                 while t < hi {
@@ -846,19 +851,19 @@ fn tile_rows<const T: usize>(
                     }
                 }
                 (Format::Q8_0, XRows::Blocks(x)) => {
-                    by_rows!(legacy::<R, 8, false, T>(tiles, ops, x, r, y))
+                    by_rows!(legacy::<R, 8, false, T>(tiles, ops, x, r, y, spread))
                 }
                 (Format::Q4_0, XRows::Blocks(x)) => {
-                    by_rows!(legacy::<R, 4, false, T>(tiles, ops, x, r, y))
+                    by_rows!(legacy::<R, 4, false, T>(tiles, ops, x, r, y, spread))
                 }
                 (Format::Q5_0, XRows::Blocks(x)) => {
-                    by_rows!(legacy::<R, 5, false, T>(tiles, ops, x, r, y))
+                    by_rows!(legacy::<R, 5, false, T>(tiles, ops, x, r, y, spread))
                 }
                 (Format::Q4_1, XRows::Blocks(x)) => {
-                    by_rows!(legacy::<R, 4, true, T>(tiles, ops, x, r, y))
+                    by_rows!(legacy::<R, 4, true, T>(tiles, ops, x, r, y, spread))
                 }
                 (Format::Q5_1, XRows::Blocks(x)) => {
-                    by_rows!(legacy::<R, 5, true, T>(tiles, ops, x, r, y))
+                    by_rows!(legacy::<R, 5, true, T>(tiles, ops, x, r, y, spread))
                 }
                 (format, XRows::Super(x)) if T == 2 && !ops.is_empty() => {
                     // Two columns' operands, unpacked ahead one after the other (a
