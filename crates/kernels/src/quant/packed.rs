@@ -407,8 +407,8 @@ impl Packed {
         // sit in the cache: there the prefetches are pure cost. How they are asked for
         // differs between AMD and Intel CPUs (`Ahead`), and q8_0 is decoded apart: its
         // plain bytes take the two streams of the legacy formats (below), each asking for
-        // the tile a few blocks on (`avx512::legacy_rows`); the four-bit formats' streams
-        // decode faster without.
+        // the tile a few blocks on (`avx512::legacy_rows`). q4_0's streams decoded slower
+        // so (their unpacking hides the latency); q5_0, q4_1 and q5_1 go without as q4_0.
         let resident = PACKED_BYTES.load(Ordering::Relaxed) < STREAMED_BYTES;
         let stream = m < UNPACK_ROWS && self.format != Format::Q8_0 && !resident;
         let ahead = Ahead::here();
