@@ -4,13 +4,14 @@
 //!
 //! A task takes one key/value head of one sequence, every query head that shares it
 //! (`n_rep` of them under grouped-query attention, each with its `tq ≤ 4` rows) and a
-//! range of its keys. Keys and values are read, and widened from half precision, once for
-//! the whole group rather than once per query head, 16 rows at a time into f32; the
-//! scores of one query against 16 keys are summed across vector lanes together (a
-//! transposing reduction: 45 instructions where 16 separate sums take about 130). A long
-//! cache is split into ranges that run in parallel, each keeping its rows' running
-//! maximum, sum and weighted values, merged at the end through their log-sum-exp
-//! (flash-decoding).
+//! range of its keys. Keys and values are read from memory once for the whole group, 16
+//! rows at a time (asked for ahead); a half-precision cache is widened in registers as the
+//! products load it, each query head reading the 16 rows again from the first-level
+//! cache; the scores of one query against 16 keys are summed across vector lanes together
+//! (a transposing reduction: 45 instructions where 16 separate sums take about 130). A
+//! long cache, or the keys of fewer key/value heads than threads, is split into ranges that
+//! run in parallel, each keeping its rows' running maximum, sum and weighted values, merged
+//! at the end through their log-sum-exp (flash-decoding).
 
 use super::tiles::{soft_cap, FlashAttn, KvPtr, KvRows, Rows};
 use gpt_kernels::simd;
@@ -100,7 +101,7 @@ pub(crate) fn run(
     let work = b * h * keys.len() * dims.d;
     let threads = rayon::current_num_threads();
     let parallel = work >= PARALLEL_WORK && threads > 1;
-    // Enough tasks to even out two or four threads, none shorter than MIN_RANGE keys.
+    // Enough tasks to even out two or four threads, none shorter than `min_range` keys.
     let min_range = match groups < threads {
         true => MIN_RANGE_FEW,
         false => MIN_RANGE,
