@@ -45,8 +45,10 @@ fn bench_sdpa(c: &mut Criterion) {
 }
 
 /// Decoding one token over a long cache with grouped-query heads (`mha::decode`): SmolLM's
-/// 9 query heads over 3 key/value heads of 64, and Llama-3-8B's 32 over 8 of 128; the
-/// cache in f32 (PyTorch's script runs the same) and in f16 (`gpt`'s `--kv-dtype f16`).
+/// 9 query heads over 3 key/value heads of 64, and Llama-3-8B's 32 over 8 of 128; and over
+/// a short one, Qwen3-0.6B's 16 over 8 of 128 (`bench/gguf_compare.py` decodes after 16 to
+/// 144 positions, where each call's fixed costs count); the cache in f32 (PyTorch's script
+/// runs the same) and in f16 (`gpt`'s `--kv-dtype f16`).
 fn bench_decode(c: &mut Criterion) {
     let mut group = c.benchmark_group("decode");
     group.sample_size(20);
@@ -54,6 +56,8 @@ fn bench_decode(c: &mut Criterion) {
         ("gqa_9_3_d64_t1024", 9, 3, 64, 1024),
         ("gqa_9_3_d64_t4096", 9, 3, 64, 4096),
         ("gqa_32_8_d128_t2048", 32, 8, 128, 2048),
+        ("gqa_16_8_d128_t20", 16, 8, 128, 20),
+        ("gqa_16_8_d128_t85", 16, 8, 128, 85),
     ] {
         let q = heads(1, h, 1, d);
         let (k, v) = (heads(1, h_kv, tk, d), heads(1, h_kv, tk, d));

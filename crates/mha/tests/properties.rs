@@ -963,6 +963,42 @@ fn fused_decode_splits_the_keys_of_a_lone_head() {
     }
 }
 
+/// A half-precision cache whose storage runs past its length (a `KvCache` reserves room
+/// ahead), with NaN in the rows past it: the last block of fewer than 16 keys is read in
+/// place together with rows past the cache's length, whose scores are dropped. The
+/// outputs equal the reference over the cached rows alone, every one finite.
+#[test]
+fn fused_decode_ignores_the_rows_past_the_cache() {
+    for (tk, h_kv, rep, d) in [(20, 8, 2, 128), (85, 2, 3, 64), (7, 1, 1, 80)] {
+        let (b, spare) = (2, 16);
+        let q = randn(&[b, h_kv * rep, 1, d]);
+        let rows = randn(&[b, h_kv, tk, d]);
+        let nan = Tensor::full(f32::NAN, (b, h_kv, spare, d), &DEV).unwrap();
+        let storage = |t: &Tensor| Tensor::cat(&[t, &nan], 2).unwrap();
+        let (k, v) = (rows.clone(), (&rows * 0.5).unwrap());
+        let mask = Mask::causal(tk - 1);
+        let p = SdpaParams::inference(1.0 / (d as f64).sqrt());
+        for kv_dtype in [DType::F16, DType::BF16] {
+            // Views of the first `tk` rows of storages `tk + spare` long.
+            let view = |t: &Tensor| {
+                storage(t)
+                    .to_dtype(kv_dtype)
+                    .unwrap()
+                    .narrow(2, 0, tk)
+                    .unwrap()
+            };
+            let fast =
+                mha::flash::flash_attn_cpu(&q, &view(&k), &view(&v), &mask, p.scale).unwrap();
+            let f32 = |t: &Tensor| t.to_dtype(kv_dtype).unwrap().to_dtype(DType::F32).unwrap();
+            let (slow, _) = sdpa_reference(&q, &f32(&k), &f32(&v), &mask, &p).unwrap();
+            let what = format!("rows past the cache, tk={tk} {kv_dtype:?}");
+            assert_close(&fast, &slow, 1e-5, 1e-4, &what);
+            let finite = fast.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(finite.iter().all(|x| x.is_finite()), "{what}");
+        }
+    }
+}
+
 /// Decoding a left-padded batch (the first sequence's prompt padded to the second's
 /// length) over a cache long enough to be split over threads: ranges that the first
 /// sequence's rows do not see at all drop out of the merge, and a sequence padded

@@ -137,6 +137,13 @@ pub(crate) fn run(
                 lse[row] = f32::INFINITY;
                 continue;
             }
+            if let [p] = parts {
+                // One range (a short cache): its sums are the row's.
+                y.copy_from_slice(&p.acc[qi * dv..(qi + 1) * dv]);
+                simd::scale(y, 1.0 / p.l[qi]);
+                lse[row] = m + p.l[qi].ln();
+                continue;
+            }
             y.fill(0.0);
             let mut l = 0f32;
             for p in parts.iter().filter(|p| p.m[qi] > f32::NEG_INFINITY) {
@@ -183,6 +190,10 @@ impl Call<'_> {
         // much as the attention itself. Query heads sharing the keys (grouped-query
         // attention) each read the 16 rows again, from the first-level cache by then.
         let direct = in_place(kp, d) && in_place(vp, dv);
+        // A last block of fewer than SUB keys is read in place too where the storage holds
+        // SUB rows from it (a cache allocated past its length, or the next head's rows):
+        // the scores of the rows past the range are dropped.
+        let whole = k.holds(bi, hk, range.start, range.len().next_multiple_of(SUB), d);
         prefetch_rows(kp, k_st, range.start, (AHEAD - SUB).min(range.len()), d);
         for j0 in range.clone().step_by(BLOCK) {
             let bc = BLOCK.min(range.end - j0);
@@ -196,9 +207,19 @@ impl Call<'_> {
                 prefetch_rows(kp, k_st, next, SUB.min(range.end - next), d);
                 if direct && n == SUB {
                     for (qi, x) in queries.iter().enumerate() {
-                        let s = &mut s[qi * bc + sb..qi * bc + sb + n];
+                        let s = &mut s[qi * bc + sb..qi * bc + sb + SUB];
                         // SAFETY: key rows j0 + sb.. + SUB lie in the storage; `in_place`
                         // held.
+                        unsafe { scores_in_place(kp, k_st, j0 + sb, x, op.scale, s) };
+                    }
+                    continue;
+                }
+                if direct && whole {
+                    // (A separate branch: the one above keeps its 16 scores' fixed count.)
+                    for (qi, x) in queries.iter().enumerate() {
+                        let s = &mut s[qi * bc + sb..qi * bc + sb + n];
+                        // SAFETY: key rows j0 + sb.. + SUB lie in the storage (`whole`);
+                        // `in_place` held.
                         unsafe { scores_in_place(kp, k_st, j0 + sb, x, op.scale, s) };
                     }
                     continue;

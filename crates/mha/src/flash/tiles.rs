@@ -194,6 +194,20 @@ impl<'a> KvRows<'a> {
     pub(crate) fn is_half(&self) -> bool {
         !matches!(self, Self::F32(_))
     }
+
+    /// Whether rows `t..t + n` of head `h` of batch `b`, `width` values each, lie in the
+    /// storage: past the head's last row they run into the next head's, or past the
+    /// storage's end for the last head.
+    pub(crate) fn holds(&self, b: usize, h: usize, t: usize, n: usize, width: usize) -> bool {
+        fn fits<T>(r: &Rows<'_, T>, b: usize, h: usize, t: usize, n: usize, width: usize) -> bool {
+            n == 0 || r.offset + b * r.sb + h * r.sh + (t + n - 1) * r.st + width <= r.data.len()
+        }
+        match self {
+            Self::F32(r) => fits(r, b, h, t, n, width),
+            Self::F16(r) => fits(r, b, h, t, n, width),
+            Self::BF16(r) => fits(r, b, h, t, n, width),
+        }
+    }
 }
 
 /// The first row of one head's keys or values.
