@@ -10,7 +10,7 @@
 //! - [`ops`] and [`act`]: LayerNorm, RMSNorm, linear, cross-entropy, SwiGLU and GELU as
 //!   fused ops with their backward passes, for training;
 //! - [`team`]: the helper threads of a decoding step; [`memory`]: weight buffers on huge
-//!   pages.
+//!   pages; [`profile`]: where a decoding step's time goes (with the `profile` feature).
 //!
 //! Kernels are chosen at run time: the same binary runs on CPUs without AVX-512.
 //!
@@ -32,6 +32,7 @@ pub mod act;
 pub mod dense;
 pub mod memory;
 pub mod ops;
+pub mod profile;
 mod proj;
 pub mod quant;
 mod shared;

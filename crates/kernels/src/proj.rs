@@ -416,6 +416,7 @@ impl Proj {
 
     /// `[.., in]` to `[.., out]`.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let _timer = crate::profile::time(crate::profile::Part::Products);
         let (d_in, d_out) = self.dims()?;
         let dims = xs.dims();
         match dims.last() {

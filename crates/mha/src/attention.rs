@@ -498,6 +498,7 @@ impl MultiHeadAttention {
             norm.apply_fused(&mut values, widths, cfg.head_dim())?;
             qkv = Tensor::from_vec(values, shape, xs.device())?;
         }
+        let _timer = gpt_kernels::profile::time(gpt_kernels::profile::Part::Attention);
         step::attend(
             &qkv,
             heads,

@@ -66,6 +66,9 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
     let prompt = Tensor::from_vec(ids, (a.batch, a.prompt_len), &dev)?;
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
+    // Seconds of the timed runs' decoding in projections, in attention steps and in all,
+    // where the `profile` feature times them.
+    let mut split: Option<[f64; 3]> = None;
     // One untimed run warms caches and the thread pool.
     for run in 0..=a.runs {
         let mut cache = model.new_cache(a.prompt_len + a.new_tokens);
@@ -75,6 +78,7 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
         // As `generate` does after its prefill (counted in the prefill's time).
         crate::alloc::release_freed_memory();
         let t1 = Instant::now();
+        gpt_kernels::profile::take(); // the prefill's
         for _ in 0..a.new_tokens {
             let next: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
             let input = Tensor::from_vec(next, (a.batch, 1), &dev)?;
@@ -82,6 +86,13 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
             rows = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         }
         let t2 = Instant::now();
+        let parts = gpt_kernels::profile::take();
+        if let (Some([(_, products, _), (_, attention, _)]), true) = (parts, run > 0) {
+            let s = split.get_or_insert([0.0; 3]);
+            s[0] += products.as_secs_f64();
+            s[1] += attention.as_secs_f64();
+            s[2] += (t2 - t1).as_secs_f64();
+        }
         if run > 0 {
             prefill.push((a.batch * a.prompt_len) as f64 / (t1 - t0).as_secs_f64());
             if a.new_tokens > 0 {
@@ -97,10 +108,12 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
     };
     let rss = peak_rss_bytes();
     let threads = candle_core::utils::get_num_threads();
+    // Milliseconds per decoding step: projections, attention, the rest.
+    let steps = (a.runs * a.new_tokens).max(1) as f64;
+    let split = split.map(|[p, at, all]| [p, at, all - p - at].map(|s| s * 1e3 / steps));
     match a.format {
-        Format::Json => println!(
-            "{}",
-            serde_json::json!({
+        Format::Json => {
+            let mut out = serde_json::json!({
                 "model": source,
                 "device": format!("{:?}", dev.location()),
                 "dtype": format!("{:?}", model.dtype()).to_lowercase(),
@@ -112,8 +125,16 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
                 "prefill_tokens_per_s": prefill,
                 "decode_tokens_per_s": decode,
                 "peak_rss_bytes": rss,
-            })
-        ),
+            });
+            if let Some([products, attention, rest]) = split {
+                out["decode_ms_per_step"] = serde_json::json!({
+                    "projections": products,
+                    "attention": attention,
+                    "rest": rest,
+                });
+            }
+            println!("{out}")
+        }
         Format::Text => {
             println!(
                 "{source}: batch {}, prompt {} tokens, {} new tokens, {threads} threads (median of {} runs)",
@@ -121,6 +142,11 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
             );
             println!("prefill: {prefill:.1} tokens/s");
             println!("decode:  {decode:.1} tokens/s");
+            if let Some([products, attention, rest]) = split {
+                println!(
+                    "decoding step: {products:.3} ms in projections, {attention:.3} ms in attention, {rest:.3} ms the rest"
+                );
+            }
             if let Some(r) = rss {
                 println!("peak memory: {:.1} MiB", r as f64 / (1024.0 * 1024.0));
             }
