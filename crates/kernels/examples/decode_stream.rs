@@ -3,9 +3,12 @@
 //! `bench/gguf_compare.py` without its separate Python process. `layers` runs the products
 //! of 28 layers of Qwen3-0.6B's width (fused gate/up, down, fused q/k/v, o), each a few
 //! megabytes, as a decoding step does; `head` one product over a 262,144 × 640 matrix
-//! (Gemma-3-270M's tied head). docs/PERFORMANCE.md ("Quantized products") has results.
+//! (Gemma-3-270M's tied head). `sizes` runs products of 512 to 16,384 rows of 1,024 (about
+//! 240 MB of each size) and fits each round's times per product as a fixed cost plus bytes
+//! over a rate: what a product costs beyond streaming its weights. docs/PERFORMANCE.md
+//! ("Quantized products", "Where decoding's time goes") has results.
 //!
-//! `cargo run --release -p gpt-kernels --example decode_stream -- [q4_0|q8_0|q4_k|q6_k] [layers|head]`
+//! `cargo run --release -p gpt-kernels --example decode_stream -- [q4_0|q8_0|q4_k|q6_k] [layers|head|sizes]`
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Result, Tensor};
@@ -31,6 +34,9 @@ fn main() -> Result<()> {
         Some("q6_k") => GgmlDType::Q6K,
         _ => GgmlDType::Q4_0,
     };
+    if args.get(2).map(String::as_str) == Some("sizes") {
+        return sizes(dtype);
+    }
     let shapes: Vec<(usize, usize)> = match args.get(2).map(String::as_str) {
         Some("head") if dtype == GgmlDType::Q4K || dtype == GgmlDType::Q6K => vec![(262144, 768)],
         Some("head") => vec![(262144, 640)],
@@ -71,5 +77,80 @@ fn main() -> Result<()> {
             a + b
         );
     }
+    Ok(())
+}
+
+/// Products of each of a few sizes, alternating with the sum; then, over the medians of
+/// each size's time per product, the least-squares fit `time = fixed + bytes / rate` (a
+/// round disturbed by another process moves a median little, where it would throw a
+/// round's own fit far off).
+fn sizes(dtype: GgmlDType) -> Result<()> {
+    let rows = [512usize, 1024, 2048, 4096, 16384];
+    let mut sets = Vec::new();
+    for &n in &rows {
+        let mut ws = Vec::new();
+        // About 240 MB of each size, far beyond the caches.
+        for _ in 0..(245760 / n) {
+            let w = Tensor::randn(0f32, 1.0, (n, 1024), &Device::Cpu)?;
+            let Some(p) = Packed::new(&QTensor::quantize(&w, dtype)?)? else {
+                candle_core::bail!("{dtype:?} has no packed kernels on this CPU")
+            };
+            ws.push(p);
+        }
+        sets.push(ws);
+    }
+    let x = vec![0.5f32; 1024];
+    let big = vec![1f32; 1 << 28];
+    let (lo, hi) = big.split_at(big.len() / 2);
+    println!("{dtype:?}: microseconds per product of n rows of 1,024");
+    // Per size, its seconds per product in each round.
+    let mut times = vec![Vec::new(); rows.len()];
+    let mut floors = Vec::new();
+    for round in 0..9 {
+        let t0 = Instant::now();
+        let (a, b) = rayon::join(|| sum(lo), || sum(hi));
+        floors.push((big.len() * 4) as f64 / t0.elapsed().as_secs_f64());
+        for (ws, times) in sets.iter().zip(&mut times) {
+            let t1 = Instant::now();
+            for w in ws {
+                let (n, _) = w.dims();
+                std::hint::black_box(w.matmul(&x, 1, 0..n)?);
+            }
+            times.push(t1.elapsed().as_secs_f64() / ws.len() as f64);
+        }
+        let each: Vec<String> = rows
+            .iter()
+            .zip(&times)
+            .map(|(n, t)| format!("{n}: {:.1}", t[round] * 1e6))
+            .collect();
+        let floor = floors[round] / 1e9;
+        println!(
+            "round {round}: sum {floor:.1} GB/s; {} ({})",
+            each.join(", "),
+            a + b
+        );
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let points: Vec<(f64, f64)> = sets
+        .iter()
+        .zip(&mut times)
+        .map(|(ws, t)| (ws[0].size_in_bytes() as f64, median(t)))
+        .collect();
+    let m = points.len() as f64;
+    let (mx, my) = points
+        .iter()
+        .fold((0.0, 0.0), |(sx, sy), &(x, y)| (sx + x / m, sy + y / m));
+    let sxy: f64 = points.iter().map(|&(x, y)| (x - mx) * (y - my)).sum();
+    let sxx: f64 = points.iter().map(|&(x, _)| (x - mx) * (x - mx)).sum();
+    let slope = sxy / sxx;
+    println!(
+        "medians: sum {:.1} GB/s; fixed {:.2} us a product, rate {:.1} GB/s",
+        median(&mut floors) / 1e9,
+        (my - slope * mx) * 1e6,
+        1.0 / slope / 1e9
+    );
     Ok(())
 }
