@@ -19,6 +19,15 @@ pub struct TraceArgs {
     pub layer: Option<usize>,
 }
 
+/// `s` padded to `width` characters, or followed by one space where it is longer, so that
+/// the next column never runs into it.
+fn column(s: &str, width: usize) -> String {
+    match s.chars().count() < width {
+        true => format!("{s:<width$}"),
+        false => format!("{s} "),
+    }
+}
+
 fn shape(t: &Tensor) -> String {
     format!("{:?}", t.dims())
 }
@@ -69,7 +78,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         tokens::token_texts(tokenizer.as_ref(), &ids)
     );
     println!(
-        "input ids                               [B, S]        = {}",
+        "input ids                               [B, S]           = {}",
         shape(&input)
     );
     let mut xs = model
@@ -77,14 +86,17 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         .index_select(&input.flatten_all()?, 0)?
         .unsqueeze(0)?;
     println!(
-        "token embedding E[ids]                  [B, S, D]     = {}",
+        "token embedding E[ids]                  [B, S, D]        = {}",
         shape(&xs)
     );
     if cfg.embedding_multiplier != 1.0 {
         xs = xs.affine(cfg.embedding_multiplier, 0.0)?;
         println!(
-            "{:<40}[B, S, D]     = {}",
-            format!("· embedding multiplier {}", cfg.embedding_multiplier),
+            "{}[B, S, D]        = {}",
+            column(
+                &format!("· embedding multiplier {}", cfg.embedding_multiplier as f32),
+                40
+            ),
             shape(&xs)
         );
     }
@@ -92,7 +104,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         Some(wpe) => {
             xs = (&xs + wpe.narrow(0, 0, s)?.unsqueeze(0)?)?;
             println!(
-                "+ position embedding wpe[0..S]          [B, S, D]     = {}",
+                "+ position embedding wpe[0..S]          [B, S, D]        = {}",
                 shape(&xs)
             );
         }
@@ -107,7 +119,7 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
         let show = a.layer.is_none_or(|l| l == i);
         let say = |what: &str, dims: &str, t: &Tensor| {
             if show {
-                println!("  {what:<38}{dims:<14}= {}", shape(t));
+                println!("  {}{}= {}", column(what, 38), column(dims, 17), shape(t));
             }
         };
         if show {
@@ -315,29 +327,29 @@ pub fn run(a: &TraceArgs, margs: &ModelArgs) -> Result<()> {
     if let Some(ln_f) = model.ln_f() {
         xs = ln_f.forward(&xs)?;
         println!(
-            "final {:<34}[B, S, D]     = {}",
+            "final {:<34}[B, S, D]        = {}",
             cfg.norm_name(),
             shape(&xs)
         );
     }
     let mut logits = model.lm_head().forward(&xs)?;
     println!(
-        "logits = x·W_headᵀ (LM head)            [B, S, V]     = {}",
+        "logits = x·W_headᵀ (LM head)            [B, S, V]        = {}",
         shape(&logits)
     );
     if cfg.logits_scaling != 1.0 {
         logits = logits.affine(1.0 / cfg.logits_scaling, 0.0)?;
         println!(
-            "{:<40}[B, S, V]     = {}",
-            format!("/ logits scaling {}", cfg.logits_scaling),
+            "{}[B, S, V]        = {}",
+            column(&format!("/ logits scaling {}", cfg.logits_scaling), 40),
             shape(&logits)
         );
     }
     if let Some(cap) = cfg.final_logit_softcapping {
         logits = gpt_blocks::softcap(&logits, cap)?;
         println!(
-            "{:<40}[B, S, V]     = {}",
-            format!("soft cap: {cap}·tanh(logits / {cap})"),
+            "{}[B, S, V]        = {}",
+            column(&format!("soft cap: {cap}·tanh(logits / {cap})"), 40),
             shape(&logits)
         );
     }
