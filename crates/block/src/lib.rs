@@ -67,6 +67,7 @@ pub use generate::{
 };
 pub use model::{
     next_token_loss, softcap, token_logprobs, Embedding, Gpt, GptCache, Logits, RopeSet,
+    StoredTensor,
 };
 pub use optim::{AdamW, AdamWParams};
 pub use parts::block::Block;

@@ -340,6 +340,53 @@ fn quantized_matrices_stay_quantized() {
     assert!(formats.contains(&GgmlDType::Q4K) && formats.contains(&GgmlDType::Q6K));
 }
 
+/// `stored_tensors` lists what `named_tensors` gives (names and shapes) without the values,
+/// and each matrix in the format the file stores it in: per format, as many tensors as
+/// llama.cpp's quantizer wrote (its tensor table, read by Candle's GGUF reader). f32 files
+/// too (gpt2, with its Conv1D layout, and neox, its q/k/v regrouped per head); Phi-4-mini's
+/// q/k/v and gate/up as stored, fused.
+#[test]
+fn stored_tensors_are_the_files_formats_and_the_named_shapes() {
+    for file in [
+        "llama_wide.q4_k_m.gguf",
+        "llama.q5_1.gguf",
+        "qwen3.q4_0.gguf",
+        "gemma3.q8_0.gguf",
+        "lfm2.q4_0.gguf",
+        "phi4_mini.q4_0.gguf",
+        "gpt2.f32.gguf",
+        "neox.f32.gguf",
+    ] {
+        let model = load(file);
+        let stored = model.stored_tensors().unwrap();
+        let named = model.named_tensors().unwrap();
+        assert_eq!(stored.len(), named.len(), "{file}");
+        for t in &stored {
+            assert_eq!(named[&t.name].dims(), &t.shape[..], "{file}: {}", t.name);
+        }
+        let count = |formats: Vec<&str>| {
+            let mut by: HashMap<String, usize> = HashMap::new();
+            for f in formats {
+                *by.entry(f.to_string()).or_default() += 1;
+            }
+            by
+        };
+        let gguf = Gguf::open(&path(file)).unwrap();
+        // Phi-3's LongRoPE factors are tensors in GGUF and config fields for transformers.
+        let in_file = count(
+            gguf.tensors()
+                .filter(|(name, _, _)| !name.starts_with("rope_factors_"))
+                .map(|(_, _, t)| gpt_kernels::quant::type_name(t))
+                .collect(),
+        );
+        assert_eq!(
+            count(stored.iter().map(|t| t.format).collect()),
+            in_file,
+            "{file}"
+        );
+    }
+}
+
 /// A file's bytes in memory (a model built into a binary) load as the file does, and are
 /// checked as a file is: a truncated copy is an error naming the bytes, not a panic.
 #[test]

@@ -143,6 +143,10 @@ fn every_subcommand_reads_gguf_files() {
     assert!(json(&out)["nll"].as_f64().unwrap().is_finite(), "{out}");
     let out = ok(&["--model", &file, "inspect", "--format", "json"]);
     assert_eq!(json(&out)["quantized"], true);
+    // Matrices listed in the format the file stores them in, not dequantized.
+    let tensors = json(&out)["tensors"].as_array().unwrap().clone();
+    let q8 = tensors.iter().filter(|t| t["dtype"] == "q8_0").count();
+    assert!(q8 > 0, "{out}");
     ok(&["--model", &file, "trace", "--prompt", "ROMEO"]);
     ok(&["--model", &file, "attention", "--prompt", "ROMEO: soft"]);
     ok(&[

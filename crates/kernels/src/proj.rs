@@ -129,6 +129,20 @@ impl Proj {
         }
     }
 
+    /// The weight's stored format: a dtype (`f32`, `f16`, `bf16`) or a GGUF block type by
+    /// llama.cpp's name (`q4_K`, `q8_0`).
+    pub fn format_name(&self) -> &'static str {
+        match &self.w {
+            Weight::Dense(w_t) => w_t.dtype().as_str(),
+            Weight::Quantized { w, .. } => match w {
+                QMatMul::QTensor(q) => crate::quant::type_name(q.dtype()),
+                QMatMul::Tensor(t) => t.dtype().as_str(),
+                QMatMul::TensorF16(_) => "f16",
+            },
+            Weight::Packed { w, .. } => crate::quant::type_name(w.dtype()),
+        }
+    }
+
     /// `(in, out)`.
     pub fn dims(&self) -> Result<(usize, usize)> {
         match &self.w {

@@ -70,6 +70,15 @@ impl Embedding {
         }
     }
 
+    /// The table's stored format: a dtype or a GGUF block type by llama.cpp's name.
+    pub fn format_name(&self) -> &'static str {
+        match self {
+            Self::Dense(t) | Self::Half { table: t, .. } => t.dtype().as_str(),
+            Self::Quantized { table, .. } => gpt_kernels::quant::type_name(table.dtype()),
+            Self::Packed { table, .. } => gpt_kernels::quant::type_name(table.dtype()),
+        }
+    }
+
     /// The whole table, dequantized if need be.
     pub fn to_dense(&self) -> Result<Tensor> {
         match self {

@@ -16,6 +16,7 @@ pub use cache::GptCache;
 pub use embedding::Embedding;
 use embedding::EmbeddingRows;
 pub use loss::{next_token_loss, token_logprobs};
+pub use named::StoredTensor;
 pub use rope_set::RopeSet;
 
 use crate::config::GptConfig;

@@ -103,21 +103,22 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
         chat,
         source,
     } = model::load(margs)?;
-    let mut tensors: Vec<_> = model.named_tensors()?.into_iter().collect();
+    // Names, formats and shapes only: a quantized file is listed without dequantizing it.
+    let mut tensors = model.stored_tensors()?;
     // Blocks in numeric order: h.2 before h.10.
     let key = |n: &str| {
         let num: Option<usize> = n.split('.').find_map(|p| p.parse().ok());
         (num.unwrap_or(usize::MAX), n.to_string())
     };
-    tensors.sort_by_key(|(n, _)| key(n));
+    tensors.sort_by_key(|t| key(&t.name));
     let parts = ["embeddings", "attention", "mlp", "norms", "lm_head"];
     let counts: Vec<(&str, usize)> = parts
         .iter()
         .map(|&p| {
             let n = tensors
                 .iter()
-                .filter(|(name, _)| part(name) == p)
-                .map(|(_, t)| t.elem_count())
+                .filter(|t| part(&t.name) == p)
+                .map(|t| t.shape.iter().product::<usize>())
                 .sum();
             (p, n)
         })
@@ -133,8 +134,8 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
                 "tokenizer": tokenizer.as_ref().map(|t| t.vocab_size()),
                 "chat_template": chat.is_own(),
                 "quantized": model.is_quantized(),
-                "tensors": tensors.iter().map(|(n, t)| serde_json::json!({
-                    "name": n, "dtype": format!("{:?}", t.dtype()).to_lowercase(), "shape": t.dims(),
+                "tensors": tensors.iter().map(|t| serde_json::json!({
+                    "name": t.name, "dtype": t.format, "shape": t.shape,
                 })).collect::<Vec<_>>(),
                 "parameters": counts
                     .iter()
@@ -196,15 +197,12 @@ pub fn run(a: &InspectArgs, margs: &ModelArgs) -> Result<()> {
                 false => println!("chat: the plain format (the model has no template)"),
             }
             if model.is_quantized() {
-                println!("matrix products: block-quantized (tensors below are shown dequantized)");
+                println!("matrix products: block-quantized (each matrix's format below)");
             }
             println!("\ntensors:");
-            for (n, t) in &tensors {
-                println!(
-                    "  {n:<40} {:<5} {:?}",
-                    format!("{:?}", t.dtype()).to_lowercase(),
-                    t.dims()
-                );
+            let width = tensors.iter().map(|t| t.name.len()).max().unwrap_or(0);
+            for t in &tensors {
+                println!("  {:<width$} {:<5} {:?}", t.name, t.format, t.shape);
             }
             println!("\nparameters:");
             for (p, n) in &counts {

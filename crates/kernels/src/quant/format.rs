@@ -97,6 +97,22 @@ impl Format {
         }
     }
 
+    /// The GGUF type.
+    pub(super) fn dtype(self) -> GgmlDType {
+        match self {
+            Self::Q8_0 => GgmlDType::Q8_0,
+            Self::Q4_0 => GgmlDType::Q4_0,
+            Self::Q5_0 => GgmlDType::Q5_0,
+            Self::Q4_1 => GgmlDType::Q4_1,
+            Self::Q5_1 => GgmlDType::Q5_1,
+            Self::Q4K => GgmlDType::Q4K,
+            Self::Q5K => GgmlDType::Q5K,
+            Self::Q6K => GgmlDType::Q6K,
+            Self::Q3K => GgmlDType::Q3K,
+            Self::Q2K => GgmlDType::Q2K,
+        }
+    }
+
     /// Values of a row in one stored block (and so in one tile).
     pub(super) fn values(self) -> usize {
         match self {

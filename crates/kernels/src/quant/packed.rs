@@ -300,6 +300,11 @@ impl Packed {
         ))
     }
 
+    /// The GGUF type of the matrix's blocks.
+    pub fn dtype(&self) -> GgmlDType {
+        self.format.dtype()
+    }
+
     /// `(n, k)`: rows (outputs) and columns (inputs).
     pub fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
