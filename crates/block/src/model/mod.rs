@@ -402,18 +402,6 @@ impl Gpt {
         self.head(xs, logits, &stages, false)
     }
 
-    /// Checks every weight for NaN and Inf; the error names the first bad tensor.
-    pub fn check_weights(&self) -> Result<()> {
-        let mut named: Vec<_> = self.named_tensors()?.into_iter().collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        for (name, t) in named {
-            if !all_finite(&t)? {
-                bail!("weight {name} contains NaN or Inf values")
-            }
-        }
-        Ok(())
-    }
-
     /// The model's family.
     pub fn family(&self) -> Family {
         self.cfg.family

@@ -9,6 +9,7 @@ use candle_core::{bail, Result, Tensor};
 use mha::{neox_to_fused, Proj};
 
 use super::embedding::Embedding;
+use super::stages::all_finite;
 use super::Gpt;
 use crate::parts::mixer::Mixer;
 use crate::parts::norm::Norm;
@@ -143,6 +144,16 @@ impl Gpt {
             );
         }
         Ok(out.into_values().collect())
+    }
+
+    /// Checks every weight for NaN and Inf; the error names the first bad tensor in the
+    /// order of the model's parts. One weight at a time: a quantized matrix is dequantized
+    /// alone, never the whole model at once.
+    pub fn check_weights(&self) -> Result<()> {
+        self.walk(&mut |name, entry| match all_finite(&entry.tensor()?)? {
+            true => Ok(()),
+            false => bail!("weight {name} contains NaN or Inf values"),
+        })
     }
 
     /// The tensors a family stores fused (Phi-3's q/k/v and gate/up), each with the names
