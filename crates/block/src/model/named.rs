@@ -82,6 +82,17 @@ impl Entry<'_> {
     }
 }
 
+/// The entries `parts` taken out of `out`, in their order, to be stored fused as `name`.
+fn take<T>(out: &mut HashMap<String, T>, name: &str, parts: &[String]) -> Result<Vec<T>> {
+    parts
+        .iter()
+        .map(|p| match out.remove(p) {
+            Some(t) => Ok(t),
+            None => bail!("no {p} to store fused as {name}"),
+        })
+        .collect()
+}
+
 impl Gpt {
     /// Every weight under its Hugging Face name for the model's family (for GPT-2 the
     /// `transformer.` prefix, no `lm_head` when tied), as `save_pretrained` writes them
@@ -94,13 +105,7 @@ impl Gpt {
         })?;
         // Phi-3 stores q/k/v and gate/up fused: their rows one after the other.
         for (name, parts) in self.stored_fused() {
-            let parts = parts
-                .iter()
-                .map(|p| match out.remove(p) {
-                    Some(t) => Ok(t),
-                    None => bail!("no {p} to store fused as {name}"),
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let parts = take(&mut out, &name, &parts)?;
             out.insert(name, Tensor::cat(&parts, 0)?);
         }
         Ok(out)
@@ -124,13 +129,7 @@ impl Gpt {
             Ok(())
         })?;
         for (name, parts) in self.stored_fused() {
-            let parts = parts
-                .iter()
-                .map(|p| match out.remove(p) {
-                    Some(t) => Ok(t),
-                    None => bail!("no {p} to store fused as {name}"),
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let parts = take(&mut out, &name, &parts)?;
             let mut shape = parts[0].shape.clone();
             shape[0] = parts.iter().map(|t| t.shape[0]).sum();
             let format = parts[0].format;
