@@ -53,7 +53,7 @@ enum Command {
     Train(train::TrainArgs),
     /// Serve the OpenAI HTTP API (completions, chat) with continuous batching.
     Serve(serve::ServeArgs),
-    /// Write the model as a GGUF file for llama.cpp (f32, f16, q8_0, q4_0).
+    /// Write the model as a GGUF file for llama.cpp (f32, f16, q8_0, q4_0, q5_0, q4_K, q5_K, q6_K).
     Convert(convert::ConvertArgs),
     /// Text to token ids and pieces with the model's tokenizer, or ids back to text.
     Tokenize(tokenize::TokenizeArgs),
