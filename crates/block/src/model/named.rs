@@ -98,51 +98,49 @@ impl Gpt {
     /// `transformer.` prefix, no `lm_head` when tied), as `save_pretrained` writes them
     /// (Gemma's norms as the `w` of their `1 + w`; block-quantized matrices dequantized).
     pub fn named_tensors(&self) -> Result<HashMap<String, Tensor>> {
-        let mut out = HashMap::new();
-        self.walk(&mut |name, entry| {
-            out.insert(name, entry.tensor()?);
-            Ok(())
-        })?;
         // Phi-3 stores q/k/v and gate/up fused: their rows one after the other.
-        for (name, parts) in self.stored_fused() {
-            let parts = take(&mut out, &name, &parts)?;
-            out.insert(name, Tensor::cat(&parts, 0)?);
-        }
-        Ok(out)
+        self.collect(|entry| entry.tensor(), |parts| Tensor::cat(&parts, 0))
     }
 
     /// The weights [`Gpt::named_tensors`] gives, by name with their stored formats and
     /// shapes, in no particular order: what a quantized file holds, listed without
     /// dequantizing it.
     pub fn stored_tensors(&self) -> Result<Vec<StoredTensor>> {
+        let described = self.collect(
+            |entry| entry.describe(),
+            |parts| {
+                let (format, mut shape) = parts[0].clone();
+                shape[0] = parts.iter().map(|(_, s)| s[0]).sum();
+                Ok((format, shape))
+            },
+        )?;
+        Ok(described
+            .into_iter()
+            .map(|(name, (format, shape))| StoredTensor {
+                name,
+                format,
+                shape,
+            })
+            .collect())
+    }
+
+    /// Every weight by name as `value` makes it from its entry, the parts a family stores
+    /// fused joined by `fuse` (given them in the order of their rows).
+    fn collect<T>(
+        &self,
+        value: impl Fn(Entry) -> Result<T>,
+        fuse: impl Fn(Vec<T>) -> Result<T>,
+    ) -> Result<HashMap<String, T>> {
         let mut out = HashMap::new();
         self.walk(&mut |name, entry| {
-            let (format, shape) = entry.describe()?;
-            out.insert(
-                name.clone(),
-                StoredTensor {
-                    name,
-                    format,
-                    shape,
-                },
-            );
+            out.insert(name, value(entry)?);
             Ok(())
         })?;
         for (name, parts) in self.stored_fused() {
             let parts = take(&mut out, &name, &parts)?;
-            let mut shape = parts[0].shape.clone();
-            shape[0] = parts.iter().map(|t| t.shape[0]).sum();
-            let format = parts[0].format;
-            out.insert(
-                name.clone(),
-                StoredTensor {
-                    name,
-                    format,
-                    shape,
-                },
-            );
+            out.insert(name, fuse(parts)?);
         }
-        Ok(out.into_values().collect())
+        Ok(out)
     }
 
     /// Checks every weight for NaN and Inf; the error names the first bad tensor in the
