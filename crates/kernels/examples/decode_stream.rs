@@ -8,7 +8,7 @@
 //! over a rate: what a product costs beyond streaming its weights. docs/PERFORMANCE.md
 //! ("Quantized products", "Where decoding's time goes") has results.
 //!
-//! `cargo run --release -p gpt-kernels --example decode_stream -- [q4_0|q8_0|q4_k|q6_k] [layers|head|sizes]`
+//! `cargo run --release -p gpt-kernels --example decode_stream -- [q4_0|q8_0|q2_k|q3_k|q4_k|q5_k|q6_k] [layers|head|sizes]`
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Result, Tensor};
@@ -32,13 +32,17 @@ fn main() -> Result<()> {
         Some("q8_0") => GgmlDType::Q8_0,
         Some("q4_k") => GgmlDType::Q4K,
         Some("q6_k") => GgmlDType::Q6K,
+        Some("q5_k") => GgmlDType::Q5K,
+        Some("q3_k") => GgmlDType::Q3K,
+        Some("q2_k") => GgmlDType::Q2K,
         _ => GgmlDType::Q4_0,
     };
     if args.get(2).map(String::as_str) == Some("sizes") {
         return sizes(dtype);
     }
     let shapes: Vec<(usize, usize)> = match args.get(2).map(String::as_str) {
-        Some("head") if dtype == GgmlDType::Q4K || dtype == GgmlDType::Q6K => vec![(262144, 768)],
+        // (Rows of the k-quants are whole super-blocks of 256 values.)
+        Some("head") if dtype.block_size() == 256 => vec![(262144, 768)],
         Some("head") => vec![(262144, 640)],
         _ => [(6144, 1024), (1024, 3072), (4096, 1024), (1024, 2048)].repeat(28),
     };

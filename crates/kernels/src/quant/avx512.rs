@@ -276,31 +276,34 @@ fn ahead(tile: *const u8, size: usize, j: usize) {
     }
 }
 
-/// `R` rows of `x` against one column of q4_K (or, `FIVE`, q5_K) tiles, as ggml's
-/// q4_K · q8_K: per
-/// sub-block and row of `x`, the eight `vpdpbusd` of a q4_0 block and one integer
-/// multiply by its scales; per super-block, the minima times the sums of `x` in
-/// integers too, then two multiply-adds.
+/// `R` rows of `x` against `T` columns of q4_K (or, `FIVE`, q5_K) tiles, as ggml's
+/// q4_K · q8_K: per sub-block and row of `x`, the eight `vpdpbusd` of a q4_0 block and
+/// one integer multiply by its scales; per super-block, the minima times the sums of `x`
+/// in integers too, then two multiply-adds. Two columns (decoding's two streams, see
+/// `Packed::product`) are read super-block by super-block together; operands unpacked
+/// ahead (a prefill's) come for one column.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-pub(super) unsafe fn q4k_rows<const R: usize, const FIVE: bool>(
-    tiles: &[u8],
+pub(super) unsafe fn q4k_rows<const R: usize, const FIVE: bool, const T: usize>(
+    tiles: [&[u8]; T],
     ops: &[u8],
     x: &SuperRows,
     r: usize,
-    y: &mut [[f32; TILE]; 4],
+    y: [&mut [[f32; TILE]; 4]; T],
     spread: bool,
 ) {
     let size = if FIVE { q4k::Q5_BYTES } else { q4k::BYTES };
-    let nb = tiles.len() / size;
+    let nb = tiles[0].len() / size;
+    assert!(tiles.iter().all(|t| t.len() >= nb * size));
     let xs = super_rows::<R>(x, r, nb);
     let pre = !ops.is_empty();
-    assert!(!pre || ops.len() >= nb * 8 * 512);
-    let mut acc = [_mm512_setzero_ps(); R];
-    for b in 0..nb {
-        // SAFETY: tile b is `size` readable bytes, its operands in `ops` when given;
-        // super-block b of each row of `x` is in bounds (checked by `super_rows`).
+    assert!(!pre || (T == 1 && ops.len() >= nb * 8 * 512));
+    let mut acc = [[_mm512_setzero_ps(); R]; T];
+    for (b, t) in (0..nb).flat_map(|b| (0..T).map(move |t| (b, t))) {
+        let acc = &mut acc[t];
+        // SAFETY: tile b of each column is `size` readable bytes, its operands in `ops`
+        // when given; super-block b of each row of `x` is in bounds (`super_rows`).
         unsafe {
-            let tile = tiles.as_ptr().add(b * size);
+            let tile = tiles[t].as_ptr().add(b * size);
             let mut sums = [_mm512_setzero_si512(); R];
             let mut mins = [_mm512_setzero_si512(); R];
             for j in 0..8 {
@@ -334,10 +337,8 @@ pub(super) unsafe fn q4k_rows<const R: usize, const FIVE: bool>(
             }
         }
     }
-    for (y, acc) in y.iter_mut().zip(acc) {
-        // SAFETY: 16 floats to a [f32; 16].
-        unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
-    }
+    // SAFETY: this function enables AVX-512F, all that `store_rows` needs.
+    unsafe { store_rows(y, acc) };
 }
 
 /// `s[c][i] += Σ_g w[c] group g · x[i] group g` over `groups` (of 4 values) of one
@@ -366,10 +367,13 @@ unsafe fn pair_groups<const R: usize>(
     }
 }
 
-/// The two columns' sums of `R` rows into `y`.
+/// Each column's `R` sums into its first `R` rows of `y`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn store_pair<const R: usize>(y: [&mut [[f32; TILE]; 4]; 2], acc: [[__m512; R]; 2]) {
+unsafe fn store_rows<const R: usize, const T: usize>(
+    y: [&mut [[f32; TILE]; 4]; T],
+    acc: [[__m512; R]; T],
+) {
     for (y, acc) in y.into_iter().zip(acc) {
         for (y, acc) in y.iter_mut().zip(acc) {
             // SAFETY: 16 floats to a [f32; 16].
@@ -478,8 +482,8 @@ pub(super) unsafe fn q4k_pair<const R: usize>(
             add_scaled(&mut acc, &sums, &xs, b);
         }
     }
-    // SAFETY: this function enables AVX-512F, all that `store_pair` needs.
-    unsafe { store_pair(y, acc) };
+    // SAFETY: this function enables AVX-512F, all that `store_rows` needs.
+    unsafe { store_rows(y, acc) };
 }
 
 /// [`q4k_pair`] for q6_K (`Q3`: q3_K): two columns from operands unpacked ahead, each
@@ -545,8 +549,8 @@ pub(super) unsafe fn q6k_pair<const R: usize, const Q3: bool>(
             add_scaled(&mut acc, &sums, &xs, b);
         }
     }
-    // SAFETY: this function enables AVX-512F, all that `store_pair` needs.
-    unsafe { store_pair(y, acc) };
+    // SAFETY: this function enables AVX-512F, all that `store_rows` needs.
+    unsafe { store_rows(y, acc) };
 }
 
 /// [`q4k_pair`] for q2_K: per half sub-block (16 values) and row, the sums take the
@@ -604,22 +608,22 @@ pub(super) unsafe fn q2k_pair<const R: usize>(
             add_scaled(&mut acc, &sums, &xs, b);
         }
     }
-    // SAFETY: this function enables AVX-512F, all that `store_pair` needs.
-    unsafe { store_pair(y, acc) };
+    // SAFETY: this function enables AVX-512F, all that `store_rows` needs.
+    unsafe { store_rows(y, acc) };
 }
 
-/// `R` rows of `x` against one column of q6_K (`Q3`: q3_K) tiles, as ggml's q6_K ·
+/// `R` rows of `x` against `T` columns of q6_K (`Q3`: q3_K) tiles, as ggml's q6_K ·
 /// q8_K (q3_K · q8_K): per block of 32 and row of `x`, eight `vpdpbusd` in two halves
 /// of 16 values (each less the offset, 32 or 4, times the half's sum of `x`) and an
 /// integer multiply of each by its scales; per super-block one multiply-add. The
-/// operands are built once for the `R` rows.
+/// operands are built once for the `R` rows. Columns as in [`q4k_rows`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-pub(super) unsafe fn q6k_rows<const R: usize, const Q3: bool>(
-    tiles: &[u8],
+pub(super) unsafe fn q6k_rows<const R: usize, const Q3: bool, const T: usize>(
+    tiles: [&[u8]; T],
     ops: &[u8],
     x: &SuperRows,
     r: usize,
-    y: &mut [[f32; TILE]; 4],
+    y: [&mut [[f32; TILE]; 4]; T],
     spread: bool,
 ) {
     // (The scales lie at the same place in both tiles: q6k::SC == q3k::SC.)
@@ -628,16 +632,18 @@ pub(super) unsafe fn q6k_rows<const R: usize, const Q3: bool>(
     } else {
         (q6k::BYTES, 32)
     };
-    let nb = tiles.len() / size;
+    let nb = tiles[0].len() / size;
+    assert!(tiles.iter().all(|t| t.len() >= nb * size));
     let xs = super_rows::<R>(x, r, nb);
     let pre = !ops.is_empty();
-    assert!(!pre || ops.len() >= nb * 8 * 512);
-    let mut acc = [_mm512_setzero_ps(); R];
-    for b in 0..nb {
-        // SAFETY: tile b is `size` readable bytes, its operands in `ops` when given;
-        // super-block b of each row of `x` is in bounds (`super_rows`).
+    assert!(!pre || (T == 1 && ops.len() >= nb * 8 * 512));
+    let mut acc = [[_mm512_setzero_ps(); R]; T];
+    for (b, t) in (0..nb).flat_map(|b| (0..T).map(move |t| (b, t))) {
+        let acc = &mut acc[t];
+        // SAFETY: tile b of each column is `size` readable bytes, its operands in `ops`
+        // when given; super-block b of each row of `x` is in bounds (`super_rows`).
         unsafe {
-            let tile = tiles.as_ptr().add(b * size);
+            let tile = tiles[t].as_ptr().add(b * size);
             let mut sums = [_mm512_setzero_si512(); R];
             for j in 0..8 {
                 if spread {
@@ -671,33 +677,33 @@ pub(super) unsafe fn q6k_rows<const R: usize, const Q3: bool>(
             }
         }
     }
-    for (y, acc) in y.iter_mut().zip(acc) {
-        // SAFETY: 16 floats to a [f32; 16].
-        unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
-    }
+    // SAFETY: this function enables AVX-512F, all that `store_rows` needs.
+    unsafe { store_rows(y, acc) };
 }
 
-/// `R` rows of `x` against one column of q2_K tiles, as ggml's q2_K · q8_K: per block
+/// `R` rows of `x` against `T` columns of q2_K tiles, as ggml's q2_K · q8_K: per block
 /// of 32 and row of `x`, eight `vpdpbusd` in two halves of 16 values, each multiplied
 /// by its 4-bit scale as an integer, and the halves' sums of `x` by their minima; per
-/// super-block two multiply-adds.
+/// super-block two multiply-adds. Columns as in [`q4k_rows`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-pub(super) unsafe fn q2k_rows<const R: usize>(
-    tiles: &[u8],
+pub(super) unsafe fn q2k_rows<const R: usize, const T: usize>(
+    tiles: [&[u8]; T],
     x: &SuperRows,
     r: usize,
-    y: &mut [[f32; TILE]; 4],
+    y: [&mut [[f32; TILE]; 4]; T],
     spread: bool,
 ) {
-    let nb = tiles.len() / q2k::BYTES;
+    let nb = tiles[0].len() / q2k::BYTES;
+    assert!(tiles.iter().all(|t| t.len() >= nb * q2k::BYTES));
     let xs = super_rows::<R>(x, r, nb);
     let low = _mm512_set1_epi32(15);
-    let mut acc = [_mm512_setzero_ps(); R];
-    for b in 0..nb {
-        // SAFETY: tile b is `q2k::BYTES` readable bytes; super-block b of each row of
-        // `x` is in bounds (checked by `super_rows`).
+    let mut acc = [[_mm512_setzero_ps(); R]; T];
+    for (b, t) in (0..nb).flat_map(|b| (0..T).map(move |t| (b, t))) {
+        let acc = &mut acc[t];
+        // SAFETY: tile b of each column is `q2k::BYTES` readable bytes; super-block b of
+        // each row of `x` is in bounds (checked by `super_rows`).
         unsafe {
-            let tile = tiles.as_ptr().add(b * q2k::BYTES);
+            let tile = tiles[t].as_ptr().add(b * q2k::BYTES);
             let mut sums = [_mm512_setzero_si512(); R];
             let mut mins = [_mm512_setzero_si512(); R];
             for j in 0..8 {
@@ -739,10 +745,8 @@ pub(super) unsafe fn q2k_rows<const R: usize>(
             }
         }
     }
-    for (y, acc) in y.iter_mut().zip(acc) {
-        // SAFETY: 16 floats to a [f32; 16].
-        unsafe { _mm512_storeu_ps(y.as_mut_ptr(), acc) };
-    }
+    // SAFETY: this function enables AVX-512F, all that `store_rows` needs.
+    unsafe { store_rows(y, acc) };
 }
 
 /// [`legacy_rows`] for a prefill: `R` rows of `x` against two columns of tiles from
@@ -810,8 +814,8 @@ pub(super) unsafe fn legacy_pair<const R: usize, const BITS: u8, const MIN: bool
             }
         }
     }
-    // SAFETY: this function enables AVX-512F, all that `store_pair` needs.
-    unsafe { store_pair(y, acc) };
+    // SAFETY: this function enables AVX-512F, all that `store_rows` needs.
+    unsafe { store_rows(y, acc) };
 }
 
 /// How many tiles ahead of the one being read [`legacy_rows`] asks for the next, with
@@ -904,10 +908,6 @@ pub(super) unsafe fn legacy_rows<
             }
         }
     }
-    for (y, acc) in y.into_iter().zip(acc) {
-        for j in 0..R {
-            // SAFETY: 16 floats to a [f32; 16].
-            unsafe { _mm512_storeu_ps(y[j].as_mut_ptr(), acc[j]) };
-        }
-    }
+    // SAFETY: this function enables AVX-512F, all that `store_rows` needs.
+    unsafe { store_rows(y, acc) };
 }

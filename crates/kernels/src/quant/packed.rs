@@ -125,15 +125,21 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 
 /// How a decoding thread asks for the weights it streams from memory before its kernels
 /// read them: the whole next tile column at once (`column`), or the k-quant kernels each
-/// super-block's successor an eighth at a time (`spread`). The column pays on AMD CPUs;
-/// on Intel's its hundreds of prefetches at once stall the thread (each holds a line fill
-/// buffer until its line arrives), where the spread requests pay. So AMD CPUs take the
-/// column and others the spread requests; the unit tests take both. The measurements are
-/// in docs/PERFORMANCE.md ("Quantized products").
+/// super-block's successor an eighth at a time (`spread`); and whether the AVX-512
+/// kernels of the k-quants with the smaller tiles (q2_K, q3_K, q4_K) read two columns
+/// together (`two`: two streams, each asking for its next super-block as `spread` does).
+/// The column pays on AMD CPUs; on Intel's its hundreds of prefetches at once stall the
+/// thread (each holds a line fill buffer until its line arrives), where the spread
+/// requests pay. On an AMD CPU with AVX-512 the two streams read layer-sized q4_K, q3_K
+/// and q2_K matrices faster than one stream and its columns, q5_K's as fast and q6_K's
+/// slower (not measured on Intel's). So AMD CPUs take the column, or the two streams
+/// where they pay, others the spread requests; the unit tests take all three. The
+/// measurements are in docs/PERFORMANCE.md ("Quantized products").
 #[derive(Clone, Copy)]
 struct Ahead {
     column: bool,
     spread: bool,
+    two: bool,
 }
 
 impl Ahead {
@@ -142,6 +148,7 @@ impl Ahead {
         Ahead {
             column: amd || cfg!(test),
             spread: !amd || cfg!(test),
+            two: amd || cfg!(test),
         }
     }
 }
@@ -402,9 +409,9 @@ impl Packed {
         // Bytes of one column's operands.
         let per = if unpack { self.k * TILE } else { 0 };
         let need = if pair { 2 * per } else { per };
-        // Each thread takes a contiguous range of tiles (read as two streams when decoding
-        // the legacy formats, below). (Not several parts per thread, as the dense decoding
-        // products take: each part restarts the stream and its prefetching.)
+        // Each thread takes a contiguous range of tiles (read as two streams when decoding,
+        // below). (Not several parts per thread, as the dense decoding products take: each
+        // part restarts the stream and its prefetching.)
         let parts = ranges(t1 - t0, 4, (t1 - t0) * TILE * self.k);
         // Decoding a model larger than the cache reads each tile from memory once, and the
         // hardware prefetchers alone fall short of the read floor while the kernels unpack:
@@ -414,19 +421,21 @@ impl Packed {
         // plain bytes take the two streams of the legacy formats (below), each asking for
         // the tile a few blocks on (`avx512::legacy_rows`). q4_0's streams decoded slower
         // so (their unpacking hides the latency); q5_0, q4_1 and q5_1 go without as q4_0.
+        // q2_K, q3_K and q4_K decode as two streams with AVX-512 on AMD CPUs (`Ahead`).
         let resident = PACKED_BYTES.load(Ordering::Relaxed) < STREAMED_BYTES;
         let stream = m < UNPACK_ROWS && self.format != Format::Q8_0 && !resident;
         let ahead = Ahead::here();
+        let two = stream
+            && m == 1
+            && level == Level::Avx512Vnni
+            && ahead.two
+            && matches!(self.format, Format::Q2K | Format::Q3K | Format::Q4K);
         let spread = match self.format {
             Format::Q8_0 => m == 1 && !resident,
             Format::Q4_0 | Format::Q5_0 | Format::Q4_1 | Format::Q5_1 => false,
-            _ => stream && m == 1 && ahead.spread,
+            _ => stream && m == 1 && (ahead.spread || two),
         };
-        let pairs = m == 1
-            && matches!(
-                self.format,
-                Format::Q8_0 | Format::Q4_0 | Format::Q5_0 | Format::Q4_1 | Format::Q5_1
-            );
+        let pairs = m == 1 && (legacy || two);
         if m == 1 && parts.len() > 1 {
             // Decoding on several threads: what this product's second range reads is what a
             // helper waits to read, and the product after it is likely the one that came
@@ -462,13 +471,12 @@ impl Packed {
                     ops.resize(need, 0);
                 }
                 let ops = &mut ops[..need];
-                // Decoding through the legacy formats reads two columns of tiles together,
-                // tile j of the range's first half beside tile j of its second: two streams
-                // through memory (see `avx512::legacy_rows`), which replace the prefetch below
-                // (the two together gain nothing). The k-quants' decoding kernels (for which
-                // two columns gain nothing) and a prefill's
-                // unpacked operands take the range in order: one column at a time, or
-                // two neighbours (`pair`).
+                // Decoding reads two columns of tiles together (`pairs`), tile j of the
+                // range's first half beside tile j of its second: two streams through
+                // memory (see `avx512::legacy_rows`, `avx512::q4k_rows`), which replace the
+                // prefetch below (the two together gain nothing). The k-quants' decoding
+                // kernels elsewhere and a prefill's unpacked operands take the range in
+                // order: one column at a time, or two neighbours (`pair`).
                 let half = match pairs {
                     true => (hi - lo) / 2,
                     false => 0,
@@ -637,10 +645,9 @@ thread_local! {
 /// runs its own range from the front, then takes what is left of the others from their backs.
 /// One range per thread keeps each stream through memory whole (ranges cut into more parts
 /// decode slower, see [`Packed::product`]), while a thread that started late, or whose reads
-/// were slower, no longer holds the other up. With the legacy formats a unit is a pair of tile
-/// columns, `j` of the range's first half beside `j` of its second (two streams, see
-/// `avx512::legacy_rows`), and an odd last column is its owner's; with the others, one tile
-/// column.
+/// were slower, no longer holds the other up. Where decoding reads two streams a unit is a
+/// pair of tile columns, `j` of the range's first half beside `j` of its second (see
+/// `avx512::legacy_rows`), and an odd last column is its owner's; elsewhere, one tile column.
 struct Units<'a> {
     parts: &'a [(usize, usize)],
     t0: usize,
@@ -734,10 +741,11 @@ impl<'a> Units<'a> {
 /// `y[c][j] = x row r + j · tile rows of column c`, for `rows` (1–4) rows of `x` and `T`
 /// (1 or 2) columns of tiles, with the kernels of `level`; `ops` holds the columns'
 /// operands unpacked by `avx512::unpack` (`unpack_avx2` at the AVX2 level) one after the
-/// other, or is empty. The legacy formats' kernel reads two columns together; the
-/// k-quants' take them one after the other, but for two columns unpacked (a prefill's
-/// with AVX-512 VNNI, `avx512::q4k_pair`). With `spread`, the AVX-512 k-quant kernels ask
-/// for each super-block's successor while they work on it (see `Ahead`).
+/// other, or is empty. The AVX-512 kernels read two columns together (block by block, or
+/// super-block by super-block; two columns unpacked through `avx512::q4k_pair` and its
+/// kind); the AVX2 k-quant kernels and the scalar code take them one after the other.
+/// With `spread`, the AVX-512 k-quant kernels ask for each super-block's successor while
+/// they work on it (see `Ahead`).
 #[allow(clippy::too_many_arguments)]
 fn tile_rows<const T: usize>(
     format: Format,
@@ -893,18 +901,14 @@ fn tile_rows<const T: usize>(
                         _ => unreachable!("{format:?} tiles two columns at a time"),
                     }
                 }
-                (format, XRows::Super(x)) => {
-                    for (tiles, y) in tiles.into_iter().zip(y) {
-                        match format {
-                            Format::Q4K => by_rows!(q4k::<R, false>(tiles, ops, x, r, y, spread)),
-                            Format::Q5K => by_rows!(q4k::<R, true>(tiles, ops, x, r, y, spread)),
-                            Format::Q6K => by_rows!(q6k::<R, false>(tiles, ops, x, r, y, spread)),
-                            Format::Q3K => by_rows!(q6k::<R, true>(tiles, ops, x, r, y, spread)),
-                            Format::Q2K => by_rows!(q2k::<R>(tiles, x, r, y, spread)),
-                            _ => unreachable!("{format:?} weights with rows of x as q8_K"),
-                        }
-                    }
-                }
+                (format, XRows::Super(x)) => match format {
+                    Format::Q4K => by_rows!(q4k::<R, false, T>(tiles, ops, x, r, y, spread)),
+                    Format::Q5K => by_rows!(q4k::<R, true, T>(tiles, ops, x, r, y, spread)),
+                    Format::Q6K => by_rows!(q6k::<R, false, T>(tiles, ops, x, r, y, spread)),
+                    Format::Q3K => by_rows!(q6k::<R, true, T>(tiles, ops, x, r, y, spread)),
+                    Format::Q2K => by_rows!(q2k::<R, T>(tiles, x, r, y, spread)),
+                    _ => unreachable!("{format:?} weights with rows of x as q8_K"),
+                },
                 _ => unreachable!("{format:?} weights with rows of x quantized for another"),
             }
         }
