@@ -298,42 +298,43 @@ pub(super) unsafe fn q4k_rows<const R: usize, const FIVE: bool, const T: usize>(
     let pre = !ops.is_empty();
     assert!(!pre || (T == 1 && ops.len() >= nb * 8 * 512));
     let mut acc = [[_mm512_setzero_ps(); R]; T];
-    for (b, t) in (0..nb).flat_map(|b| (0..T).map(move |t| (b, t))) {
-        let acc = &mut acc[t];
-        // SAFETY: tile b of each column is `size` readable bytes, its operands in `ops`
-        // when given; super-block b of each row of `x` is in bounds (`super_rows`).
-        unsafe {
-            let tile = tiles[t].as_ptr().add(b * size);
-            let mut sums = [_mm512_setzero_si512(); R];
-            let mut mins = [_mm512_setzero_si512(); R];
-            for j in 0..8 {
-                if spread {
-                    ahead(tile, size, j);
+    for b in 0..nb {
+        for (t, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: tile b of each column is `size` readable bytes, its operands in `ops`
+            // when given; super-block b of each row of `x` is in bounds (`super_rows`).
+            unsafe {
+                let tile = tiles[t].as_ptr().add(b * size);
+                let mut sums = [_mm512_setzero_si512(); R];
+                let mut mins = [_mm512_setzero_si512(); R];
+                for j in 0..8 {
+                    if spread {
+                        ahead(tile, size, j);
+                    }
+                    let sc = lanes::<false>(tile.add(q4k::SC + 16 * j));
+                    let m = lanes::<false>(tile.add(q4k::MIN + 16 * j));
+                    let w = match pre {
+                        true => load8(ops.as_ptr().add((8 * b + j) * 512)),
+                        false => q4k_operands::<FIVE>(tile, j),
+                    };
+                    for i in 0..R {
+                        let x = xs[i];
+                        let p = x.q.add(b * QK_K + QK * j).cast();
+                        let s = dot_groups(&w, p, _mm512_setzero_si512());
+                        sums[i] = _mm512_add_epi32(sums[i], _mm512_mullo_epi32(s, sc));
+                        let xsum = *x.s.add(16 * b + 2 * j) + *x.s.add(16 * b + 2 * j + 1);
+                        let xsum = _mm512_set1_epi32(xsum);
+                        mins[i] = _mm512_add_epi32(mins[i], _mm512_mullo_epi32(m, xsum));
+                    }
                 }
-                let sc = lanes::<false>(tile.add(q4k::SC + 16 * j));
-                let m = lanes::<false>(tile.add(q4k::MIN + 16 * j));
-                let w = match pre {
-                    true => load8(ops.as_ptr().add((8 * b + j) * 512)),
-                    false => q4k_operands::<FIVE>(tile, j),
-                };
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(q4k::DMIN).cast()));
                 for i in 0..R {
-                    let x = xs[i];
-                    let p = x.q.add(b * QK_K + QK * j).cast();
-                    let s = dot_groups(&w, p, _mm512_setzero_si512());
-                    sums[i] = _mm512_add_epi32(sums[i], _mm512_mullo_epi32(s, sc));
-                    let xsum = *x.s.add(16 * b + 2 * j) + *x.s.add(16 * b + 2 * j + 1);
-                    let xsum = _mm512_set1_epi32(xsum);
-                    mins[i] = _mm512_add_epi32(mins[i], _mm512_mullo_epi32(m, xsum));
+                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
+                    let s = _mm512_cvtepi32_ps(sums[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
+                    let m = _mm512_cvtepi32_ps(mins[i]);
+                    acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), m, acc[i]);
                 }
-            }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
-            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(q4k::DMIN).cast()));
-            for i in 0..R {
-                let dx = _mm512_set1_ps(*xs[i].d.add(b));
-                let s = _mm512_cvtepi32_ps(sums[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
-                let m = _mm512_cvtepi32_ps(mins[i]);
-                acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), m, acc[i]);
             }
         }
     }
@@ -638,42 +639,44 @@ pub(super) unsafe fn q6k_rows<const R: usize, const Q3: bool, const T: usize>(
     let pre = !ops.is_empty();
     assert!(!pre || (T == 1 && ops.len() >= nb * 8 * 512));
     let mut acc = [[_mm512_setzero_ps(); R]; T];
-    for (b, t) in (0..nb).flat_map(|b| (0..T).map(move |t| (b, t))) {
-        let acc = &mut acc[t];
-        // SAFETY: tile b of each column is `size` readable bytes, its operands in `ops`
-        // when given; super-block b of each row of `x` is in bounds (`super_rows`).
-        unsafe {
-            let tile = tiles[t].as_ptr().add(b * size);
-            let mut sums = [_mm512_setzero_si512(); R];
-            for j in 0..8 {
-                if spread {
-                    ahead(tile, size, j);
+    for b in 0..nb {
+        for (t, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: tile b of each column is `size` readable bytes, its operands in `ops`
+            // when given; super-block b of each row of `x` is in bounds (`super_rows`).
+            unsafe {
+                let tile = tiles[t].as_ptr().add(b * size);
+                let mut sums = [_mm512_setzero_si512(); R];
+                for j in 0..8 {
+                    if spread {
+                        ahead(tile, size, j);
+                    }
+                    let w = match (pre, Q3) {
+                        (true, _) => load8(ops.as_ptr().add((8 * b + j) * 512)),
+                        (false, true) => q3k_operands(tile, j),
+                        (false, false) => q6k_operands(tile, j),
+                    };
+                    let sc_lo = lanes::<true>(tile.add(q6k::SC + 32 * j));
+                    let sc_hi = lanes::<true>(tile.add(q6k::SC + 32 * j + 16));
+                    for i in 0..R {
+                        let x = xs[i];
+                        let p = x.q.add(b * QK_K + QK * j).cast::<i32>();
+                        let s = x.s.add(16 * b + 2 * j);
+                        let lo = dot_groups(&w[..4], p, _mm512_set1_epi32(-offset * *s));
+                        let hi =
+                            dot_groups(&w[4..], p.add(4), _mm512_set1_epi32(-offset * *s.add(1)));
+                        let sum = _mm512_add_epi32(
+                            _mm512_mullo_epi32(lo, sc_lo),
+                            _mm512_mullo_epi32(hi, sc_hi),
+                        );
+                        sums[i] = _mm512_add_epi32(sums[i], sum);
+                    }
                 }
-                let w = match (pre, Q3) {
-                    (true, _) => load8(ops.as_ptr().add((8 * b + j) * 512)),
-                    (false, true) => q3k_operands(tile, j),
-                    (false, false) => q6k_operands(tile, j),
-                };
-                let sc_lo = lanes::<true>(tile.add(q6k::SC + 32 * j));
-                let sc_hi = lanes::<true>(tile.add(q6k::SC + 32 * j + 16));
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
                 for i in 0..R {
-                    let x = xs[i];
-                    let p = x.q.add(b * QK_K + QK * j).cast::<i32>();
-                    let s = x.s.add(16 * b + 2 * j);
-                    let lo = dot_groups(&w[..4], p, _mm512_set1_epi32(-offset * *s));
-                    let hi = dot_groups(&w[4..], p.add(4), _mm512_set1_epi32(-offset * *s.add(1)));
-                    let sum = _mm512_add_epi32(
-                        _mm512_mullo_epi32(lo, sc_lo),
-                        _mm512_mullo_epi32(hi, sc_hi),
-                    );
-                    sums[i] = _mm512_add_epi32(sums[i], sum);
+                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
+                    let s = _mm512_cvtepi32_ps(sums[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
                 }
-            }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
-            for i in 0..R {
-                let dx = _mm512_set1_ps(*xs[i].d.add(b));
-                let s = _mm512_cvtepi32_ps(sums[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
             }
         }
     }
@@ -698,50 +701,51 @@ pub(super) unsafe fn q2k_rows<const R: usize, const T: usize>(
     let xs = super_rows::<R>(x, r, nb);
     let low = _mm512_set1_epi32(15);
     let mut acc = [[_mm512_setzero_ps(); R]; T];
-    for (b, t) in (0..nb).flat_map(|b| (0..T).map(move |t| (b, t))) {
-        let acc = &mut acc[t];
-        // SAFETY: tile b of each column is `q2k::BYTES` readable bytes; super-block b of
-        // each row of `x` is in bounds (checked by `super_rows`).
-        unsafe {
-            let tile = tiles[t].as_ptr().add(b * q2k::BYTES);
-            let mut sums = [_mm512_setzero_si512(); R];
-            let mut mins = [_mm512_setzero_si512(); R];
-            for j in 0..8 {
-                if spread {
-                    ahead(tile, q2k::BYTES, j);
+    for b in 0..nb {
+        for (t, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: tile b of each column is `q2k::BYTES` readable bytes; super-block b of
+            // each row of `x` is in bounds (checked by `super_rows`).
+            unsafe {
+                let tile = tiles[t].as_ptr().add(b * q2k::BYTES);
+                let mut sums = [_mm512_setzero_si512(); R];
+                let mut mins = [_mm512_setzero_si512(); R];
+                for j in 0..8 {
+                    if spread {
+                        ahead(tile, q2k::BYTES, j);
+                    }
+                    let w = bit_pairs(tile.add(q2k::QL + 128 * j));
+                    // Scale in the low nibble, minimum in the high one, a lane per row.
+                    let s_lo = lanes::<false>(tile.add(q2k::SC + 32 * j));
+                    let s_hi = lanes::<false>(tile.add(q2k::SC + 32 * j + 16));
+                    let (sc_lo, sc_hi) = (_mm512_and_si512(s_lo, low), _mm512_and_si512(s_hi, low));
+                    let (m_lo, m_hi) = (_mm512_srli_epi32::<4>(s_lo), _mm512_srli_epi32::<4>(s_hi));
+                    for i in 0..R {
+                        let x = xs[i];
+                        let p = x.q.add(b * QK_K + QK * j).cast::<i32>();
+                        let s = x.s.add(16 * b + 2 * j);
+                        let lo = dot_groups(&w[..4], p, _mm512_setzero_si512());
+                        let hi = dot_groups(&w[4..], p.add(4), _mm512_setzero_si512());
+                        let sum = _mm512_add_epi32(
+                            _mm512_mullo_epi32(lo, sc_lo),
+                            _mm512_mullo_epi32(hi, sc_hi),
+                        );
+                        sums[i] = _mm512_add_epi32(sums[i], sum);
+                        let m = _mm512_add_epi32(
+                            _mm512_mullo_epi32(m_lo, _mm512_set1_epi32(*s)),
+                            _mm512_mullo_epi32(m_hi, _mm512_set1_epi32(*s.add(1))),
+                        );
+                        mins[i] = _mm512_add_epi32(mins[i], m);
+                    }
                 }
-                let w = bit_pairs(tile.add(q2k::QL + 128 * j));
-                // Scale in the low nibble, minimum in the high one, a lane per row.
-                let s_lo = lanes::<false>(tile.add(q2k::SC + 32 * j));
-                let s_hi = lanes::<false>(tile.add(q2k::SC + 32 * j + 16));
-                let (sc_lo, sc_hi) = (_mm512_and_si512(s_lo, low), _mm512_and_si512(s_hi, low));
-                let (m_lo, m_hi) = (_mm512_srli_epi32::<4>(s_lo), _mm512_srli_epi32::<4>(s_hi));
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(q2k::DMIN).cast()));
                 for i in 0..R {
-                    let x = xs[i];
-                    let p = x.q.add(b * QK_K + QK * j).cast::<i32>();
-                    let s = x.s.add(16 * b + 2 * j);
-                    let lo = dot_groups(&w[..4], p, _mm512_setzero_si512());
-                    let hi = dot_groups(&w[4..], p.add(4), _mm512_setzero_si512());
-                    let sum = _mm512_add_epi32(
-                        _mm512_mullo_epi32(lo, sc_lo),
-                        _mm512_mullo_epi32(hi, sc_hi),
-                    );
-                    sums[i] = _mm512_add_epi32(sums[i], sum);
-                    let m = _mm512_add_epi32(
-                        _mm512_mullo_epi32(m_lo, _mm512_set1_epi32(*s)),
-                        _mm512_mullo_epi32(m_hi, _mm512_set1_epi32(*s.add(1))),
-                    );
-                    mins[i] = _mm512_add_epi32(mins[i], m);
+                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
+                    let s = _mm512_cvtepi32_ps(sums[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
+                    let m = _mm512_cvtepi32_ps(mins[i]);
+                    acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), m, acc[i]);
                 }
-            }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
-            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(q2k::DMIN).cast()));
-            for i in 0..R {
-                let dx = _mm512_set1_ps(*xs[i].d.add(b));
-                let s = _mm512_cvtepi32_ps(sums[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
-                let m = _mm512_cvtepi32_ps(mins[i]);
-                acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), m, acc[i]);
             }
         }
     }
