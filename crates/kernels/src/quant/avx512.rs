@@ -326,15 +326,7 @@ pub(super) unsafe fn q4k_rows<const R: usize, const FIVE: bool, const T: usize>(
                         mins[i] = _mm512_add_epi32(mins[i], _mm512_mullo_epi32(m, xsum));
                     }
                 }
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(q4k::DMIN).cast()));
-                for i in 0..R {
-                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
-                    let s = _mm512_cvtepi32_ps(sums[i]);
-                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
-                    let m = _mm512_cvtepi32_ps(mins[i]);
-                    acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), m, acc[i]);
-                }
+                add_with_minima(acc, &sums, &mins, tile, q4k::DMIN, &xs, b);
             }
         }
     }
@@ -364,6 +356,35 @@ unsafe fn pair_groups<const R: usize>(
                 s[0][i] = _mm512_dpbusd_epi32(s[0][i], w0, v);
                 s[1][i] = _mm512_dpbusd_epi32(s[1][i], w1, v);
             }
+        }
+    }
+}
+
+/// `acc[i] += d · dx_i · sums[i] − dmin · dx_i · mins[i]`: super-block `b` of a q4_K,
+/// q5_K or q2_K tile (its scale `d` at the start, its minimum's `dmin` at byte `dmin_at`)
+/// against row `i` of `x` (scale `dx_i`), from the integer sums and minima terms.
+#[target_feature(enable = "avx512f,f16c")]
+#[inline]
+unsafe fn add_with_minima<const R: usize>(
+    acc: &mut [__m512; R],
+    sums: &[__m512i; R],
+    mins: &[__m512i; R],
+    tile: *const u8,
+    dmin_at: usize,
+    xs: &[XRow; R],
+    b: usize,
+) {
+    // SAFETY (caller): the tile's 16 scales and 16 minima are readable; `b` is a
+    // super-block of each row of `x` (`super_rows`).
+    unsafe {
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(dmin_at).cast()));
+        for i in 0..R {
+            let dx = _mm512_set1_ps(*xs[i].d.add(b));
+            let s = _mm512_cvtepi32_ps(sums[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
+            let m = _mm512_cvtepi32_ps(mins[i]);
+            acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), m, acc[i]);
         }
     }
 }
@@ -737,15 +758,7 @@ pub(super) unsafe fn q2k_rows<const R: usize, const T: usize>(
                         mins[i] = _mm512_add_epi32(mins[i], m);
                     }
                 }
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(q2k::DMIN).cast()));
-                for i in 0..R {
-                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
-                    let s = _mm512_cvtepi32_ps(sums[i]);
-                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
-                    let m = _mm512_cvtepi32_ps(mins[i]);
-                    acc[i] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), m, acc[i]);
-                }
+                add_with_minima(acc, &sums, &mins, tile, q2k::DMIN, &xs, b);
             }
         }
     }
