@@ -131,10 +131,11 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 /// The column pays on AMD CPUs; on Intel's its hundreds of prefetches at once stall the
 /// thread (each holds a line fill buffer until its line arrives), where the spread
 /// requests pay. On an AMD CPU with AVX-512 the two streams read layer-sized q4_K, q3_K
-/// and q2_K matrices faster than one stream and its columns, q5_K's as fast and q6_K's
-/// slower (not measured on Intel's). So AMD CPUs take the column, or the two streams
-/// where they pay, others the spread requests; the unit tests take all three. The
-/// measurements are in docs/PERFORMANCE.md ("Quantized products").
+/// and q2_K matrices faster than one stream and its columns; q5_K's and q6_K's about as
+/// fast, and whole decoding with them level (not measured on Intel's). So AMD CPUs take
+/// the column, or the two streams where they pay, others the spread requests; the unit
+/// tests take all three. The measurements are in docs/PERFORMANCE.md ("Quantized
+/// products").
 #[derive(Clone, Copy)]
 struct Ahead {
     column: bool,
