@@ -2,13 +2,14 @@
 //! memory read by the same threads in the same process, alternating: the read floor of
 //! `bench/gguf_compare.py` without its separate Python process. `layers` runs the products
 //! of 28 layers of Qwen3-0.6B's width (fused gate/up, down, fused q/k/v, o), each a few
-//! megabytes, as a decoding step does; `head` one product over a 262,144 × 640 matrix
-//! (Gemma-3-270M's tied head). `sizes` runs products of 512 to 16,384 rows of 1,024 (about
+//! megabytes, as a decoding step does; `hot` one layer of them, repeated from the last-
+//! level cache (the kernels' own rate, memory out of the way); `head` one product over a
+//! 262,144 × 640 matrix (Gemma-3-270M's tied head). `sizes` runs products of 512 to 16,384 rows of 1,024 (about
 //! 240 MB of each size) and fits each round's times per product as a fixed cost plus bytes
 //! over a rate: what a product costs beyond streaming its weights. docs/PERFORMANCE.md
 //! ("Quantized products", "Where decoding's time goes") has results.
 //!
-//! `cargo run --release -p gpt-kernels --example decode_stream -- [q4_0|q8_0|q2_k|q3_k|q4_k|q5_k|q6_k] [layers|head|sizes]`
+//! `cargo run --release -p gpt-kernels --example decode_stream -- [q4_0|q8_0|q2_k|q3_k|q4_k|q5_k|q6_k] [layers|hot|head|sizes]`
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Result, Tensor};
@@ -40,10 +41,14 @@ fn main() -> Result<()> {
     if args.get(2).map(String::as_str) == Some("sizes") {
         return sizes(dtype);
     }
+    let hot = args.get(2).map(String::as_str) == Some("hot");
     let shapes: Vec<(usize, usize)> = match args.get(2).map(String::as_str) {
         // (Rows of the k-quants are whole super-blocks of 256 values.)
         Some("head") if dtype.block_size() == 256 => vec![(262144, 768)],
         Some("head") => vec![(262144, 640)],
+        // One layer, a few megabytes: read from the last-level cache after the first
+        // repetition, so its rate is the kernels' own with memory out of the way.
+        Some("hot") => vec![(6144, 1024), (1024, 3072), (4096, 1024), (1024, 2048)],
         _ => [(6144, 1024), (1024, 3072), (4096, 1024), (1024, 2048)].repeat(28),
     };
     let mut ws = Vec::new();
@@ -65,7 +70,8 @@ fn main() -> Result<()> {
         let (a, b) = rayon::join(|| sum(lo), || sum(hi));
         let floor = (big.len() * 4) as f64 / t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let reps = 6;
+        // (One layer as many times as `layers` runs its 28.)
+        let reps = if hot { 6 * 28 } else { 6 };
         for _ in 0..reps {
             for (w, x) in &ws {
                 let (n, _) = w.dims();
