@@ -2,6 +2,7 @@
 checkpoint, same dtype, in alternation.
 
     python3 bench/gpu_compare.py [--gpt target/release/gpt] [--arch gpt2 llama] [--rounds 2]
+                                 [--attention reference|fused]
 
 The checkpoints are bench/checkpoints.py's random-weight GPT-2 124M and SmolLM-135M
 geometry (made here by transformers if missing). For each weight dtype (f32, f16, bf16) and
@@ -34,6 +35,8 @@ p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--device", default="cuda", help="cpu tries the script out without a GPU")
 p.add_argument("--workloads", nargs="+", default=["1x512x128", "8x128x64"],
                help="BATCHxPROMPTxNEW each (NEW may be 0: prefill alone)")
+p.add_argument("--attention", choices=["reference", "fused"], default="reference",
+               help="fused: gpt runs with MHA_CUDA_ATTENTION=fused (mha's fused CUDA kernel)")
 args = p.parse_args()
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # (batch, prompt_len, new_tokens)
@@ -81,12 +84,15 @@ def ours(path, dtype, b, n, new):
     cmd = [args.gpt, "--model", path, "--device", args.device, "--dtype", dtype, "bench",
            "--batch", str(b), "--prompt-len", str(n), "--new-tokens", str(new), "--runs", "3",
            "--format", "json"]
-    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    env = dict(os.environ, MHA_CUDA_ATTENTION=args.attention)
+    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                    env=env).stdout)
     return out["prefill_tokens_per_s"], out["decode_tokens_per_s"]
 
 
 where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-print(f"torch {torch.__version__}, {where}, {args.rounds} rounds")
+print(f"torch {torch.__version__}, {where}, {args.rounds} rounds, gpt's attention: "
+      f"{args.attention}")
 print(f"{'model':6} {'dtype':5} {'workload':22} {'gpt tok/s':>10} {'transformers':>13} "
       f"{'ratio':>6}")
 for arch in args.arch:

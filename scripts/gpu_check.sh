@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # GPU checks, for a machine with an NVIDIA GPU (when one is at hand). Builds `gpt` with --features cuda (toolkit: the system's, or the registry
 # wheels `.ci/cuda-toolkit` installs) unless $GPT names one built already, then:
-# - on every fixture model compares the GPU with the CPU: per-token log-probabilities of a
-#   fixed sequence within 1e-3 absolute (f32; 1e-1 for quantized files, the built-in model
-#   included, whose GPU kernels quantize activations differently) and 16 greedy tokens
-#   equal, or parting only at a near-tie (the CPU's log-probabilities of the two choices
-#   within the tolerance);
+# - on every fixture model compares the GPU with the CPU, the GPU's attention by the
+#   reference path and then by mha's fused kernel (MHA_CUDA_ATTENTION=fused): per-token
+#   log-probabilities of a fixed sequence within 1e-3 absolute (f32; 1e-1 for quantized
+#   files, the built-in model included, whose GPU kernels quantize activations
+#   differently) and 16 greedy tokens equal, or parting only at a near-tie (the CPU's
+#   log-probabilities of the two choices within the tolerance);
 # - trains a small model for 40 steps on each (same seed, data and tokenizer, no dropout):
 #   every logged train and validation loss within 2e-3 of the CPU's;
 # - runs `gpt bench` on the GPU (f32, f16, bf16; a GPT-2 124M directory given as $1 too).
@@ -26,6 +27,9 @@ for f in "$fix"/families/*/; do [ -f "$f/config.json" ] && models+=("${f%/}"); d
 models+=("$fix/gguf/llama.f32.gguf" "$fix/gguf/qwen2.q8_0.gguf" "$fix/gguf/gpt2.q8_0.gguf"
          "$fix/gguf/llama_wide.q4_k_m.gguf")
 fail=0
+# Each model twice on the GPU: attention by the reference path (Candle's ops), then by
+# mha's fused kernel (MHA_CUDA_ATTENTION=fused, kernels/attention.cu).
+for attn in reference fused; do
 for m in "${models[@]}"; do
   args=(); [ -n "$m" ] && args=(--model "$m")
   name=${m:-built-in}
@@ -38,9 +42,9 @@ for m in "${models[@]}"; do
   # A command that fails fails this model, not the run: every model gets its line.
   ran=1
   for dev in cpu cuda; do
-    "$gpt" "${args[@]}" --device $dev score --ids 1,2,3,4,5,6,7,8,9,10,11,12 --format json \
+    MHA_CUDA_ATTENTION=$attn "$gpt" "${args[@]}" --device $dev score --ids "$(seq -s, 1 40)" --format json \
       > "/tmp/gpu_check.$dev.score" || ran=0
-    "$gpt" "${args[@]}" --device $dev generate --prompt-ids 1,2,3 --max-new-tokens 16 \
+    MHA_CUDA_ATTENTION=$attn "$gpt" "${args[@]}" --device $dev generate --prompt-ids "$(seq -s, 1 20)" --max-new-tokens 16 \
       --temperature 0 --format json 2>/tmp/gpu_check.err > "/tmp/gpu_check.$dev.gen" \
       || { ran=0; tail -n 3 /tmp/gpu_check.err; }
   done
@@ -58,7 +62,7 @@ if not same:
     i = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
     lp = []
     for t in (ids[0][i], ids[1][i]):
-        seq = ",".join(map(str, [1, 2, 3, *ids[0][:i], t]))
+        seq = ",".join(map(str, [*range(1, 21), *ids[0][:i], t]))
         out = subprocess.run([gpt, *model, "--device", "cpu", "score", "--ids", seq, "--format",
                               "json"], check=True, capture_output=True, text=True).stdout
         lp.append(json.loads(out)["token_logprobs"][-1])
@@ -68,7 +72,8 @@ if not same:
 print(f"  log-prob max |cpu - cuda| = {diff:.2e} (tolerance {tol:g}); greedy tokens {note}")
 sys.exit(0 if diff <= tol and same else 1)
 PY
-  then echo "ok   $name"; else echo "FAIL $name"; fail=1; fi
+  then echo "ok   $name ($attn attention)"; else echo "FAIL $name ($attn attention)"; fail=1; fi
+done
 done
 train=(train --data README.md --steps 40 --lr 1e-3 --warmup 5 --dropout 0 --n-layer 2
        --n-embd 64 --n-head 4 --block-size 64 --batch-size 8 --eval-every 10 --vocab-size 512

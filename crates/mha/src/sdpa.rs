@@ -119,6 +119,14 @@ pub fn sdpa_softcapped(
     let grad = q.track_op() || k.track_op() || v.track_op();
     let mixed = k.dtype() != q.dtype() || v.dtype() != q.dtype();
     let training = grad || dropout.is_some();
+    // On CUDA, where asked for (`MHA_CUDA_ATTENTION=fused`, until a GPU has checked it):
+    // the fused kernel of `flash::cuda`, inference only.
+    #[cfg(feature = "cuda")]
+    if !training && !p.need_weights && q.device().is_cuda() && flash::cuda::enabled() {
+        if let Some(ys) = flash::cuda::attention(q, k, v, mask, p.scale, softcap)? {
+            return Ok((ys, None));
+        }
+    }
     if fused && !(mixed && training) && !(softcap.is_some() && training) {
         let ys = if training {
             flash::flash_attn_cpu_train(q, k, v, mask, p.scale, dropout)?

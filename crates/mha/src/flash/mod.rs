@@ -11,13 +11,17 @@
 //! - `step.rs`: a decoding step in place, from a fused q/k/v projection into the cache;
 //! - `backward.rs`: the gradients, recomputing each block's weights from the saved
 //!   log-sum-exp; `qkv.rs`: the training op from a fused projection's output;
-//! - `tiles.rs`: the parameters and row views every pass shares.
+//! - `tiles.rs`: the parameters and row views every pass shares;
+//! - `cuda.rs` (feature `cuda`): the same online softmax on CUDA devices
+//!   (`kernels/attention.cu`), taken only when `MHA_CUDA_ATTENTION=fused` is set.
 //!
 //! A public module for the crates built on this one and for the benchmarks: most users want
 //! [`crate::sdpa`] or [`crate::MultiHeadAttention`], which pick these kernels when they
 //! apply.
 
 mod backward;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 mod decode;
 mod prefill;
 mod qkv;
