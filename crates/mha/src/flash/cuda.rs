@@ -77,7 +77,9 @@ pub(crate) fn attention(
             mask.window.unwrap_or(0),
         ]
         .into_iter()
-        .all(small);
+        .all(small)
+        // The grid's second and third dimensions (heads, batch rows) stop at 65,535.
+        && b.max(h) <= 65_535;
     if !applies {
         return Ok(None);
     }
