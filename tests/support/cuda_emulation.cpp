@@ -92,33 +92,24 @@ static void run(void (*f)(const TQ*, const TKV*, const TKV*, TQ*, int, int, int,
     pthread_barrier_destroy(&barrier);
 }
 
-#define MHA_PICK(NQ, NKV, TQ, TKV)                                                          \
-    switch (d) {                                                                            \
-    case 8: run<TQ, TKV>(mha_attention_##NQ##_##NKV##_d8, q, k, v, out, b, h, h_kv, tq,    \
-                         tk, strides, causal, offset, window, scale, softcap);              \
-        return 0;                                                                           \
-    case 16: run<TQ, TKV>(mha_attention_##NQ##_##NKV##_d16, q, k, v, out, b, h, h_kv, tq,  \
-                          tk, strides, causal, offset, window, scale, softcap);             \
-        return 0;                                                                           \
-    case 32: run<TQ, TKV>(mha_attention_##NQ##_##NKV##_d32, q, k, v, out, b, h, h_kv, tq,  \
-                          tk, strides, causal, offset, window, scale, softcap);             \
-        return 0;                                                                           \
-    case 64: run<TQ, TKV>(mha_attention_##NQ##_##NKV##_d64, q, k, v, out, b, h, h_kv, tq,  \
-                          tk, strides, causal, offset, window, scale, softcap);             \
-        return 0;                                                                           \
-    case 80: run<TQ, TKV>(mha_attention_##NQ##_##NKV##_d80, q, k, v, out, b, h, h_kv, tq,  \
-                          tk, strides, causal, offset, window, scale, softcap);             \
-        return 0;                                                                           \
-    case 96: run<TQ, TKV>(mha_attention_##NQ##_##NKV##_d96, q, k, v, out, b, h, h_kv, tq,  \
-                          tk, strides, causal, offset, window, scale, softcap);             \
-        return 0;                                                                           \
-    case 128: run<TQ, TKV>(mha_attention_##NQ##_##NKV##_d128, q, k, v, out, b, h, h_kv,    \
-                           tq, tk, strides, causal, offset, window, scale, softcap);        \
-        return 0;                                                                           \
-    case 256: run<TQ, TKV>(mha_attention_##NQ##_##NKV##_d256, q, k, v, out, b, h, h_kv,    \
-                           tq, tk, strides, causal, offset, window, scale, softcap);        \
-        return 0;                                                                           \
-    default: return -1;                                                                     \
+#define MHA_CASE(NQ, NKV, TQ, TKV, D)                                                    \
+    case D:                                                                               \
+        run<TQ, TKV>(mha_attention_##NQ##_##NKV##_d##D, q, k, v, out, b, h, h_kv, tq, tk, \
+                     strides, causal, offset, window, scale, softcap);                    \
+        return 0;
+
+#define MHA_PICK(NQ, NKV, TQ, TKV)        \
+    switch (d) {                          \
+        MHA_CASE(NQ, NKV, TQ, TKV, 8)     \
+        MHA_CASE(NQ, NKV, TQ, TKV, 16)    \
+        MHA_CASE(NQ, NKV, TQ, TKV, 32)    \
+        MHA_CASE(NQ, NKV, TQ, TKV, 64)    \
+        MHA_CASE(NQ, NKV, TQ, TKV, 80)    \
+        MHA_CASE(NQ, NKV, TQ, TKV, 96)    \
+        MHA_CASE(NQ, NKV, TQ, TKV, 128)   \
+        MHA_CASE(NQ, NKV, TQ, TKV, 256)   \
+    default:                              \
+        return -1;                        \
     }
 
 // `kind`: 0 f32 queries and keys, 1 f32 queries with f16 keys and values, 2 the same
