@@ -4,7 +4,9 @@
 //! (`sdpa_reference_softcapped`: scores materialised, masked, soft-maxed; itself held to
 //! PyTorch by mha's tests). Every head dimension the kernel has an instance for, grouped-
 //! query heads, cached prefixes, windows, soft caps, strided views, half-precision keys and
-//! values, queries that see no key, and shapes that leave blocks and tiles part-filled.
+//! values, queries that see no key, and shapes that leave blocks and tiles part-filled;
+//! for both kernels: a thread per query (prefills) and a block per query (decoding, over
+//! caches longer than one pass of its scores).
 //! What this cannot show (the PTX compiler's work, the launch from Rust, the speed) is
 //! checked on a GPU by `scripts/gpu_check.sh`.
 
@@ -36,6 +38,11 @@ struct Case {
     strided: bool,
     /// 0 f32, 1 f32 queries with f16 keys/values, 2 the same with bf16, 3 f16, 4 bf16.
     kind: i32,
+    /// The block-per-query kernel (decoding's) instead of the thread-per-query one.
+    decode: bool,
+    /// One key (of every batch row and head) scaled by 1000: its scores dwarf the rest,
+    /// and their exponentials overflow unless the softmax subtracts the true maximum.
+    spike: Option<usize>,
 }
 
 impl Case {
@@ -52,6 +59,8 @@ impl Case {
             softcap: None,
             strided: false,
             kind: 0,
+            decode: false,
+            spike: None,
         }
     }
 }
@@ -83,7 +92,13 @@ fn run(c: &Case) -> (Vec<f32>, Vec<f32>) {
         .unwrap(),
     };
     let kv_shape = (c.b, c.h_kv, c.tk, c.d);
-    let k = Tensor::from_vec(values(c.b * c.h_kv * c.tk * c.d, 2), kv_shape, &dev).unwrap();
+    let mut kv = values(c.b * c.h_kv * c.tk * c.d, 2);
+    if let Some(j) = c.spike {
+        for row in kv.chunks_mut(c.d).skip(j).step_by(c.tk) {
+            row.iter_mut().for_each(|x| *x *= 1000.0);
+        }
+    }
+    let k = Tensor::from_vec(kv, kv_shape, &dev).unwrap();
     let v = Tensor::from_vec(values(c.b * c.h_kv * c.tk * c.d, 3), kv_shape, &dev).unwrap();
     let (q, k, v) = (
         q.to_dtype(q_dtype).unwrap(),
@@ -196,6 +211,7 @@ fn run(c: &Case) -> (Vec<f32>, Vec<f32>) {
     let rc = unsafe {
         mha_attention_emulated(
             c.kind,
+            c.decode as i32,
             c.d as i32,
             qp,
             kp,
@@ -246,8 +262,8 @@ fn check(c: &Case, atol: f32, rtol: f32) {
     }
     assert!(
         worst <= 0.0,
-        "d {} kind {} causal {:?} window {:?} softcap {:?}: element {at} is {} where the reference gives {}",
-        c.d, c.kind, c.causal, c.window, c.softcap, got[at], want[at]
+        "d {} kind {} decode {} spike {:?} causal {:?} window {:?} softcap {:?}: element {at} is {} where the reference gives {}",
+        c.d, c.kind, c.decode, c.spike, c.causal, c.window, c.softcap, got[at], want[at]
     );
 }
 
@@ -394,5 +410,104 @@ fn strided_queries_and_half_precision_match_the_reference() {
         },
         2e-2,
         2e-2,
+    );
+}
+
+/// Decoding's kernel: a few queries over caches longer than its pass of 2,048 scores.
+fn decode(tq: usize, tk: usize, d: usize) -> Case {
+    Case {
+        tq,
+        tk,
+        causal: Some(tk - tq),
+        decode: true,
+        ..Case::new(d)
+    }
+}
+
+#[test]
+fn the_decoding_kernel_matches_the_reference() {
+    for d in [8, 16, 32, 64, 80, 96, 128, 256] {
+        check(&decode(1, 300, d), 1e-5, 1e-4);
+    }
+    check(&decode(3, 5000, 64), 1e-5, 1e-4);
+    check(
+        &Case {
+            window: Some(2100),
+            ..decode(2, 4500, 32)
+        },
+        1e-5,
+        1e-4,
+    );
+    check(
+        &Case {
+            softcap: Some(0.5),
+            h_kv: 1,
+            ..decode(1, 70, 128)
+        },
+        1e-5,
+        1e-4,
+    );
+    check(
+        &Case {
+            causal: None,
+            ..decode(4, 90, 64)
+        },
+        1e-5,
+        1e-4,
+    );
+    check(
+        &Case {
+            strided: true,
+            kind: 1,
+            ..decode(2, 150, 64)
+        },
+        1e-5,
+        1e-4,
+    );
+    check(
+        &Case {
+            kind: 4,
+            ..decode(1, 2500, 96)
+        },
+        2e-2,
+        2e-2,
+    );
+    // Queries that see no key (positions past the keys, a short window): zeros.
+    let c = Case {
+        tq: 6,
+        tk: 10,
+        causal: Some(20),
+        window: Some(3),
+        decode: true,
+        ..Case::new(64)
+    };
+    let (got, want) = run(&c);
+    for (i, (g, w)) in got.chunks(c.d).zip(want.chunks(c.d)).enumerate() {
+        let blind = i % c.tq >= 2;
+        assert_eq!(w.iter().all(|&x| x == 0.0), blind, "reference row {i}");
+        assert_eq!(g.iter().all(|&x| x == 0.0), blind, "kernel row {i}");
+    }
+}
+
+#[test]
+fn scores_in_the_thousands_match_the_reference() {
+    // One key's scores dwarf the rest: exp overflows unless the running maximum is the
+    // true one, in both kernels (in the decoding one, a key of the second pass over the
+    // keys, summed by the upper half of the block's threads).
+    check(
+        &Case {
+            spike: Some(40),
+            ..Case::new(32)
+        },
+        1e-5,
+        1e-4,
+    );
+    check(
+        &Case {
+            spike: Some(2240),
+            ..decode(2, 4500, 64)
+        },
+        1e-5,
+        1e-4,
     );
 }

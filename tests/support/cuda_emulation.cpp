@@ -60,30 +60,30 @@ static inline void from_f32(float x, bf16_t* y) {
 
 typedef long long ll;
 
-// Runs kernel `f` over a grid of (ceil(tq / BQ), h, b) blocks of BQ threads.
+// Runs kernel `f` over a grid of (grid_x, h, b) blocks of `threads` threads.
 template <typename TQ, typename TKV>
 static void run(void (*f)(const TQ*, const TKV*, const TKV*, TQ*, int, int, int, int, ll, ll,
                           ll, ll, ll, ll, ll, ll, ll, int, int, int, float, float),
-                const void* q, const void* k, const void* v, void* out, int b, int h,
-                int h_kv, int tq, int tk, const ll* st, int causal, int offset, int window,
-                float scale, float softcap) {
+                int threads, int grid_x, const void* q, const void* k, const void* v,
+                void* out, int b, int h, int h_kv, int tq, int tk, const ll* st, int causal,
+                int offset, int window, float scale, float softcap) {
     pthread_barrier_t barrier;
-    pthread_barrier_init(&barrier, nullptr, MHA_BQ);
+    pthread_barrier_init(&barrier, nullptr, threads);
     block_barrier = &barrier;
     for (int z = 0; z < b; ++z) {
         for (int y = 0; y < h; ++y) {
-            for (int x = 0; x * MHA_BQ < tq; ++x) {
+            for (int x = 0; x < grid_x; ++x) {
                 blockIdx = dim3{(unsigned)x, (unsigned)y, (unsigned)z};
-                std::vector<std::thread> threads;
-                for (int t = 0; t < MHA_BQ; ++t) {
-                    threads.emplace_back([=] {
+                std::vector<std::thread> team;
+                for (int t = 0; t < threads; ++t) {
+                    team.emplace_back([=] {
                         threadIdx = dim3{(unsigned)t, 0, 0};
                         f((const TQ*)q, (const TKV*)k, (const TKV*)v, (TQ*)out, h, h_kv, tq,
                           tk, st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8],
                           causal, offset, window, scale, softcap);
                     });
                 }
-                for (auto& t : threads) {
+                for (auto& t : team) {
                     t.join();
                 }
             }
@@ -92,10 +92,17 @@ static void run(void (*f)(const TQ*, const TKV*, const TKV*, TQ*, int, int, int,
     pthread_barrier_destroy(&barrier);
 }
 
-#define MHA_CASE(NQ, NKV, TQ, TKV, D)                                                    \
-    case D:                                                                               \
-        run<TQ, TKV>(mha_attention_##NQ##_##NKV##_d##D, q, k, v, out, b, h, h_kv, tq, tk, \
-                     strides, causal, offset, window, scale, softcap);                    \
+#define MHA_CASE(NQ, NKV, TQ, TKV, D)                                                     \
+    case D:                                                                                \
+        if (decode) {                                                                      \
+            run<TQ, TKV>(mha_attention_decode_##NQ##_##NKV##_d##D, MHA_DECODE_THREADS, tq, \
+                         q, k, v, out, b, h, h_kv, tq, tk, strides, causal, offset, window, \
+                         scale, softcap);                                                  \
+        } else {                                                                           \
+            run<TQ, TKV>(mha_attention_##NQ##_##NKV##_d##D, MHA_BQ,                        \
+                         (tq + MHA_BQ - 1) / MHA_BQ, q, k, v, out, b, h, h_kv, tq, tk,     \
+                         strides, causal, offset, window, scale, softcap);                 \
+        }                                                                                  \
         return 0;
 
 #define MHA_PICK(NQ, NKV, TQ, TKV)        \
@@ -115,8 +122,9 @@ static void run(void (*f)(const TQ*, const TKV*, const TKV*, TQ*, int, int, int,
 // `kind`: 0 f32 queries and keys, 1 f32 queries with f16 keys and values, 2 the same
 // with bf16, 3 all f16, 4 all bf16 (f16 and bf16 passed as their 16-bit patterns).
 // `strides`: q's, k's, v's element strides for batch, head and position, in that order.
+// `decode`: the kernel with a block per query (mha_attention_decode) instead of a thread.
 // Returns -1 for a kind or head dimension the kernel has no instance for.
-extern "C" int mha_attention_emulated(int kind, int d, const void* q, const void* k,
+extern "C" int mha_attention_emulated(int kind, int decode, int d, const void* q, const void* k,
                                       const void* v, void* out, int b, int h, int h_kv,
                                       int tq, int tk, const ll* strides, int causal,
                                       int offset, int window, float scale, float softcap) {

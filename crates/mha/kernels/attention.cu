@@ -150,17 +150,143 @@ __device__ void mha_attention(
     }
 }
 
-// The instances `src/flash/cuda.rs` launches: mha_attention_<q>_<kv>_d<D>.
-#define MHA_INSTANCE(TQ, TKV, NQ, NKV, D)                                                 \
-    extern "C" __global__ void mha_attention_##NQ##_##NKV##_d##D(                         \
+#define MHA_DECODE_THREADS 128
+// Scores held in shared memory per pass over the keys (8 KiB); longer caches take several
+// passes, joined by the online softmax.
+#define MHA_DECODE_CHUNK 2048
+
+// The same attention for a few queries against a long cache (decoding), where a thread
+// per query would walk every key alone: a block of MHA_DECODE_THREADS threads per query
+// (grid: queries, heads, batch rows) splits the keys between its threads for the scores,
+// reduces their maximum and sum in shared memory, then splits the head dimension for the
+// weighted sum of the values. Arguments as for mha_attention.
+template <typename TQ, typename TKV, int D>
+__device__ void mha_attention_decode(
+    const TQ* q, const TKV* k, const TKV* v, TQ* out,
+    int h, int h_kv, int tq, int tk,
+    long long q_sb, long long q_sh, long long q_st,
+    long long k_sb, long long k_sh, long long k_st,
+    long long v_sb, long long v_sh, long long v_st,
+    int causal, int offset, int window, float scale, float softcap)
+{
+    const int T = MHA_DECODE_THREADS;
+    // The output dimensions a thread sums: tid, tid + T, ...
+    const int R = (D + MHA_DECODE_THREADS - 1) / MHA_DECODE_THREADS;
+    __shared__ float qs[D];
+    __shared__ float ps[MHA_DECODE_CHUNK];
+    __shared__ float red[MHA_DECODE_THREADS];
+    offset = offset < tk ? offset : tk;
+    const int tid = threadIdx.x;
+    const int i = blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv_head = head / (h / h_kv);
+    const TKV* kb = k + batch * k_sb + kv_head * k_sh;
+    const TKV* vb = v + batch * v_sb + kv_head * v_sh;
+    int lo = 0, hi = tk;
+    if (causal) {
+        hi = offset + i + 1 < tk ? offset + i + 1 : tk;
+        if (window > 0) {
+            lo = offset + i + 1 - window;
+            lo = lo > 0 ? lo : 0;
+        }
+    }
+    const TQ* qrow = q + batch * q_sb + head * q_sh + i * q_st;
+    for (int d = tid; d < D; d += T) {
+        qs[d] = to_f32(qrow[d]) * scale;
+    }
+    float acc[R];
+    for (int r = 0; r < R; ++r) {
+        acc[r] = 0.0f;
+    }
+    // The running maximum and sum: the same in every thread (read from `red` after the
+    // reductions).
+    float m = -INFINITY;
+    float l = 0.0f;
+    __syncthreads();
+    for (int c0 = lo; c0 < hi; c0 += MHA_DECODE_CHUNK) {
+        const int n = hi - c0 < MHA_DECODE_CHUNK ? hi - c0 : MHA_DECODE_CHUNK;
+        float mx = -INFINITY;
+        for (int j = tid; j < n; j += T) {
+            const TKV* kr = kb + (long long)(c0 + j) * k_st;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+            for (int d = 0; d < D; d += 4) {
+                s0 += qs[d] * to_f32(kr[d]);
+                s1 += qs[d + 1] * to_f32(kr[d + 1]);
+                s2 += qs[d + 2] * to_f32(kr[d + 2]);
+                s3 += qs[d + 3] * to_f32(kr[d + 3]);
+            }
+            float s = (s0 + s1) + (s2 + s3);
+            if (softcap > 0.0f) {
+                s = softcap * tanhf(s / softcap);
+            }
+            ps[j] = s;
+            mx = s > mx ? s : mx;
+        }
+        red[tid] = mx;
+        __syncthreads();
+        for (int w = T / 2; w > 0; w /= 2) {
+            if (tid < w) {
+                red[tid] = red[tid + w] > red[tid] ? red[tid + w] : red[tid];
+            }
+            __syncthreads();
+        }
+        const float m_new = red[0] > m ? red[0] : m;
+        __syncthreads(); // every thread has read red[0] before it is written again
+        float sum = 0.0f;
+        for (int j = tid; j < n; j += T) {
+            const float p = expf(ps[j] - m_new);
+            ps[j] = p;
+            sum += p;
+        }
+        red[tid] = sum;
+        __syncthreads();
+        for (int w = T / 2; w > 0; w /= 2) {
+            if (tid < w) {
+                red[tid] += red[tid + w];
+            }
+            __syncthreads();
+        }
+        const float c = expf(m - m_new);
+        l = l * c + red[0];
+        m = m_new;
+        for (int r = 0; r < R; ++r) {
+            const int d = tid + r * T;
+            if (d < D) {
+                float a = acc[r] * c;
+                for (int j = 0; j < n; ++j) {
+                    a += ps[j] * to_f32(vb[(long long)(c0 + j) * v_st + d]);
+                }
+                acc[r] = a;
+            }
+        }
+        __syncthreads(); // before the next pass writes ps and red
+    }
+    TQ* orow = out + ((long long)(batch * h + head) * tq + i) * D;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int r = 0; r < R; ++r) {
+        const int d = tid + r * T;
+        if (d < D) {
+            from_f32(acc[r] * inv, orow + d);
+        }
+    }
+}
+
+// The instances `src/flash/cuda.rs` launches: mha_attention_<q>_<kv>_d<D> (a thread per
+// query) and mha_attention_decode_<q>_<kv>_d<D> (a block per query).
+#define MHA_KERNEL(KIND, NAME, TQ, TKV, NQ, NKV, D)                                       \
+    extern "C" __global__ void NAME##_##NQ##_##NKV##_d##D(                                \
         const TQ* q, const TKV* k, const TKV* v, TQ* out, int h, int h_kv, int tq, int tk, \
         long long q_sb, long long q_sh, long long q_st, long long k_sb, long long k_sh,    \
         long long k_st, long long v_sb, long long v_sh, long long v_st, int causal,        \
         int offset, int window, float scale, float softcap) {                             \
-        mha_attention<TQ, TKV, D>(q, k, v, out, h, h_kv, tq, tk, q_sb, q_sh, q_st, k_sb,  \
-                                  k_sh, k_st, v_sb, v_sh, v_st, causal, offset, window,   \
-                                  scale, softcap);                                         \
+        KIND<TQ, TKV, D>(q, k, v, out, h, h_kv, tq, tk, q_sb, q_sh, q_st, k_sb, k_sh,     \
+                         k_st, v_sb, v_sh, v_st, causal, offset, window, scale, softcap); \
     }
+
+#define MHA_INSTANCE(TQ, TKV, NQ, NKV, D)                                         \
+    MHA_KERNEL(mha_attention, mha_attention, TQ, TKV, NQ, NKV, D)                 \
+    MHA_KERNEL(mha_attention_decode, mha_attention_decode, TQ, TKV, NQ, NKV, D)
 
 #define MHA_HEAD_DIMS(TQ, TKV, NQ, NKV)  \
     MHA_INSTANCE(TQ, TKV, NQ, NKV, 8)    \

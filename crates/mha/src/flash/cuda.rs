@@ -1,6 +1,8 @@
 //! Fused attention on CUDA devices (feature `cuda`): `kernels/attention.cu`, one pass over
 //! the keys with an online softmax, no `q_len × kv_len` score matrix in memory, launched
-//! through Candle's custom-op interface. Inference only (no gradient), and taken only when
+//! through Candle's custom-op interface: a thread per query for prefills, a block per
+//! query for decoding (one launch in place of the reference path's chain: the scores, the
+//! mask, the softmax's seven ops, the product). Inference only (no gradient), and taken only when
 //! `MHA_CUDA_ATTENTION=fused` is set: the kernel's arithmetic is tested on the CPU (the
 //! workspace's `tests/cuda_attention.rs` runs the same source with CUDA's built-ins
 //! emulated), but this launch and its speed wait for a GPU to check them
@@ -21,8 +23,15 @@ use crate::mask::Mask;
 /// The kernel's PTX, compiled by the build script.
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 
-/// Queries per block (`MHA_BQ` in the kernel).
+/// Queries per block of the thread-per-query kernel (`MHA_BQ`).
 const BLOCK_QUERIES: usize = 64;
+
+/// Threads per block of the block-per-query kernel (`MHA_DECODE_THREADS`).
+const DECODE_THREADS: usize = 128;
+
+/// Below this many queries the block-per-query kernel runs (decoding steps, short
+/// prompts), from it on the thread-per-query one (prefills).
+const DECODE_BELOW: usize = 16;
 
 /// The head dimensions the kernel has instances for.
 const HEAD_DIMS: [usize; 8] = [8, 16, 32, 64, 80, 96, 128, 256];
@@ -34,9 +43,9 @@ pub(crate) fn enabled() -> bool {
 }
 
 /// `softmax(q·kᵀ·scale [soft-capped] + mask)·v` by the fused kernel, `[b, h, tq, d]` in q's
-/// dtype; `None` where it does not apply (another device, fewer than 16 queries, key
-/// padding or an additive or boolean mask, a head dimension or dtype pair it has no
-/// instance for, empty shapes), for the caller to take the reference path.
+/// dtype; `None` where it does not apply (another device, key padding or an additive or
+/// boolean mask, a head dimension or dtype pair it has no instance for, empty shapes), for
+/// the caller to take the reference path.
 pub(crate) fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -55,15 +64,11 @@ pub(crate) fn attention(
             | (DType::BF16, DType::BF16)
     );
     let small = |n: usize| n <= i32::MAX as usize;
-    // A thread per query: a few queries (decoding) leave a block's threads idle while each
-    // walks every key alone, where the reference path's products spread the keys over the
-    // GPU. Prefills of at least a quarter block take the kernel.
     let applies = q.device().is_cuda()
         && supported
         && v.dtype() == k.dtype()
         && v.dims4()? == k.dims4()?
         && HEAD_DIMS.contains(&d)
-        && tq >= BLOCK_QUERIES / 4
         && ![b, h, tq, tk].contains(&0)
         && mask.is_structural()
         && mask.key_padding.is_none()
@@ -84,6 +89,9 @@ pub(crate) fn attention(
         return Ok(None);
     }
     let op = CudaAttention {
+        // A thread per query leaves a block idle but for the few threads that walk every
+        // key alone when there are few queries (decoding): those take a block per query.
+        per_query_block: tq < DECODE_BELOW,
         causal: mask.causal.is_some(),
         offset: mask.causal.unwrap_or(0),
         window: mask.causal.and(mask.window).unwrap_or(0),
@@ -103,6 +111,8 @@ pub(crate) fn attention(
 
 /// The kernel's parameters beyond its tensors (see `kernels/attention.cu`).
 struct CudaAttention {
+    /// `mha_attention_decode` (a block per query) rather than `mha_attention`.
+    per_query_block: bool,
     causal: bool,
     offset: usize,
     window: usize,
@@ -161,8 +171,8 @@ impl CustomOp3 for CudaAttention {
 }
 
 impl CudaAttention {
-    /// One launch: a block of [`BLOCK_QUERIES`] threads per that many queries of each
-    /// (batch, head).
+    /// One launch: per (batch, head), a block of [`BLOCK_QUERIES`] threads per that many
+    /// queries, or of [`DECODE_THREADS`] per query.
     #[allow(clippy::too_many_arguments)]
     fn launch<TQ, TKV>(
         &self,
@@ -191,8 +201,12 @@ impl CudaAttention {
             }
         }
         let dev: &CudaDevice = &q.device;
+        let kernel = match self.per_query_block {
+            true => "mha_attention_decode",
+            false => "mha_attention",
+        };
         let name = format!(
-            "mha_attention_{}_{}_d{d}",
+            "{kernel}_{}_{}_d{d}",
             dtype_name(TQ::DTYPE),
             dtype_name(TKV::DTYPE)
         );
@@ -200,13 +214,18 @@ impl CudaAttention {
         let qs = q.as_cuda_slice::<TQ>()?.slice(ql.start_offset()..);
         let ks = k.as_cuda_slice::<TKV>()?.slice(kl.start_offset()..);
         let vs = v.as_cuda_slice::<TKV>()?.slice(vl.start_offset()..);
-        // SAFETY: every element is written by the kernel (one thread per query row).
+        // SAFETY: every element is written by the kernel (each query row by its thread or
+        // its block).
         let out = unsafe { dev.alloc::<TQ>(b * h * tq * d)? };
         let dims = [h, h_kv, tq, tk].map(|n| n as i32);
         let (causal, offset, window) = (self.causal as i32, self.offset as i32, self.window as i32);
+        let (blocks, threads) = match self.per_query_block {
+            true => (tq, DECODE_THREADS),
+            false => (tq.div_ceil(BLOCK_QUERIES), BLOCK_QUERIES),
+        };
         let cfg = LaunchConfig {
-            grid_dim: (tq.div_ceil(BLOCK_QUERIES) as u32, h as u32, b as u32),
-            block_dim: (BLOCK_QUERIES as u32, 1, 1),
+            grid_dim: (blocks as u32, h as u32, b as u32),
+            block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut args = func.builder();
