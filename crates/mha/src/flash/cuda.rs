@@ -2,11 +2,13 @@
 //! the keys with an online softmax, no `q_len × kv_len` score matrix in memory, launched
 //! through Candle's custom-op interface: a thread per query for prefills, a block per
 //! query for decoding (one launch in place of the reference path's chain: the scores, the
-//! mask, the softmax's seven ops, the product). Inference only (no gradient), and taken only when
-//! `MHA_CUDA_ATTENTION=fused` is set: the kernel's arithmetic is tested on the CPU (the
-//! workspace's `tests/cuda_attention.rs` runs the same source with CUDA's built-ins
-//! emulated), but this launch and its speed wait for a GPU to check them
-//! (`scripts/gpu_check.sh`), and until then the default stays the reference path.
+//! mask, the softmax's seven ops, the product).
+//!
+//! Inference only (no gradient), and taken only when `MHA_CUDA_ATTENTION=fused` is set:
+//! the kernels' arithmetic is tested on the CPU (the workspace's `tests/cuda_attention.rs`
+//! runs the same source with CUDA's built-ins emulated), but this launch and its speed
+//! wait for a GPU to check them (`scripts/gpu_check.sh`), and until then the default stays
+//! the reference path.
 
 use std::sync::OnceLock;
 
