@@ -92,7 +92,7 @@ static void run(void (*f)(const TQ*, const TKV*, const TKV*, TQ*, int, int, int,
     pthread_barrier_destroy(&barrier);
 }
 
-#define MHA_CASE(NQ, NKV, TQ, TKV, D)                                                     \
+#define MHA_CASE(TQ, TKV, NQ, NKV, D)                                                     \
     case D:                                                                                \
         if (decode) {                                                                      \
             run<TQ, TKV>(mha_attention_decode_##NQ##_##NKV##_d##D, MHA_DECODE_THREADS, tq, \
@@ -105,18 +105,11 @@ static void run(void (*f)(const TQ*, const TKV*, const TKV*, TQ*, int, int, int,
         }                                                                                  \
         return 0;
 
-#define MHA_PICK(NQ, NKV, TQ, TKV)        \
-    switch (d) {                          \
-        MHA_CASE(NQ, NKV, TQ, TKV, 8)     \
-        MHA_CASE(NQ, NKV, TQ, TKV, 16)    \
-        MHA_CASE(NQ, NKV, TQ, TKV, 32)    \
-        MHA_CASE(NQ, NKV, TQ, TKV, 64)    \
-        MHA_CASE(NQ, NKV, TQ, TKV, 80)    \
-        MHA_CASE(NQ, NKV, TQ, TKV, 96)    \
-        MHA_CASE(NQ, NKV, TQ, TKV, 128)   \
-        MHA_CASE(NQ, NKV, TQ, TKV, 256)   \
-    default:                              \
-        return -1;                        \
+#define MHA_PICK(NQ, NKV, TQ, TKV)                               \
+    switch (d) {                                                 \
+        MHA_FOR_HEAD_DIMS(MHA_CASE, TQ, TKV, NQ, NKV)            \
+    default:                                                     \
+        return -1;                                               \
     }
 
 // `kind`: 0 f32 queries and keys, 1 f32 queries with f16 keys and values, 2 the same

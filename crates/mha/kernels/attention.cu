@@ -274,8 +274,8 @@ __device__ void mha_attention_decode(
 
 // The instances `src/flash/cuda.rs` launches: mha_attention_<q>_<kv>_d<D> (a thread per
 // query) and mha_attention_decode_<q>_<kv>_d<D> (a block per query).
-#define MHA_KERNEL(KIND, NAME, TQ, TKV, NQ, NKV, D)                                       \
-    extern "C" __global__ void NAME##_##NQ##_##NKV##_d##D(                                \
+#define MHA_KERNEL(KIND, TQ, TKV, NQ, NKV, D)                                             \
+    extern "C" __global__ void KIND##_##NQ##_##NKV##_d##D(                                \
         const TQ* q, const TKV* k, const TKV* v, TQ* out, int h, int h_kv, int tq, int tk, \
         long long q_sb, long long q_sh, long long q_st, long long k_sb, long long k_sh,    \
         long long k_st, long long v_sb, long long v_sh, long long v_st, int causal,        \
@@ -284,19 +284,18 @@ __device__ void mha_attention_decode(
                          k_st, v_sb, v_sh, v_st, causal, offset, window, scale, softcap); \
     }
 
-#define MHA_INSTANCE(TQ, TKV, NQ, NKV, D)                                         \
-    MHA_KERNEL(mha_attention, mha_attention, TQ, TKV, NQ, NKV, D)                 \
-    MHA_KERNEL(mha_attention_decode, mha_attention_decode, TQ, TKV, NQ, NKV, D)
+#define MHA_INSTANCE(TQ, TKV, NQ, NKV, D)                     \
+    MHA_KERNEL(mha_attention, TQ, TKV, NQ, NKV, D)            \
+    MHA_KERNEL(mha_attention_decode, TQ, TKV, NQ, NKV, D)
 
-#define MHA_HEAD_DIMS(TQ, TKV, NQ, NKV)  \
-    MHA_INSTANCE(TQ, TKV, NQ, NKV, 8)    \
-    MHA_INSTANCE(TQ, TKV, NQ, NKV, 16)   \
-    MHA_INSTANCE(TQ, TKV, NQ, NKV, 32)   \
-    MHA_INSTANCE(TQ, TKV, NQ, NKV, 64)   \
-    MHA_INSTANCE(TQ, TKV, NQ, NKV, 80)   \
-    MHA_INSTANCE(TQ, TKV, NQ, NKV, 96)   \
-    MHA_INSTANCE(TQ, TKV, NQ, NKV, 128)  \
-    MHA_INSTANCE(TQ, TKV, NQ, NKV, 256)
+// X(TQ, TKV, NQ, NKV, D) for every head dimension D with instances (the list
+// `src/flash/cuda.rs` holds as HEAD_DIMS; the CPU emulation's launcher takes it too).
+#define MHA_FOR_HEAD_DIMS(X, TQ, TKV, NQ, NKV)                              \
+    X(TQ, TKV, NQ, NKV, 8) X(TQ, TKV, NQ, NKV, 16) X(TQ, TKV, NQ, NKV, 32)  \
+    X(TQ, TKV, NQ, NKV, 64) X(TQ, TKV, NQ, NKV, 80) X(TQ, TKV, NQ, NKV, 96) \
+    X(TQ, TKV, NQ, NKV, 128) X(TQ, TKV, NQ, NKV, 256)
+
+#define MHA_HEAD_DIMS(TQ, TKV, NQ, NKV) MHA_FOR_HEAD_DIMS(MHA_INSTANCE, TQ, TKV, NQ, NKV)
 
 MHA_HEAD_DIMS(float, float, f32, f32)
 MHA_HEAD_DIMS(float, f16_t, f32, f16)
