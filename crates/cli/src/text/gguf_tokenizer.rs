@@ -181,7 +181,9 @@ pub fn sentencepiece(v: &GgufVocab) -> Result<SentencePiece> {
         v.tokens.clone(),
         scores.clone(),
         kinds,
-        v.unk,
+        // llama.cpp's default for a SentencePiece vocabulary whose file names no unknown
+        // token: id 0, whatever its type (`llama_vocab::impl::load`).
+        Some(v.unk.unwrap_or(0)),
         v.add_space_prefix.unwrap_or(true),
         v.remove_extra_whitespaces.unwrap_or(false),
     )
@@ -670,6 +672,38 @@ mod tests {
             e.contains("\"falcon\" is not supported (supported: gpt-2, llama-bpe"),
             "{e}"
         );
+    }
+
+    /// A SentencePiece vocabulary that names no unknown token and types no piece so (as
+    /// `gpt convert` writes one from a `tokenizer.json` without `unk_token`) takes id 0
+    /// for it, as llama.cpp does (`special_unk_id = 0` for `llama` vocabularies in
+    /// llama-vocab.cpp): text no piece covers, with no byte pieces to fall back on, is 0.
+    #[test]
+    fn a_sentencepiece_vocabulary_without_an_unknown_token_takes_id_0() {
+        let v = GgufVocab {
+            model: "llama".into(),
+            pre: None,
+            tokens: ["<unk>", "<s>", "</s>", "▁", "a", "▁a"]
+                .map(String::from)
+                .into(),
+            scores: Some(vec![0.0, 0.0, 0.0, -1.0, -2.0, -0.5]),
+            token_types: Some(vec![CONTROL, CONTROL, CONTROL, 1, 1, 1]),
+            merges: None,
+            bos: Some(1),
+            eos: Some(2),
+            unk: None,
+            pad: None,
+            add_bos: Some(false),
+            add_eos: None,
+            add_space_prefix: Some(true),
+            remove_extra_whitespaces: None,
+        };
+        let tok = from_vocab(&v).unwrap();
+        assert_eq!(tok.encode("a", false).unwrap(), [5]);
+        assert_eq!(tok.encode("a\u{2603}", false).unwrap(), [5, 0]);
+        // A file that names its unknown token keeps it.
+        let tok = from_vocab(&GgufVocab { unk: Some(2), ..v }).unwrap();
+        assert_eq!(tok.encode("a\u{2603}", false).unwrap(), [5, 2]);
     }
 
     #[test]
