@@ -18,7 +18,8 @@
 # Qwen3-0.6B and GPT-2 124M geometry, with attention by the fused kernels when the check
 # passed with them, else by the reference path. Each part has a time limit; logs and
 # the comparison's rows (JSON) go to OUT. The libraries both programs load (the CUDA 13
-# runtime, cuBLAS, cuRAND) are taken from the GPU machine's PyTorch wheels.
+# runtime, cuBLAS, cuRAND, NVRTC) are taken from the GPU machine's PyTorch wheels, or
+# from LD_LIBRARY_PATH where those lack one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$(mkdir -p "${1:?usage: scripts/gpu_lease.sh OUT [check] [compare]}" && cd "$1" && pwd)
@@ -31,22 +32,28 @@ if [ ! -x "$gpt" ] && [ -f target/cuda-release/gpt.xz ]; then
     target/cuda-release/gpt.xz "$gpt" && chmod +x "$gpt"
 fi
 [ -x "$gpt" ] || { echo "no $gpt: build it with scripts/cuda_build.sh and carry it" >&2; exit 1; }
+# Where the Python packages hold each library both programs load (gpt: all five).
 libs=$(python3 - <<'PY'
-import glob, os, site
-dirs = set()
-for root in site.getsitepackages():
-    for name in ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10"):
-        dirs.update(os.path.dirname(p) for p in glob.glob(f"{root}/nvidia/**/{name}", recursive=True))
+import glob, os, site, sys
+dirs, missing = set(), []
+for name in ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10",
+             "libnvrtc.so.13"):
+    found = [p for root in site.getsitepackages()
+             for p in glob.glob(f"{root}/nvidia/**/{name}", recursive=True)]
+    dirs.update(os.path.dirname(p) for p in found[:1])
+    missing += [] if found else [name]
 print(":".join(sorted(dirs)))
+if missing:
+    sys.exit(f"not among the Python packages: {' '.join(missing)} (CUDA 13's; set "
+             "LD_LIBRARY_PATH to where they are and run again)")
 PY
-)
-[ -n "$libs" ] || { echo "no CUDA 13 libraries among the Python packages (PyTorch's wheels)" >&2; exit 1; }
-export LD_LIBRARY_PATH=$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+) || [ -n "${LD_LIBRARY_PATH:-}" ] || exit 1
+export LD_LIBRARY_PATH=$libs${libs:+${LD_LIBRARY_PATH:+:}}${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader \
   | tee "$out/gpu.txt"
 attention=reference
 if [[ " $parts " == *" check "* ]]; then
-  GPT=$gpt timeout 240 scripts/gpu_check.sh > "$out/check.log" 2>&1
+  GPT=$gpt GPU_CHECK_BENCH=0 timeout 270 scripts/gpu_check.sh > "$out/check.log" 2>&1
   echo "check: exit $?" | tee -a "$out/check.log"
   # The fused kernels are timed only where every fixture ran and passed with them.
   models=$(grep -c '(reference attention)$' "$out/check.log")
@@ -62,7 +69,7 @@ if [[ " $parts " == *" compare "* ]]; then
       "$llama/llama-cuda.tar.xz" "$llama"
   # The Llama geometries first: a run cut short by its limit keeps the rows it finished
   # (the JSON is written after each comparison).
-  (cd bench && timeout 320 python3 gpu_compare.py --gpt "$gpt" --rounds 1 --runs 2 \
+  (cd bench && timeout 300 python3 gpu_compare.py --gpt "$gpt" --rounds 1 --runs 2 \
       --arch llama qwen3 gpt2 --attention $attention --llama-cuda "$llama/bin" \
       --json "$out/compare.json") \
     > "$out/compare.log" 2>&1
