@@ -164,7 +164,9 @@ impl<'a> Mask<'a> {
 
     /// The whole mask as one f32 tensor to add to the scores, broadcastable to
     /// `[b_sz, n_heads, q_len, kv_len]`, with `-inf` where a key is hidden; `None` when the
-    /// mask is empty. This is the reference path: it materialises `q_len × kv_len`.
+    /// mask hides nothing (empty, or a causal mask every key of which is visible to every
+    /// query: a decoding step's, within its window). This is the reference path: it
+    /// materialises `q_len × kv_len`.
     pub fn to_bias(
         &self,
         (b_sz, n_heads, q_len, kv_len): (usize, usize, usize, usize),
@@ -188,14 +190,22 @@ impl<'a> Mask<'a> {
                     u32::MAX
                 )
             }
+            if self.window == Some(0) {
+                bail!("attention window must be at least 1")
+            }
+            // Query 0 sees every key once offset + 1 >= kv_len (the later ones too), and a
+            // window of w hides a key from the last query, at offset + q_len - 1, iff
+            // offset + q_len > w. A bias of zeros adds nothing: none is built (on a GPU,
+            // the five kernels of a decoding step's mask each layer).
+            let hides = offset + 1 < kv_len || self.window.is_some_and(|w| offset + q_len > w);
+            if !hides {
+                return self.non_causal_bias((b_sz, n_heads, q_len, kv_len), device, bias);
+            }
             let rows = Tensor::arange(offset as u32, (offset + q_len) as u32, device)?
                 .reshape((q_len, 1))?;
             let cols = Tensor::arange(0u32, kv_len as u32, device)?.reshape((1, kv_len))?;
             let mut visible = cols.broadcast_le(&rows)?;
             if let Some(w) = self.window {
-                if w == 0 {
-                    bail!("attention window must be at least 1")
-                }
                 // The oldest key each query still sees.
                 let first: Vec<u32> = (offset..offset + q_len)
                     .map(|p| (p + 1).saturating_sub(w) as u32)
@@ -205,6 +215,24 @@ impl<'a> Mask<'a> {
             }
             add(keep_to_bias(&visible)?)?;
         }
+        self.non_causal_bias((b_sz, n_heads, q_len, kv_len), device, bias)
+    }
+
+    /// [`Self::to_bias`]'s key padding, additive and boolean masks added to `bias` (the
+    /// causal part's, if any).
+    fn non_causal_bias(
+        &self,
+        (b_sz, n_heads, q_len, kv_len): (usize, usize, usize, usize),
+        device: &Device,
+        mut bias: Option<Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let mut add = |t: Tensor| -> Result<()> {
+            bias = Some(match bias.take() {
+                None => t,
+                Some(b) => b.broadcast_add(&t)?,
+            });
+            Ok(())
+        };
         if let Some(keep) = self.keep_keys(b_sz, kv_len, device)? {
             add(keep_to_bias(&keep)?.reshape((b_sz, 1, 1, kv_len))?)?;
         }

@@ -201,11 +201,14 @@ fn reference(
         Some(cap) => ((scores / cap)?.tanh()? * cap)?,
         None => scores,
     };
-    let scores = match mask.to_bias((b, h, tq, tk), q.device())? {
-        Some(bias) => scores.broadcast_add(&bias.to_dtype(compute)?)?,
-        None => scores,
+    let weights = match mask.to_bias((b, h, tq, tk), q.device())? {
+        Some(bias) => masked_softmax(&scores.broadcast_add(&bias.to_dtype(compute)?)?)?,
+        // Nothing hidden, so no row is all `-inf`, and no gradient asked for: Candle's
+        // fused softmax, one kernel where the differentiable one takes seven (a decoding
+        // step on a GPU waits on its launches).
+        None if !scores.track_op() => candle_nn::ops::softmax_last_dim(&scores)?,
+        None => masked_softmax(&scores)?,
     };
-    let weights = masked_softmax(&scores)?;
     let weights = match p.dropout {
         Some(d) => d.forward(&weights, p.train)?,
         None => weights,

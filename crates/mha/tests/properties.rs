@@ -322,6 +322,79 @@ fn fully_masked_rows_give_zero_weights_not_nan() -> Result<()> {
     Ok(())
 }
 
+/// A causal mask's bias is built exactly where it hides a key, and then equals the rule
+/// written in [`Mask`]'s docs (query `i` at position `offset + i` sees keys
+/// `offset + i + 1 - window ..= offset + i`), worked out here key by key; where it hides
+/// nothing (a decoding step, within its window) `to_bias` builds none.
+#[test]
+fn causal_bias_is_built_where_it_hides_a_key() -> Result<()> {
+    let mut skipped = 0;
+    for kv in 1..8usize {
+        for q in 1..4usize {
+            for offset in 0..=kv + 1 {
+                for window in std::iter::once(None).chain((1..9).map(Some)) {
+                    let mask = Mask {
+                        window,
+                        ..Mask::causal(offset)
+                    };
+                    // Offsets past the keys are clamped to their count (see `to_bias`).
+                    let at = offset.min(kv);
+                    let want: Vec<f32> = (0..q)
+                        .flat_map(|i| {
+                            (0..kv).map(move |j| {
+                                let p = at + i;
+                                let seen = j <= p && window.is_none_or(|w| j + w > p);
+                                if seen {
+                                    0.0
+                                } else {
+                                    f32::NEG_INFINITY
+                                }
+                            })
+                        })
+                        .collect();
+                    let hides = want.contains(&f32::NEG_INFINITY);
+                    let case = format!("kv {kv} q {q} offset {offset} window {window:?}");
+                    match mask.to_bias((1, 1, q, kv), &DEV)? {
+                        Some(bias) => {
+                            let got = common::flat(&bias.broadcast_as((1, 1, q, kv))?)?;
+                            assert_eq!(got, want, "{case}");
+                            assert!(hides, "{case}: a bias of zeros was built");
+                        }
+                        None => {
+                            assert!(!hides, "{case}: no bias, but keys are hidden");
+                            skipped += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(skipped > 100, "only {skipped} masks that hide nothing");
+    Ok(())
+}
+
+/// Where nothing is masked and no gradient is asked for, the reference path takes
+/// Candle's fused softmax; it gives what the differentiable one (taken under a mask of
+/// zeros) gives, outputs and weights.
+#[test]
+fn unmasked_reference_softmax_equals_the_masked_one() -> Result<()> {
+    let (q, k, v) = (
+        randn(&[2, 4, 3, 8]),
+        randn(&[2, 2, 6, 8]),
+        randn(&[2, 2, 6, 8]),
+    );
+    let p = SdpaParams {
+        need_weights: true,
+        ..SdpaParams::inference(0.35)
+    };
+    let zeros = Tensor::zeros((3, 6), DType::F32, &DEV)?;
+    let (ys, w) = sdpa_reference(&q, &k, &v, &Mask::causal(5), &p)?;
+    let (ys0, w0) = sdpa_reference(&q, &k, &v, &Mask::NONE.with_additive(&zeros), &p)?;
+    assert_close(&ys, &ys0, 1e-6, 1e-6, "outputs");
+    assert_close(&w.unwrap(), &w0.unwrap(), 1e-6, 1e-6, "weights");
+    Ok(())
+}
+
 /// Dropout on f32 CPU tensors (one fused op whose backward replays the mask) equals the
 /// mask-tensor path other dtypes take (here f64), forward and backward, call after call.
 #[test]
