@@ -99,7 +99,9 @@ fn load_with(args: &ModelArgs, fuse: bool) -> Result<Loaded> {
     // On the CPU a half-precision model computes in f32, its matrices kept in half precision
     // and widened as they are read (llama.cpp's way): Candle's CPU kernels convert each f16
     // element to f32 and back, and its f16 GEMM is several times slower than the f32 one.
-    if loaded.model.device().is_cpu() && matches!(loaded.model.dtype(), DType::F16 | DType::BF16) {
+    if gpt_kernels::cpu_kernels(loaded.model.device())
+        && matches!(loaded.model.dtype(), DType::F16 | DType::BF16)
+    {
         loaded.model = loaded.model.with_f32_activations()?;
     }
     if let Some(kv) = args.kv_dtype {
@@ -268,7 +270,7 @@ fn gguf_model(
 ) -> candle_core::Result<Gpt> {
     let dtype = match dtype {
         Some(dtype) => dtype,
-        None if dev.is_cpu() => DType::F32,
+        None if gpt_kernels::cpu_kernels(dev) => DType::F32,
         None => gguf.float_dtype(),
     };
     gguf.load(gpt_blocks::LoadOptions { dtype, ..opts }, dev)

@@ -28,12 +28,12 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             up.dims()
         )
     }
-    let trainable = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    let trainable = |t: &Tensor| crate::cpu_kernels(t.device()) && t.dtype() == DType::F32;
     if (gate.track_op() || up.track_op()) && trainable(gate) && trainable(up) {
         return gate.contiguous()?.apply_op2(&up.contiguous()?, SiluMul);
     }
     let fast = |t: &Tensor| {
-        let plain = t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op();
+        let plain = crate::cpu_kernels(t.device()) && t.dtype() == DType::F32 && !t.track_op();
         plain.then(|| rows_of(t)).flatten()
     };
     let (Some((g0, gs)), Some((u0, us)), false) = (fast(gate), fast(up), gate.elem_count() == 0)
@@ -175,7 +175,7 @@ fn rows_of(t: &Tensor) -> Option<(usize, usize)> {
 /// Candle's `gelu`.
 pub fn gelu_tanh(xs: &Tensor) -> Result<Tensor> {
     let dtype_ok = matches!(xs.dtype(), DType::F32 | DType::F16 | DType::BF16);
-    if !xs.device().is_cpu() || !dtype_ok {
+    if !crate::cpu_kernels(xs.device()) || !dtype_ok {
         return xs.gelu();
     }
     match (xs.track_op(), xs.dtype()) {

@@ -138,7 +138,7 @@ pub fn few_rows_matmul(xs: &Tensor, w_t: &Tensor, b: Option<&Tensor>) -> Result<
     let (w_in, d_out) = w_t.dims2()?;
     let dtype = xs.dtype();
     let w_dtype = w_t.dtype();
-    let on_cpu = |t: &Tensor| t.device().is_cpu() && !t.track_op();
+    let on_cpu = |t: &Tensor| crate::cpu_kernels(t.device()) && !t.track_op();
     let activation = |t: &Tensor| on_cpu(t) && (t.dtype() == w_dtype || t.dtype() == DType::F32);
     if m == 0
         || m > MAX_ROWS
@@ -254,7 +254,7 @@ pub fn prefill_fused(
 ) -> Result<Option<Tensor>> {
     let (m, d_in) = xs.dims2()?;
     let (w_in, d_out) = w_t.dims2()?;
-    let plain = |t: &Tensor| t.device().is_cpu() && !t.track_op();
+    let plain = |t: &Tensor| crate::cpu_kernels(t.device()) && !t.track_op();
     let swiglu = act == Some(OutputAct::SwiGlu);
     if m == 0
         || d_in == 0

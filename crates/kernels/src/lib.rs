@@ -10,7 +10,8 @@
 //! - [`ops`] and [`act`]: LayerNorm, RMSNorm, linear, cross-entropy, SwiGLU and GELU as
 //!   fused ops with their backward passes, for training;
 //! - [`team`]: the helper threads of a decoding step; [`memory`]: weight buffers on huge
-//!   pages; [`profile`]: where a decoding step's time goes (with the `profile` feature).
+//!   pages; [`profile`]: where a decoding step's time goes (with the `profile` feature);
+//!   [`cpu_kernels`]: which devices take all this (the CPU, unless `GPT_GENERIC_PATHS=1`).
 //!
 //! Kernels are chosen at run time: the same binary runs on CPUs without AVX-512.
 //!
@@ -32,6 +33,7 @@ pub mod act;
 pub mod dense;
 pub mod memory;
 pub mod ops;
+mod paths;
 pub mod profile;
 mod proj;
 pub mod quant;
@@ -41,4 +43,5 @@ pub mod storage;
 pub mod team;
 
 pub use dense::OutputAct;
+pub use paths::cpu_kernels;
 pub use proj::Proj;

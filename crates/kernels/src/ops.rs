@@ -316,7 +316,10 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     /// Below Candle's threshold for splitting an element-wise op over the pool.
     const SMALL: usize = 64 << 10;
     let plain = |t: &Tensor| {
-        t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() && !t.track_op()
+        crate::cpu_kernels(t.device())
+            && t.dtype() == DType::F32
+            && t.is_contiguous()
+            && !t.track_op()
     };
     if a.shape() != b.shape() || a.elem_count() > SMALL || !plain(a) || !plain(b) {
         return a.add(b);

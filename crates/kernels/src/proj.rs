@@ -475,7 +475,8 @@ impl Proj {
                 // Training: product and bias in one op with a direct backward pass.
                 let grad = xs2.track_op() || w_t.track_op();
                 if let (Some(b), true) = (&self.b, grad) {
-                    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+                    let f32_cpu =
+                        |t: &Tensor| crate::cpu_kernels(t.device()) && t.dtype() == DType::F32;
                     if f32_cpu(&xs2) && f32_cpu(w_t) && f32_cpu(b) {
                         let ys = crate::ops::linear(&xs2, w_t, b)?;
                         return ys.reshape(out_dims(dims, d_out));
@@ -585,7 +586,10 @@ fn candle_repacks(w: &QTensor, d_in: usize, d_out: usize) -> bool {
             GgmlDType::Q8_0 => vnni,
             _ => false,
         };
-        kernel && d_in.is_multiple_of(256) && d_out.is_multiple_of(16) && w.device().is_cpu()
+        kernel
+            && d_in.is_multiple_of(256)
+            && d_out.is_multiple_of(16)
+            && crate::cpu_kernels(&w.device())
     }
     // Elsewhere (not measured) Candle's own product stays, as before.
     #[cfg(not(target_arch = "x86_64"))]
@@ -593,7 +597,7 @@ fn candle_repacks(w: &QTensor, d_in: usize, d_out: usize) -> bool {
         matches!(w.dtype(), GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q8_0)
             && d_in.is_multiple_of(256)
             && d_out.is_multiple_of(16)
-            && w.device().is_cpu()
+            && crate::cpu_kernels(w.device())
     }
 }
 
@@ -616,7 +620,7 @@ fn cat_columns(ws: &[Tensor]) -> Result<Tensor> {
         return Tensor::cat(ws, 1);
     }
     let rows: Vec<Tensor> = ws.iter().map(|w| w.t()).collect::<Result<_>>()?;
-    let cpu = rows.iter().all(|r| r.device().is_cpu());
+    let cpu = rows.iter().all(|r| crate::cpu_kernels(r.device()));
     let cat = match (cpu, rows[0].dtype()) {
         (true, DType::F32) => cat_rows_cpu::<f32>(&rows)?,
         (true, DType::F16) => cat_rows_cpu::<half::f16>(&rows)?,

@@ -447,7 +447,7 @@ impl MultiHeadAttention {
             && query.id() == key.id()
             && key.id() == value.id()
             && (1..=flash::DIRECT_ROWS).contains(&query.dim(1).unwrap_or(0))
-            && query.device().is_cpu()
+            && gpt_kernels::cpu_kernels(query.device())
             && query.dtype() == DType::F32
             && !query.track_op()
             && !need_weights
@@ -538,7 +538,7 @@ impl MultiHeadAttention {
             && self.bias_kv.is_none()
             && !cfg.add_zero_attn
             && mask.is_structural()
-            && query.device().is_cpu()
+            && gpt_kernels::cpu_kernels(query.device())
             && query.dtype() == DType::F32
             && b * t > 0
             && cfg.qk_norm.is_none()
@@ -625,7 +625,7 @@ impl MultiHeadAttention {
         };
         // Rows are independent, and on a small model each is mostly per-call overhead:
         // spread them over the CPU's threads.
-        let ys: Vec<Tensor> = match xs.device().is_cpu() {
+        let ys: Vec<Tensor> = match gpt_kernels::cpu_kernels(xs.device()) {
             true => caches
                 .par_iter_mut()
                 .enumerate()
@@ -691,7 +691,7 @@ impl MultiHeadAttention {
         // and keeps its cache in f32: widening the new rows once is cheaper than widening
         // every cached row at every step as the reference path's f32 scores would.
         let dtype = q.dtype();
-        let widen = q.device().is_cpu()
+        let widen = gpt_kernels::cpu_kernels(q.device())
             && matches!(dtype, DType::F16 | DType::BF16)
             && !exact
             && !(q.track_op() || k.track_op() || v.track_op());

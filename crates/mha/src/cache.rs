@@ -180,7 +180,7 @@ fn holds(t: &Option<Tensor>, (b, h, d): (usize, usize, usize), dtype: DType, dev
 /// (`half`'s slice conversion, F16C where the CPU has it; the same rounding), where
 /// Candle's `to_dtype` converts a strided view one element at a time.
 fn to_dtype(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    if dtype != DType::F16 || t.dtype() != DType::F32 || !t.device().is_cpu() {
+    if dtype != DType::F16 || t.dtype() != DType::F32 || !gpt_kernels::cpu_kernels(t.device()) {
         return t.to_dtype(dtype);
     }
     gpt_kernels::dense::with_f32_values(t, |x| {

@@ -69,7 +69,7 @@ impl Dropout {
             return Ok(xs.clone());
         }
         let mask = self.draw();
-        if xs.device().is_cpu() && xs.dtype() == DType::F32 {
+        if gpt_kernels::cpu_kernels(xs.device()) && xs.dtype() == DType::F32 {
             // One parallel pass, and a backward pass that replays the mask instead of
             // keeping it as a tensor.
             return xs.contiguous()?.apply_op1(Apply(mask));

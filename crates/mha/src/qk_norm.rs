@@ -117,7 +117,8 @@ impl QkNormWeights {
 /// RMSNorm over the last dimension with the statistics in f32 (as transformers computes
 /// them): `x / sqrt(mean(x²) + eps) · w`, in the input's dtype.
 fn rms_norm(xs: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    if xs.device().is_cpu() && xs.dtype() == DType::F32 && w.dtype() == DType::F32 {
+    if gpt_kernels::cpu_kernels(xs.device()) && xs.dtype() == DType::F32 && w.dtype() == DType::F32
+    {
         // One fused op with a backward pass (training takes it too).
         return gpt_kernels::ops::rms_norm(xs, w, eps);
     }

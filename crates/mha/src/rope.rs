@@ -313,7 +313,7 @@ impl Rope {
             ),
             false => (xs.clone(), None),
         };
-        let cpu_f32 = xs.device().is_cpu() && dtype == DType::F32;
+        let cpu_f32 = gpt_kernels::cpu_kernels(xs.device()) && dtype == DType::F32;
         let rotated = if xs.track_op() && cpu_f32 {
             // One op each way: the backward pass is the rotation by the opposite angles.
             rot.contiguous()?.apply_op1(RopeTrain {

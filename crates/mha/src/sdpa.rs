@@ -112,7 +112,7 @@ pub fn sdpa_softcapped(
     let (b, h, tq, tk) = check_heads(q, k, v)?;
     let dropout = p.dropout.filter(|d| d.is_active(p.train));
     let fused = ![b, h, tq, tk].contains(&0)
-        && q.device().is_cpu()
+        && gpt_kernels::cpu_kernels(q.device())
         && q.dtype() == DType::F32
         && mask.is_structural()
         && !p.need_weights;

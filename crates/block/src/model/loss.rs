@@ -11,7 +11,7 @@ pub fn next_token_loss(logits: &Tensor, ids: &Tensor) -> Result<Tensor> {
         bail!("the loss needs at least 2 tokens per row, got {t}")
     }
     check_targets(ids, b, t, v)?;
-    if logits.device().is_cpu() && logits.dtype() == DType::F32 {
+    if gpt_kernels::cpu_kernels(logits.device()) && logits.dtype() == DType::F32 {
         // Fused: no copy of the logits, and a backward pass of one sweep.
         return gpt_kernels::ops::next_token_cross_entropy(logits, ids);
     }

@@ -17,7 +17,7 @@ pub(super) enum Stages {
 
 impl Stages {
     pub(super) fn new(xs: &Tensor, train: bool) -> Self {
-        match (train, xs.device().is_cpu()) {
+        match (train, gpt_kernels::cpu_kernels(xs.device())) {
             (true, _) => Self::Off,
             (false, true) => Self::Checked(None),
             (false, false) => Self::Kept(Vec::new()),
@@ -59,7 +59,7 @@ const PARALLEL_VALUES: usize = 1 << 16;
 /// Whether every value of `t` is finite: read on the CPU (f32 where it lies), reduced on
 /// other devices.
 pub(super) fn all_finite(t: &Tensor) -> Result<bool> {
-    if t.device().is_cpu() {
+    if gpt_kernels::cpu_kernels(t.device()) {
         // Branch-free within a chunk, so the compiler vectorizes it.
         let finite = |c: &[f32]| c.iter().fold(true, |ok, v| ok & v.is_finite());
         return gpt_kernels::dense::with_f32_values(t, |x| {

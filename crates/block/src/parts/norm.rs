@@ -40,7 +40,7 @@ impl LayerNorm {
     /// `[.., dim]` to `[.., dim]`.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let needs_grad = xs.track_op() || self.weight.track_op() || self.bias.track_op();
-        if needs_grad && xs.device().is_cpu() && xs.dtype() == DType::F32 {
+        if needs_grad && gpt_kernels::cpu_kernels(xs.device()) && xs.dtype() == DType::F32 {
             // One fused op whose backward recomputes the row statistics (training).
             return gpt_kernels::ops::layer_norm(xs, &self.weight, &self.bias, self.eps);
         }
@@ -82,7 +82,7 @@ impl RmsNorm {
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let needs_grad = xs.track_op() || self.weight.track_op();
         let f32_weight = self.weight.dtype() == DType::F32;
-        if xs.device().is_cpu() && xs.dtype() == DType::F32 && f32_weight {
+        if gpt_kernels::cpu_kernels(xs.device()) && xs.dtype() == DType::F32 && f32_weight {
             // One fused op whose backward recomputes the row scale (training). Inference
             // takes it too: its sum of squares is vectorised, where Candle's `rms_norm`
             // adds one value at a time, serial work on the calling thread between

@@ -198,7 +198,7 @@ impl Packed {
 
     /// The packing alone, whatever the CPU (the tests' scalar path uses it everywhere).
     fn pack(w: &QTensor) -> Result<Option<Self>> {
-        if !w.device().is_cpu() {
+        if !crate::cpu_kernels(&w.device()) {
             return Ok(None);
         }
         let (n, k) = w.shape().dims2()?;

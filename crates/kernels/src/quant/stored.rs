@@ -68,7 +68,7 @@ impl Format {
 
 /// Whether [`qmatmul`] has kernels for `w`: a q8_0, q4_0 or q5_0 matrix on the CPU.
 pub fn supported(w: &QTensor) -> bool {
-    Format::of(w.dtype()).is_some() && w.device().is_cpu() && w.shape().rank() == 2
+    Format::of(w.dtype()).is_some() && crate::cpu_kernels(&w.device()) && w.shape().rank() == 2
 }
 
 /// `xs [m, in] · wᵀ` over output rows `rows` of `w` (`[out, in]`, q8_0, q4_0, q5_0): an
@@ -79,7 +79,7 @@ pub fn qmatmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Te
     let Some(format) = Format::of(w.dtype()) else {
         return Ok(None);
     };
-    if !supported(w) || !xs.device().is_cpu() || w.shape().elem_count() == 0 {
+    if !supported(w) || !crate::cpu_kernels(xs.device()) || w.shape().elem_count() == 0 {
         return Ok(None);
     }
     let (d_out, k) = w.shape().dims2()?;
@@ -185,7 +185,7 @@ fn with_blocks(
     }
     let (d_out, k) = w.shape().dims2()?;
     let (m, xk) = xs.dims2()?;
-    if !w.device().is_cpu() || !xs.device().is_cpu() || xk != k || k == 0 {
+    if !crate::cpu_kernels(&w.device()) || !crate::cpu_kernels(xs.device()) || xk != k || k == 0 {
         return Ok(None);
     }
     if rows.start > rows.end || rows.end > d_out {

@@ -350,7 +350,7 @@ impl Gguf {
     /// rows of a Llama's q and k put back in Hugging Face's order. Empty off the CPU.
     fn float_arena(&self, cfg: &GptConfig, dtype: DType, device: &Device) -> Result<FloatArena> {
         let mut arena = FloatArena::default();
-        if !device.is_cpu() {
+        if !gpt_kernels::cpu_kernels(device) {
             return Ok(arena);
         }
         let (d, inner) = (cfg.n_embd, cfg.inner_dim());

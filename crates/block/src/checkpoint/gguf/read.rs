@@ -100,7 +100,7 @@ impl Gguf {
     /// Reads one tensor, checking its shape (PyTorch order).
     pub(super) fn qtensor(&self, name: &str, shape: &[usize], device: &Device) -> Result<QTensor> {
         let (info, mut file) = self.claim(name, shape)?;
-        if device.is_cpu() {
+        if gpt_kernels::cpu_kernels(device) {
             if let Some(q) = read_in_place(&mut *file, info.ggml_dtype, shape)? {
                 return Ok(q);
             }
@@ -122,7 +122,7 @@ impl Gguf {
         let (&[n, k], Some(info)) = (shape, info) else {
             return Ok(None);
         };
-        if !device.is_cpu() || !Packed::packs_here(info.ggml_dtype) {
+        if !gpt_kernels::cpu_kernels(device) || !Packed::packs_here(info.ggml_dtype) {
             return Ok(None);
         }
         let (info, mut file) = self.claim(name, shape)?;
@@ -160,7 +160,9 @@ impl Gguf {
         dtype: DType,
         device: &Device,
     ) -> Result<Option<Tensor>> {
-        if !device.is_cpu() || self.stored(name).and_then(stored_float) != Some(dtype) {
+        if !gpt_kernels::cpu_kernels(device)
+            || self.stored(name).and_then(stored_float) != Some(dtype)
+        {
             return Ok(None);
         }
         let (_, mut file) = self.claim(name, shape)?;
@@ -202,8 +204,8 @@ impl Gguf {
 /// half precision stays half on the CPU under f32 activations, anything else is `dtype`.
 pub(super) fn matrix_dtype(t: GgmlDType, dtype: DType, device: &Device) -> DType {
     match (t, dtype) {
-        (GgmlDType::F16, DType::F32) if device.is_cpu() => DType::F16,
-        (GgmlDType::BF16, DType::F32) if device.is_cpu() => DType::BF16,
+        (GgmlDType::F16, DType::F32) if gpt_kernels::cpu_kernels(device) => DType::F16,
+        (GgmlDType::BF16, DType::F32) if gpt_kernels::cpu_kernels(device) => DType::BF16,
         _ => dtype,
     }
 }
@@ -221,7 +223,7 @@ pub(super) fn stored_float(t: GgmlDType) -> Option<DType> {
 /// A float tensor in `dtype`: its bytes as they are when the formats agree (dequantizing
 /// goes through f32, a transient 4 bytes an element), else dequantized and converted.
 pub(super) fn float_tensor(q: &QTensor, dtype: DType, device: &Device) -> Result<Tensor> {
-    if stored_float(q.dtype()) == Some(dtype) && device.is_cpu() {
+    if stored_float(q.dtype()) == Some(dtype) && gpt_kernels::cpu_kernels(device) {
         return Tensor::from_raw_buffer(&q.data()?, dtype, q.shape().dims(), device);
     }
     q.dequantize(device)?.to_dtype(dtype)

@@ -49,7 +49,7 @@ pub(super) fn load(
         |i, vb| {
             // Read when the first block is built: after the token embedding, whose reading is
             // the load's largest moment and is better had before the blocks are all there.
-            if i == 0 && quantize.is_none() && device.is_cpu() {
+            if i == 0 && quantize.is_none() && gpt_kernels::cpu_kernels(device) {
                 *lock(&arena)? = block_matrices(&st, cfg, dtype, &in_file)?;
             }
             if lock(&arena)?.slots.is_empty() {
@@ -62,7 +62,7 @@ pub(super) fn load(
             block_from_arena(cfg, i, vb, &arena, &in_file)
         },
         // A quantized head (a tied model's table too) read and packed row by row.
-        |name| match (quantize, device.is_cpu()) {
+        |name| match (quantize, gpt_kernels::cpu_kernels(device)) {
             (Some(q), true) => Ok(st.packed_rows(&in_file(name), dtype, q)?.map(Arc::new)),
             _ => Ok(None),
         },
