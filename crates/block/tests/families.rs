@@ -1158,3 +1158,17 @@ fn views_of_one_buffer(model: &Gpt, qkv: bool, what: &str) {
         );
     }
 }
+
+/// Every test above on the paths a GPU takes (`GPT_GENERIC_PATHS=1`: the reference
+/// attention, Candle's norms, rotations and products, the cache in the activations' dtype,
+/// the per-row loop of `infer_rows`): each family against transformers, cached decoding,
+/// padding, rows of different lengths. Not the test of how the CPU lays fused matrices
+/// out in memory, which is the CPU's alone.
+#[test]
+fn every_test_on_the_generic_paths() {
+    common::rerun_on_generic_paths(
+        "every_test_on_the_generic_paths",
+        &["loading_for_inference_fuses_in_place"],
+        14,
+    );
+}

@@ -252,3 +252,9 @@ fn nanogpt_checkpoint_matches_transformers() {
     .to_string();
     assert!(err.contains("not a PyTorch zip checkpoint"), "{err}");
 }
+
+/// The tests above on the paths a GPU takes (`GPT_GENERIC_PATHS=1`).
+#[test]
+fn every_test_on_the_generic_paths() {
+    common::rerun_on_generic_paths("every_test_on_the_generic_paths", &[], 4);
+}

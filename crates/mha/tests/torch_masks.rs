@@ -180,3 +180,10 @@ fn three_dimensional_float_masks_follow_the_same_rule() {
         .to_string();
     assert!(err.contains("3-D additive mask"), "{err}");
 }
+
+/// The tests above on the paths a GPU takes (`GPT_GENERIC_PATHS=1`: the reference
+/// attention and Candle's ops where the CPU kernels would run).
+#[test]
+fn every_test_on_the_generic_paths() {
+    common::rerun_on_generic_paths("every_test_on_the_generic_paths", &[], 5);
+}

@@ -223,3 +223,10 @@ fn fused_attention_gradients_match_pytorch() {
         }
     }
 }
+
+/// The tests above on the paths a GPU takes (`GPT_GENERIC_PATHS=1`: the reference
+/// attention and Candle's ops where the CPU kernels would run).
+#[test]
+fn every_test_on_the_generic_paths() {
+    common::rerun_on_generic_paths("every_test_on_the_generic_paths", &[], 3);
+}

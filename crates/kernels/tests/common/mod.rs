@@ -92,3 +92,34 @@ pub fn check_gradients(
     }
     Ok(checked)
 }
+
+/// Runs this test binary again with `GPT_GENERIC_PATHS=1`: its tests on the paths other
+/// devices take (Candle's generic ops where our CPU kernels would run, as on a GPU), less
+/// `this` (the caller) and `skip` (tests of the CPU's own layouts and dispatch). Asserts
+/// that they pass and that at least `at_least` ran. Does nothing in that second run.
+pub fn rerun_on_generic_paths(this: &str, skip: &[&str], at_least: usize) {
+    if std::env::var("GPT_GENERIC_PATHS").is_ok_and(|v| v == "1") {
+        return;
+    }
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.env("GPT_GENERIC_PATHS", "1").args(["--skip", this]);
+    for s in skip {
+        cmd.args(["--skip", s]);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "on the generic paths:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let passed: usize = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("test result: ok. "))
+        .and_then(|r| r.split(' ').next()?.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        passed >= at_least,
+        "on the generic paths only {passed} tests ran:\n{stdout}"
+    );
+}
