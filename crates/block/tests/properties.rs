@@ -613,3 +613,9 @@ fn quantizing_while_loading_equals_quantizing_after() -> Result<()> {
     }
     Ok(())
 }
+
+/// The tests above on the paths a GPU takes (`GPT_GENERIC_PATHS=1`).
+#[test]
+fn every_test_on_the_generic_paths() {
+    common::rerun_on_generic_paths("every_test_on_the_generic_paths", &[], 13);
+}
