@@ -1,7 +1,8 @@
 //! The paths a GPU takes, checked on the CPU: with `GPT_GENERIC_PATHS=1` every tensor runs
 //! Candle's generic ops where our CPU kernels would (attention by the reference path,
-//! Candle's norms, rotations, quantized products, a cache in the activations' dtype, the
-//! per-row loop of continuous batching), as on a CUDA or Metal device. On every fixture
+//! Candle's norms, rotations and quantized products, a cache in the activations' dtype),
+//! as on a CUDA or Metal device; through the `gpt` binary here, and in the family,
+//! Hugging Face and PyTorch tests, which run themselves again so. On every fixture
 //! model, against the CPU kernels (which the family tests hold to transformers and
 //! llama.cpp): per-token log-probabilities of a fixed sequence within 1e-5 on float models
 //! (measured: at most 2.4e-6) and 1e-1 on quantized files, whose generic products round the

@@ -1,7 +1,8 @@
 //! Which tensors this workspace's CPU kernels take: those on the CPU. Everything else runs
 //! Candle's generic ops, as on a GPU. With `GPT_GENERIC_PATHS=1` in the environment the CPU
 //! takes the generic ops too: the code a GPU runs, run and checked on a machine without one
-//! (`crates/cli/tests/generic_paths.rs` holds it to the CPU kernels on every family).
+//! (`crates/cli/tests/generic_paths.rs` holds it to the CPU kernels on every fixture model;
+//! the family, Hugging Face and PyTorch tests run again with it).
 
 use std::sync::LazyLock;
 
