@@ -195,8 +195,8 @@ impl<'a> Mask<'a> {
             }
             // Query 0 sees every key once offset + 1 >= kv_len (the later ones too), and a
             // window of w hides a key from the last query, at offset + q_len - 1, iff
-            // offset + q_len > w. A bias of zeros adds nothing: none is built (on a GPU,
-            // the five kernels of a decoding step's mask each layer).
+            // offset + q_len > w. A bias of zeros adds nothing: none is built (on a GPU, a
+            // decoding step's mask took six kernels a layer to build and one to add).
             let hides = offset + 1 < kv_len || self.window.is_some_and(|w| offset + q_len > w);
             if !hides {
                 return self.non_causal_bias((b_sz, n_heads, q_len, kv_len), device, bias);
