@@ -27,9 +27,11 @@ for f in "$fix"/families/*/; do [ -f "$f/config.json" ] && models+=("${f%/}"); d
 models+=("$fix/gguf/llama.f32.gguf" "$fix/gguf/qwen2.q8_0.gguf" "$fix/gguf/gpt2.q8_0.gguf"
          "$fix/gguf/llama_wide.q4_k_m.gguf")
 fail=0
-# Each model twice on the GPU: attention by the reference path (Candle's ops), then by
-# mha's fused kernel (MHA_CUDA_ATTENTION=fused, kernels/attention.cu).
-for attn in reference fused; do
+echo "models: ${#models[@]}"
+# Each model once on the CPU, then twice on the GPU: attention by the reference path
+# (Candle's ops), then by mha's fused kernel (MHA_CUDA_ATTENTION=fused,
+# kernels/attention.cu). Model by model, so a run cut short has both lines of each model
+# it reached.
 for m in "${models[@]}"; do
   args=(); [ -n "$m" ] && args=(--model "$m")
   name=${m:-built-in}
@@ -45,15 +47,20 @@ for m in "${models[@]}"; do
   ctx=$("$gpt" "${args[@]}" --device cpu inspect --format json \
     | python3 -c "import json, sys; print(json.load(sys.stdin)['config']['n_positions'])") || ctx=36
   prompt=$(( ctx - 16 < 20 ? ctx - 16 : 20 ))
-  # A command that fails fails this model, not the run: every model gets its line.
-  ran=1
-  for dev in cpu cuda; do
-    MHA_CUDA_ATTENTION=$attn "$gpt" "${args[@]}" --device $dev score --ids "$(seq -s, 1 40)" --format json \
-      > "/tmp/gpu_check.$dev.score" || ran=0
-    MHA_CUDA_ATTENTION=$attn "$gpt" "${args[@]}" --device $dev generate --prompt-ids "$(seq -s, 1 $prompt)" --max-new-tokens 16 \
-      --temperature 0 --format json 2>/tmp/gpu_check.err > "/tmp/gpu_check.$dev.gen" \
-      || { ran=0; tail -n 3 /tmp/gpu_check.err; }
-  done
+  # A command that fails fails this model, not the run: every model gets its lines.
+  cpu_ran=1
+  run() { # device, then `score` or `gen`
+    local what=(score --ids "$(seq -s, 1 40)" --format json)
+    [ "$2" = gen ] && what=(generate --prompt-ids "$(seq -s, 1 $prompt)" --max-new-tokens 16
+                            --temperature 0 --format json)
+    "$gpt" "${args[@]}" --device "$1" "${what[@]}" 2>/tmp/gpu_check.err > "/tmp/gpu_check.$1.$2" \
+      || { tail -n 3 /tmp/gpu_check.err; return 1; }
+  }
+  run cpu score && run cpu gen || cpu_ran=0
+for attn in reference fused; do
+  ran=$cpu_ran
+  export MHA_CUDA_ATTENTION=$attn
+  run cuda score && run cuda gen || ran=0
   if [ $ran = 1 ] && python3 - "$tol" "$prompt" "$gpt" "${args[@]}" <<'PY'
 import json, subprocess, sys
 tol, prompt, gpt, model = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
@@ -81,6 +88,7 @@ PY
   then echo "ok   $name ($attn attention)"; else echo "FAIL $name ($attn attention)"; fail=1; fi
 done
 done
+unset MHA_CUDA_ATTENTION
 train=(train --data README.md --steps 40 --lr 1e-3 --warmup 5 --dropout 0 --n-layer 2
        --n-embd 64 --n-head 4 --block-size 64 --batch-size 8 --eval-every 10 --vocab-size 512
        --quiet)

@@ -56,9 +56,9 @@ if [[ " $parts " == *" check "* ]]; then
   GPT=$gpt GPU_CHECK_BENCH=0 timeout 270 scripts/gpu_check.sh > "$out/check.log" 2>&1
   echo "check: exit $?" | tee -a "$out/check.log"
   # The fused kernels are timed only where every fixture ran and passed with them.
-  models=$(grep -c '(reference attention)$' "$out/check.log")
-  if [ "$(grep -c '^ok .*(fused attention)$' "$out/check.log")" = "$models" ] \
-    && [ "$models" -gt 0 ]; then
+  models=$(sed -n 's/^models: //p' "$out/check.log")
+  if [ -n "$models" ] && [ "$(grep -c '^ok .*(fused attention)$' "$out/check.log")" = "$models" ]
+  then
     attention=fused
   fi
 fi
