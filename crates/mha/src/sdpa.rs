@@ -184,37 +184,62 @@ fn reference(
         };
         return Ok((ys, weights));
     }
-    let n_rep = h / k.dim(1)?;
+    let h_kv = k.dim(1)?;
+    let n_rep = h / h_kv;
+    let (d, dv) = (q.dim(3)?, v.dim(3)?);
     // Half-precision keys and values beside f32 queries (a half-precision cache).
-    let k = repeat_kv(&k.to_dtype(q.dtype())?, n_rep)?;
-    let v = repeat_kv(&v.to_dtype(q.dtype())?, n_rep)?;
+    let (k, v) = (k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?);
     // Scores in f32 at least (f64 stays f64, for gradient checks).
     let compute = match q.dtype() {
         DType::F64 => DType::F64,
         _ => DType::F32,
     };
-    let qc = q.to_dtype(compute)?.contiguous()?;
+    // The query heads grouped by the key/value head they read (query head i reads head
+    // i / n_rep, PyTorch's `enable_gqa`): rows `[b, h_kv, n_rep·tq, d]`, whose products
+    // take each group's keys and values as they are. No copy of them per query head
+    // ([`repeat_kv`]: on a GPU, n_rep copies of the cache each layer and step).
+    let qc = q.to_dtype(compute)?.reshape((b, h_kv, n_rep * tq, d))?;
     let kc = k.to_dtype(compute)?.contiguous()?;
-    // (b, h, tq, tk)
+    // (b, h_kv, n_rep·tq, tk)
     let scores = (qc.matmul(&kc.t()?)? * p.scale)?;
     let scores = match softcap {
         Some(cap) => ((scores / cap)?.tanh()? * cap)?,
         None => scores,
     };
     let weights = match mask.to_bias((b, h, tq, tk), q.device())? {
-        Some(bias) => masked_softmax(&scores.broadcast_add(&bias.to_dtype(compute)?)?)?,
+        Some(bias) => {
+            // The bias, broadcastable to (b, h, tq, tk), grouped as the scores.
+            let mut dims = bias.dims().to_vec();
+            while dims.len() < 4 {
+                dims.insert(0, 1);
+            }
+            let (bb, bh, bq, bk) = (dims[0], dims[1], dims[2], dims[3]);
+            let bias = match bh == h {
+                true => bias.reshape((bb, h_kv, n_rep, bq, bk))?,
+                false => bias.reshape((bb, 1, bh, bq, bk))?,
+            };
+            let scores = scores.reshape((b, h_kv, n_rep, tq, tk))?;
+            let weights = masked_softmax(&scores.broadcast_add(&bias.to_dtype(compute)?)?)?;
+            weights.reshape((b, h_kv, n_rep * tq, tk))?
+        }
         // Nothing hidden, so no row is all `-inf`, and no gradient asked for: Candle's
         // fused softmax, one kernel where the differentiable one takes seven (a decoding
         // step on a GPU waits on its launches).
         None if !scores.track_op() => candle_nn::ops::softmax_last_dim(&scores)?,
         None => masked_softmax(&scores)?,
     };
+    // (b, h, tq, tk), as dropout draws and the caller reads them.
+    let weights = weights.reshape((b, h, tq, tk))?;
     let weights = match p.dropout {
         Some(d) => d.forward(&weights, p.train)?,
         None => weights,
     };
-    // (b, h, tq, dv)
-    let ys = weights.to_dtype(v.dtype())?.matmul(&v.contiguous()?)?;
+    // (b, h_kv, n_rep·tq, dv), then (b, h, tq, dv)
+    let ys = weights
+        .reshape((b, h_kv, n_rep * tq, tk))?
+        .to_dtype(v.dtype())?
+        .matmul(&v.contiguous()?)?
+        .reshape((b, h, tq, dv))?;
     Ok((ys, p.need_weights.then_some(weights)))
 }
 
