@@ -27,6 +27,15 @@ for f in "$fix"/families/*/; do [ -f "$f/config.json" ] && models+=("${f%/}"); d
 models+=("$fix/gguf/llama.f32.gguf" "$fix/gguf/qwen2.q8_0.gguf" "$fix/gguf/gpt2.q8_0.gguf"
          "$fix/gguf/llama_wide.q4_k_m.gguf")
 fail=0
+# One run of the model in `args`, its output in /tmp/gpu_check.DEVICE.WHAT: run DEVICE
+# score|gen (the prompt of `prompt` tokens for gen).
+run() {
+  local what=(score --ids "$(seq -s, 1 40)" --format json)
+  [ "$2" = gen ] && what=(generate --prompt-ids "$(seq -s, 1 $prompt)" --max-new-tokens 16
+                          --temperature 0 --format json)
+  "$gpt" "${args[@]}" --device "$1" "${what[@]}" 2>/tmp/gpu_check.err > "/tmp/gpu_check.$1.$2" \
+    || { tail -n 3 /tmp/gpu_check.err; return 1; }
+}
 echo "models: ${#models[@]}"
 # Each model once on the CPU, then twice on the GPU: attention by the reference path
 # (Candle's ops), then by mha's fused kernel (MHA_CUDA_ATTENTION=fused,
@@ -49,13 +58,6 @@ for m in "${models[@]}"; do
   prompt=$(( ctx - 16 < 20 ? ctx - 16 : 20 ))
   # A command that fails fails this model, not the run: every model gets its lines.
   cpu_ran=1
-  run() { # device, then `score` or `gen`
-    local what=(score --ids "$(seq -s, 1 40)" --format json)
-    [ "$2" = gen ] && what=(generate --prompt-ids "$(seq -s, 1 $prompt)" --max-new-tokens 16
-                            --temperature 0 --format json)
-    "$gpt" "${args[@]}" --device "$1" "${what[@]}" 2>/tmp/gpu_check.err > "/tmp/gpu_check.$1.$2" \
-      || { tail -n 3 /tmp/gpu_check.err; return 1; }
-  }
   run cpu score && run cpu gen || cpu_ran=0
 for attn in reference fused; do
   ran=$cpu_ran

@@ -180,59 +180,9 @@ impl<'a> Mask<'a> {
             });
             Ok(())
         };
-        if let Some(offset) = self.causal {
-            // (q_len, kv_len): key j is visible to query i iff j <= offset + i. Any offset
-            // from kv_len on shows every key, so clamping it keeps the sums in range.
-            let offset = offset.min(kv_len);
-            if offset + q_len > u32::MAX as usize {
-                bail!(
-                    "causal mask: positions beyond {} are not supported",
-                    u32::MAX
-                )
-            }
-            if self.window == Some(0) {
-                bail!("attention window must be at least 1")
-            }
-            // Query 0 sees every key once offset + 1 >= kv_len (the later ones too), and a
-            // window of w hides a key from the last query, at offset + q_len - 1, iff
-            // offset + q_len > w. A bias of zeros adds nothing: none is built (on a GPU, a
-            // decoding step's mask took six kernels a layer to build and one to add).
-            let hides = offset + 1 < kv_len || self.window.is_some_and(|w| offset + q_len > w);
-            if !hides {
-                return self.non_causal_bias((b_sz, n_heads, q_len, kv_len), device, bias);
-            }
-            let rows = Tensor::arange(offset as u32, (offset + q_len) as u32, device)?
-                .reshape((q_len, 1))?;
-            let cols = Tensor::arange(0u32, kv_len as u32, device)?.reshape((1, kv_len))?;
-            let mut visible = cols.broadcast_le(&rows)?;
-            if let Some(w) = self.window {
-                // The oldest key each query still sees.
-                let first: Vec<u32> = (offset..offset + q_len)
-                    .map(|p| (p + 1).saturating_sub(w) as u32)
-                    .collect();
-                let first = Tensor::from_vec(first, (q_len, 1), device)?;
-                visible = (visible * cols.broadcast_ge(&first)?)?;
-            }
-            add(keep_to_bias(&visible)?)?;
+        if let Some(causal) = self.causal_bias(q_len, kv_len, device)? {
+            add(causal)?;
         }
-        self.non_causal_bias((b_sz, n_heads, q_len, kv_len), device, bias)
-    }
-
-    /// [`Self::to_bias`]'s key padding, additive and boolean masks added to `bias` (the
-    /// causal part's, if any).
-    fn non_causal_bias(
-        &self,
-        (b_sz, n_heads, q_len, kv_len): (usize, usize, usize, usize),
-        device: &Device,
-        mut bias: Option<Tensor>,
-    ) -> Result<Option<Tensor>> {
-        let mut add = |t: Tensor| -> Result<()> {
-            bias = Some(match bias.take() {
-                None => t,
-                Some(b) => b.broadcast_add(&t)?,
-            });
-            Ok(())
-        };
         if let Some(keep) = self.keep_keys(b_sz, kv_len, device)? {
             add(keep_to_bias(&keep)?.reshape((b_sz, 1, 1, kv_len))?)?;
         }
@@ -269,6 +219,47 @@ impl<'a> Mask<'a> {
             add(disallowed_to_bias(m, b_sz, n_heads, q_len, kv_len, device)?)?;
         }
         Ok(bias)
+    }
+
+    /// The causal mask's part of [`Self::to_bias`], `[q_len, kv_len]`; `None` without a
+    /// causal mask or where it hides no key.
+    fn causal_bias(&self, q_len: usize, kv_len: usize, device: &Device) -> Result<Option<Tensor>> {
+        let Some(offset) = self.causal else {
+            return Ok(None);
+        };
+        // (q_len, kv_len): key j is visible to query i iff j <= offset + i. Any offset
+        // from kv_len on shows every key, so clamping it keeps the sums in range.
+        let offset = offset.min(kv_len);
+        if offset + q_len > u32::MAX as usize {
+            bail!(
+                "causal mask: positions beyond {} are not supported",
+                u32::MAX
+            )
+        }
+        if self.window == Some(0) {
+            bail!("attention window must be at least 1")
+        }
+        // Query 0 sees every key once offset + 1 >= kv_len (the later ones too), and a
+        // window of w hides a key from the last query, at offset + q_len - 1, iff
+        // offset + q_len > w. A bias of zeros adds nothing: none is built (on a GPU, a
+        // decoding step's mask took six kernels a layer to build and one to add).
+        let hides = offset + 1 < kv_len || self.window.is_some_and(|w| offset + q_len > w);
+        if !hides {
+            return Ok(None);
+        }
+        let rows =
+            Tensor::arange(offset as u32, (offset + q_len) as u32, device)?.reshape((q_len, 1))?;
+        let cols = Tensor::arange(0u32, kv_len as u32, device)?.reshape((1, kv_len))?;
+        let mut visible = cols.broadcast_le(&rows)?;
+        if let Some(w) = self.window {
+            // The oldest key each query still sees.
+            let first: Vec<u32> = (offset..offset + q_len)
+                .map(|p| (p + 1).saturating_sub(w) as u32)
+                .collect();
+            let first = Tensor::from_vec(first, (q_len, 1), device)?;
+            visible = (visible * cols.broadcast_ge(&first)?)?;
+        }
+        keep_to_bias(&visible).map(Some)
     }
 }
 
