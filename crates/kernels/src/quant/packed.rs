@@ -118,6 +118,10 @@ impl Drop for Packed {
 /// The bytes all live [`Packed`] matrices hold: the weights a decoding step streams.
 static PACKED_BYTES: AtomicUsize = AtomicUsize::new(0);
 
+/// Stored bytes [`Packed::from_rows`] asks its reader for at once (whole tiles, at least
+/// one): enough tiles to share among the threads, little memory beside the matrix.
+const PACK_GROUP_BYTES: usize = 1 << 20;
+
 /// From this many packed bytes on, decoding reads the weights from memory rather than
 /// from the last-level cache (the size of a desktop CPU's), and each tile's successor
 /// is prefetched (see [`Packed::product`]). The unit tests' small matrices take that path.
@@ -219,15 +223,33 @@ impl Packed {
     }
 
     /// A matrix `[n, k]` of a packed format (`None` for other formats) packed from its
-    /// stored rows, which `read` fills 16 at a time (fewer for the last tile), in order: a
-    /// loader can read them from a file with no buffer the size of the matrix. Packs
-    /// whatever the CPU; [`Self::packs_here`] says whether the kernels will run.
+    /// stored rows, which `read` fills in order, whole rows at a time: up to
+    /// `PACK_GROUP_BYTES` of them, a whole number of tiles of 16 rows (fewer rows for the
+    /// last group). A loader can read them from a file with no buffer the size of the
+    /// matrix. Each group's tiles are packed in parallel on rayon's pool (the packing is
+    /// most of a quantized model's loading). Packs whatever the CPU; [`Self::packs_here`]
+    /// says whether the kernels will run.
     pub fn from_rows(
         dtype: GgmlDType,
         n: usize,
         k: usize,
+        read: impl FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<Option<Self>> {
+        let stored = Format::of(dtype).map_or(1, |f| TILE * k / f.values() * f.block_bytes());
+        // At least two tiles a thread, so that a wide matrix is still shared.
+        let group = (PACK_GROUP_BYTES / stored.max(1)).max(2 * rayon::current_num_threads());
+        Self::from_row_groups(dtype, n, k, group, read)
+    }
+
+    /// [`Self::from_rows`], reading `group` tiles' rows at a time.
+    fn from_row_groups(
+        dtype: GgmlDType,
+        n: usize,
+        k: usize,
+        group: usize,
         mut read: impl FnMut(&mut [u8]) -> Result<()>,
     ) -> Result<Option<Self>> {
+        use rayon::prelude::*;
         let Some(format) = Format::of(dtype) else {
             return Ok(None);
         };
@@ -245,21 +267,33 @@ impl Packed {
             _ => 0,
         };
         let mut tiles = crate::memory::packed_weight_vec(n.div_ceil(TILE) * nb * size, empty);
-        let mut rows = vec![0u8; TILE * nb * block];
-        for (t, column) in tiles.chunks_exact_mut((nb * size).max(1)).enumerate() {
-            let count = TILE.min(n - t * TILE);
+        // Bytes of one tile column, stored and packed; a matrix of empty rows has none.
+        let (stored, column, group) = (TILE * nb * block, nb * size, group.max(1));
+        if column == 0 {
+            return Ok(Some(Self::holding(format, n, k, Tiles::Own(tiles))));
+        }
+        let mut rows = vec![0u8; (group * TILE).min(n) * nb * block];
+        for (g, packed) in tiles.chunks_mut(group * column).enumerate() {
+            let count = (n - g * group * TILE).min(group * TILE);
             let rows = &mut rows[..count * nb * block];
             read(rows)?;
-            for (b, tile) in column.chunks_exact_mut(size).enumerate() {
-                if matches!(format, Format::Q8_0 | Format::Q4_0) {
-                    tile[..SCALES].fill(0);
-                } else if matches!(format, Format::Q5_0 | Format::Q4_1 | Format::Q5_1) {
-                    tile.fill(0);
-                }
-                for r in 0..count {
-                    format.pack_row(&rows[(r * nb + b) * block..][..block], tile, r);
-                }
-            }
+            let rows = &*rows;
+            // Tile columns are independent: each takes its 16 rows (fewer for the last).
+            packed
+                .par_chunks_mut(column)
+                .zip(rows.par_chunks(stored))
+                .for_each(|(column, src)| {
+                    for (b, tile) in column.chunks_exact_mut(size).enumerate() {
+                        if matches!(format, Format::Q8_0 | Format::Q4_0) {
+                            tile[..SCALES].fill(0);
+                        } else if matches!(format, Format::Q5_0 | Format::Q4_1 | Format::Q5_1) {
+                            tile.fill(0);
+                        }
+                        for (r, row) in src.chunks_exact(nb * block).enumerate() {
+                            format.pack_row(&row[b * block..][..block], tile, r);
+                        }
+                    }
+                });
         }
         Ok(Some(Self::holding(format, n, k, Tiles::Own(tiles))))
     }
@@ -1010,6 +1044,42 @@ mod tests {
                 [&theirs[36 * k..], &theirs[..k]].concat()
             );
             assert!(p.rows(&[37]).is_err());
+        }
+    }
+
+    /// Packing reads the rows in order, a group of whole tiles at a time, and packs each
+    /// group's tiles on several threads: the same tiles as one tile at a time, for every
+    /// format, with groups of one, three and all tiles and a partial last tile.
+    #[test]
+    fn row_groups_pack_the_same_tiles() {
+        // 149 rows: nine whole tiles and a partial one.
+        let (n, tiles) = (149, 10);
+        for dtype in FORMATS {
+            let k = width(dtype, 3);
+            let q = quantized(n, k, dtype);
+            let bytes = q.data().unwrap();
+            let row_bytes = bytes.len() / n;
+            let pack = |group: usize| {
+                let (mut at, mut reads) = (0, Vec::new());
+                let p = Packed::from_row_groups(dtype, n, k, group, |rows| {
+                    rows.copy_from_slice(&bytes[at..at + rows.len()]);
+                    at += rows.len();
+                    reads.push(rows.len() / row_bytes);
+                    Ok(())
+                })
+                .unwrap()
+                .unwrap();
+                assert_eq!(at, bytes.len(), "{dtype:?}: every row read");
+                (p, reads)
+            };
+            let (one, reads) = pack(1);
+            assert_eq!(reads, [[16; 9].as_slice(), &[5]].concat(), "{dtype:?}");
+            assert_eq!(one.dequantize().unwrap(), candle_values(&q), "{dtype:?}");
+            for (group, want) in [(3, vec![48, 48, 48, 5]), (tiles, vec![n])] {
+                let (p, reads) = pack(group);
+                assert_eq!(reads, want, "{dtype:?}, groups of {group}");
+                assert_eq!(&*p.data, &*one.data, "{dtype:?}, groups of {group}");
+            }
         }
     }
 
