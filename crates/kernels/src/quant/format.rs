@@ -279,11 +279,24 @@ impl Format {
         match self {
             Self::Q8_0 => {
                 t[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
-                for v in 0..QK {
-                    t[SCALES + self.place(r, v).0] = src[2 + v] ^ 0x80;
+                // Values 4g..4g + 3 at 64g + 4r (see `place`).
+                for (g, four) in src[2..2 + QK].chunks_exact(4).enumerate() {
+                    let at = SCALES + g * 4 * TILE + 4 * r;
+                    for (dst, &q) in t[at..at + 4].iter_mut().zip(four) {
+                        *dst = q ^ 0x80;
+                    }
                 }
             }
-            Self::Q4_0 | Self::Q5_0 | Self::Q4_1 | Self::Q5_1 => {
+            Self::Q4_0 => {
+                // Stored: d, then value j in the low nibble of byte j, j + 16 in its high.
+                t[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
+                let qs = &src[2..18];
+                put_nibbles(&mut t[SCALES..], r, |v| match v < 16 {
+                    true => qs[v] & 15,
+                    false => qs[v - 16] >> 4,
+                });
+            }
+            Self::Q5_0 | Self::Q4_1 | Self::Q5_1 => {
                 // Stored: d, (q4_1, q5_1) m, (q5_0, q5_1) the fifth bits as a
                 // little-endian u32, bit j for value j, then value j in the low nibble of
                 // byte j, j + 16 in its high nibble.
@@ -328,11 +341,11 @@ impl Format {
                     t[q4k::SC + 16 * j + r] = sc;
                     t[q4k::MIN + 16 * j + r] = m;
                 }
-                for v in 0..QK_K {
-                    let (c, l) = (v / 64, v % 64);
-                    let byte = qs[32 * c + l % 32];
-                    let nib = if l < 32 { byte & 15 } else { byte >> 4 };
-                    put(&mut t[q4k::QS + v / QK * 256..], v % QK, nib);
+                // Block b of 32 values: the low nibbles of bytes 32(b / 2).. for even b,
+                // the high ones for odd b.
+                for b in 0..QK_K / QK {
+                    let (bytes, shift) = (&qs[32 * (b / 2)..][..32], 4 * (b % 2));
+                    put_nibbles(&mut t[q4k::QS + b * 256..], r, |v| bytes[v] >> shift & 15);
                 }
             }
             Self::Q6K => {
@@ -343,15 +356,26 @@ impl Format {
                 for (j, &s) in sc.iter().enumerate() {
                     t[q6k::SC + 16 * j + r] = s;
                 }
-                for v in 0..QK_K {
-                    let (half, run, l) = (v / 128, v % 128 / 32, v % 32);
-                    let low = ql[64 * half + l + 32 * (run % 2)];
-                    let nib = if run < 2 { low & 15 } else { low >> 4 };
-                    let high = qh[32 * half + l] >> (2 * run) & 3;
-                    let (b, v) = (v / QK, v % QK);
-                    put(&mut t[q6k::QL + b * 256..], v, nib);
-                    let (g, i) = (v / 4, v % 4);
-                    t[q6k::QH + b * 128 + (g / 4) * 64 + 4 * r + i] |= high << (2 * (g % 4));
+                // Block b of 32 values is run b % 4 of half b / 4: value l's low four bits
+                // from byte 64·half + 32·(run % 2) + l (the high nibble for runs 2 and 3),
+                // its high two from bits 2·run of byte 32·half + l.
+                for b in 0..QK_K / QK {
+                    let (half, run) = (b / 4, b % 4);
+                    let low = &ql[64 * half + 32 * (run % 2)..][..32];
+                    let high = &qh[32 * half..][..32];
+                    let shift = 4 * (run / 2);
+                    put_nibbles(&mut t[q6k::QL + b * 256..], r, |v| low[v] >> shift & 15);
+                    // Bits 2f..2f + 1 of byte 64h + 4r + i: value 4(4h + f) + i.
+                    for h in 0..2 {
+                        for i in 0..4 {
+                            let mut byte = 0;
+                            for f in 0..4 {
+                                let v = 4 * (4 * h + f) + i;
+                                byte |= (high[v] >> (2 * run) & 3) << (2 * f);
+                            }
+                            t[q6k::QH + b * 128 + h * 64 + 4 * r + i] = byte;
+                        }
+                    }
                 }
             }
             Self::Q3K => {
@@ -398,6 +422,19 @@ impl Format {
                     t[q2k::QL + b * 128 + (g / 4) * 64 + 4 * r + i] |= pair << (2 * (g % 4));
                 }
             }
+        }
+    }
+}
+
+/// Row `r`'s 32 four-bit values `nib(0..32)` of one block written into the nibble layout
+/// at `q` (see [`Format::place`]): values 8g..8g + 3 in the low nibbles of bytes
+/// 64g + 4r.., 8g + 4..8g + 7 in their high ones, each byte written whole.
+#[inline(always)]
+fn put_nibbles(q: &mut [u8], r: usize, nib: impl Fn(usize) -> u8) {
+    for g in 0..QK / 8 {
+        let at = g * 4 * TILE + 4 * r;
+        for (i, byte) in q[at..at + 4].iter_mut().enumerate() {
+            *byte = nib(8 * g + i) | nib(8 * g + 4 + i) << 4;
         }
     }
 }
