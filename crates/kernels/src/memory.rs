@@ -34,6 +34,17 @@ pub fn packed_weight_vec<T: Copy>(len: usize, value: T) -> Vec<T> {
     v
 }
 
+/// [`packed_weight_vec`] of zeros with its pages left untouched where the allocator hands
+/// out fresh memory: the first write to each page has the system zero it, so threads
+/// filling separate parts of the buffer share that work (in a virtual machine it costs
+/// more than packing the weights).
+pub fn packed_weight_zeroed(len: usize) -> Vec<u8> {
+    let v = vec![0u8; len];
+    #[cfg(target_os = "linux")]
+    advise_huge_pages(v.as_ptr() as usize, len);
+    v
+}
+
 /// The smallest buffer whose end pages [`weight_vec`] collapses: norms and biases (a few
 /// KiB each, dozens of them) would each make a whole huge page resident.
 #[cfg(target_os = "linux")]

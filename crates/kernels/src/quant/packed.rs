@@ -93,6 +93,26 @@ impl Tiles {
         None
     }
 
+    /// `len` zero bytes, in a slab where `slab` asks for one and there is one, else in a
+    /// buffer of their own; either way untouched until written where the memory is fresh.
+    fn zeroed(len: usize, slab: bool) -> Tiles {
+        #[cfg(unix)]
+        if let Some(s) = slab.then(|| crate::memory::slab_bytes(len)).flatten() {
+            return Tiles::Slab(s);
+        }
+        let _ = slab;
+        Tiles::Own(crate::memory::packed_weight_zeroed(len))
+    }
+
+    /// The bytes, to write.
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            Tiles::Own(v) => v,
+            #[cfg(unix)]
+            Tiles::Slab(s) => s.as_mut_slice(),
+        }
+    }
+
     /// `len` bytes in a slab where there is one, else in a buffer of their own.
     fn new(len: usize, fill: impl Fn(&mut [u8])) -> Tiles {
         Self::in_slab(len, &fill).unwrap_or_else(|| {
@@ -227,26 +247,49 @@ impl Packed {
     /// `PACK_GROUP_BYTES` of them, a whole number of tiles of 16 rows (fewer rows for the
     /// last group). A loader can read them from a file with no buffer the size of the
     /// matrix. Each group's tiles are packed in parallel on rayon's pool (the packing is
-    /// most of a quantized model's loading). Packs whatever the CPU; [`Self::packs_here`]
-    /// says whether the kernels will run.
+    /// most of a quantized model's loading), and the tiles' memory is first touched there.
+    /// Packs whatever the CPU; [`Self::packs_here`] says whether the kernels will run.
     pub fn from_rows(
         dtype: GgmlDType,
         n: usize,
         k: usize,
         read: impl FnMut(&mut [u8]) -> Result<()>,
     ) -> Result<Option<Self>> {
+        Self::from_rows_in(dtype, n, k, false, read)
+    }
+
+    /// [`Self::from_rows`] into a slab shared with the model's other settled matrices, as
+    /// [`Self::settled`] would move it (without the copy): for a model loaded for
+    /// inference.
+    pub fn from_rows_settled(
+        dtype: GgmlDType,
+        n: usize,
+        k: usize,
+        read: impl FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<Option<Self>> {
+        Self::from_rows_in(dtype, n, k, true, read)
+    }
+
+    fn from_rows_in(
+        dtype: GgmlDType,
+        n: usize,
+        k: usize,
+        slab: bool,
+        read: impl FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<Option<Self>> {
         let stored = Format::of(dtype).map_or(1, |f| TILE * k / f.values() * f.block_bytes());
         // At least two tiles a thread, so that a wide matrix is still shared.
         let group = (PACK_GROUP_BYTES / stored.max(1)).max(2 * rayon::current_num_threads());
-        Self::from_row_groups(dtype, n, k, group, read)
+        Self::from_row_groups(dtype, n, k, group, slab, read)
     }
 
-    /// [`Self::from_rows`], reading `group` tiles' rows at a time.
+    /// [`Self::from_rows_in`], reading `group` tiles' rows at a time.
     fn from_row_groups(
         dtype: GgmlDType,
         n: usize,
         k: usize,
         group: usize,
+        slab: bool,
         mut read: impl FnMut(&mut [u8]) -> Result<()>,
     ) -> Result<Option<Self>> {
         use rayon::prelude::*;
@@ -259,43 +302,46 @@ impl Packed {
         }
         let nb = k / values;
         let (block, size) = (format.block_bytes(), format.tile_bytes());
-        // Missing rows of the last tile: zero scales, and (q8_0, q4_0) operands that stand
-        // for zero.
+        let mut data = Tiles::zeroed(n.div_ceil(TILE) * nb * size, slab);
+        let tiles = data.as_mut_slice();
+        // Whole tiles are written whole; the missing rows of the last one keep what stands
+        // for zero: zero scales, and (q8_0, q4_0) operands of zero.
         let empty = match format {
             Format::Q8_0 => 128u8,
             Format::Q4_0 => 0x88,
             _ => 0,
         };
-        let mut tiles = crate::memory::packed_weight_vec(n.div_ceil(TILE) * nb * size, empty);
+        if empty != 0 && !n.is_multiple_of(TILE) {
+            tiles[n / TILE * nb * size..].fill(empty);
+        }
         // Bytes of one tile column, stored and packed; a matrix of empty rows has none.
         let (stored, column, group) = (TILE * nb * block, nb * size, group.max(1));
-        if column == 0 {
-            return Ok(Some(Self::holding(format, n, k, Tiles::Own(tiles))));
-        }
-        let mut rows = vec![0u8; (group * TILE).min(n) * nb * block];
-        for (g, packed) in tiles.chunks_mut(group * column).enumerate() {
-            let count = (n - g * group * TILE).min(group * TILE);
-            let rows = &mut rows[..count * nb * block];
-            read(rows)?;
-            let rows = &*rows;
-            // Tile columns are independent: each takes its 16 rows (fewer for the last).
-            packed
-                .par_chunks_mut(column)
-                .zip(rows.par_chunks(stored))
-                .for_each(|(column, src)| {
-                    for (b, tile) in column.chunks_exact_mut(size).enumerate() {
-                        if matches!(format, Format::Q8_0 | Format::Q4_0) {
-                            tile[..SCALES].fill(0);
-                        } else if matches!(format, Format::Q5_0 | Format::Q4_1 | Format::Q5_1) {
-                            tile.fill(0);
+        if column > 0 {
+            let mut rows = vec![0u8; (group * TILE).min(n) * nb * block];
+            for (g, packed) in tiles.chunks_mut(group * column).enumerate() {
+                let count = (n - g * group * TILE).min(group * TILE);
+                let rows = &mut rows[..count * nb * block];
+                read(rows)?;
+                let rows = &*rows;
+                // Tile columns are independent: each takes its 16 rows (fewer for the last).
+                packed
+                    .par_chunks_mut(column)
+                    .zip(rows.par_chunks(stored))
+                    .for_each(|(column, src)| {
+                        for (b, tile) in column.chunks_exact_mut(size).enumerate() {
+                            if matches!(format, Format::Q8_0 | Format::Q4_0) {
+                                tile[..SCALES].fill(0);
+                            } else if matches!(format, Format::Q5_0 | Format::Q4_1 | Format::Q5_1) {
+                                tile.fill(0);
+                            }
+                            for (r, row) in src.chunks_exact(nb * block).enumerate() {
+                                format.pack_row(&row[b * block..][..block], tile, r);
+                            }
                         }
-                        for (r, row) in src.chunks_exact(nb * block).enumerate() {
-                            format.pack_row(&row[b * block..][..block], tile, r);
-                        }
-                    }
-                });
+                    });
+            }
         }
-        Ok(Some(Self::holding(format, n, k, Tiles::Own(tiles))))
+        Ok(Some(Self::holding(format, n, k, data)))
     }
 
     /// The matrix with its tiles in a slab shared with the model's other settled matrices
@@ -1049,7 +1095,8 @@ mod tests {
 
     /// Packing reads the rows in order, a group of whole tiles at a time, and packs each
     /// group's tiles on several threads: the same tiles as one tile at a time, for every
-    /// format, with groups of one, three and all tiles and a partial last tile.
+    /// format, with groups of one, three (packed straight into a slab) and all tiles and a
+    /// partial last tile.
     #[test]
     fn row_groups_pack_the_same_tiles() {
         // 149 rows: nine whole tiles and a partial one.
@@ -1061,7 +1108,7 @@ mod tests {
             let row_bytes = bytes.len() / n;
             let pack = |group: usize| {
                 let (mut at, mut reads) = (0, Vec::new());
-                let p = Packed::from_row_groups(dtype, n, k, group, |rows| {
+                let p = Packed::from_row_groups(dtype, n, k, group, group == 3, |rows| {
                     rows.copy_from_slice(&bytes[at..at + rows.len()]);
                     at += rows.len();
                     reads.push(rows.len() / row_bytes);

@@ -70,24 +70,48 @@ impl Gguf {
             true => self.float_arena(&cfg, dtype, device)?,
             false => FloatArena::default(),
         });
-        // Matrices read side by side (`parts`: stem, rows, rotary heads) as one projection,
-        // the view `w` of them, with their biases concatenated.
-        let side_by_side = |w: Tensor, parts: &[(String, usize, usize)], has_bias: bool| {
-            let b = match has_bias {
-                true => {
-                    let bs = parts
-                        .iter()
-                        .map(|(stem, rows, heads)| proj_bias(stem, *rows, true, *heads))
-                        .collect::<Result<Vec<_>>>()?;
-                    Some(Tensor::cat(
-                        &bs.into_iter().flatten().collect::<Vec<_>>(),
-                        0,
-                    )?)
-                }
-                false => None,
-            };
-            Proj::from_linear(&w, b)
+        // The biases of matrices read side by side (`parts`: stem, rows, rotary heads),
+        // concatenated.
+        let stacked_bias = |parts: &[(String, usize, usize)], has_bias: bool| match has_bias {
+            true => {
+                let bs = parts
+                    .iter()
+                    .map(|(stem, rows, heads)| proj_bias(stem, *rows, true, *heads))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Some(Tensor::cat(
+                    &bs.into_iter().flatten().collect::<Vec<_>>(),
+                    0,
+                )?))
+            }
+            false => Ok::<_, candle_core::Error>(None),
         };
+        // Matrices read side by side as one projection: the view `w` of them.
+        let side_by_side = |w: Tensor, parts: &[(String, usize, usize)], has_bias: bool| {
+            Proj::from_linear(&w, stacked_bias(parts, has_bias)?)
+        };
+        // Block-quantized matrices read side by side and packed as one (q, k and v; gate
+        // and up) straight into the slabs the model's matrices share, when loading for
+        // inference (`direct`, below): the fused projection with no copy of its parts.
+        // `None` where they cannot be (see `packed_parts`), or where rows must be put back
+        // in order (`unpermute`).
+        let packed_side_by_side =
+            |parts: &[(String, usize, usize)], has_bias: bool, direct: bool| {
+                if !direct || parts.iter().any(|(_, _, heads)| unpermute(*heads)) {
+                    return Ok(None);
+                }
+                let names: Vec<_> = parts
+                    .iter()
+                    .map(|(stem, rows, _)| (format!("{stem}.weight"), [*rows, d]))
+                    .collect();
+                let names: Vec<_> = names.iter().map(|(n, s)| (n.as_str(), *s)).collect();
+                match self.packed_parts(&names, device, true)? {
+                    Some(w) => Ok(Some(Proj::from_packed(
+                        Arc::new(w),
+                        stacked_bias(parts, has_bias)?,
+                    ))),
+                    None => Ok::<_, candle_core::Error>(None),
+                }
+            };
         let arena_take = |parts: &[(String, usize, usize)], cols: usize| {
             let names: Vec<_> = parts
                 .iter()
@@ -95,10 +119,16 @@ impl Gguf {
                 .collect();
             arena.borrow_mut().take(&names)
         };
-        let proj = |stem: String, (d_out, d_in): (usize, usize), has_bias: bool, heads: usize| {
+        // `settle`: a packed matrix goes straight where inference keeps it (a slab beside
+        // the model's others, as `Block::fused` would move it).
+        let proj_in = |stem: String,
+                       (d_out, d_in): (usize, usize),
+                       has_bias: bool,
+                       heads: usize,
+                       settle: bool| {
             let name = format!("{stem}.weight");
             if !unpermute(heads) {
-                if let Some(packed) = self.packed(&name, &[d_out, d_in], device)? {
+                if let Some(packed) = self.packed(&name, &[d_out, d_in], device, settle)? {
                     let b = bias(format!("{stem}.bias"), d_out, has_bias)?;
                     return Ok(Proj::from_packed(Arc::new(packed), b));
                 }
@@ -124,6 +154,9 @@ impl Gguf {
             }
             Proj::from_qtensor(Arc::new(w), b, dtype)
         };
+        let proj = |stem: String, dims: (usize, usize), has_bias: bool, heads: usize| {
+            proj_in(stem, dims, has_bias, heads, false)
+        };
         let norm = |name: &str| -> Result<Norm> {
             let w = self.dense(&format!("{name}.weight"), &[d], dtype, device)?;
             let b = bias(format!("{name}.bias"), d, cfg.norm == NormKind::LayerNorm)?;
@@ -133,7 +166,7 @@ impl Gguf {
         // held for a moment, and early on the rest of the model is not there beside them
         // (read last, the token table raised decoding's peak memory).
         let table_name = format!("{}.weight", n.embed.gguf);
-        let (wte, lm_head) = match self.packed(&table_name, &[v, d], device)? {
+        let (wte, lm_head) = match self.packed(&table_name, &[v, d], device, false)? {
             // A table packed for this CPU (q8_0, q4_0, q4_K, q6_K): looked up row by row, and a
             // tied head multiplies by the same tiles.
             Some(packed) => {
@@ -214,19 +247,33 @@ impl Gguf {
                 (blk(a.k), kv, cfg.kv_heads()),
                 (blk(a.v), kv, 0),
             ];
+            // For inference, a block's packed matrices go straight into the slabs in the
+            // order decoding reads them (q/k/v, output, gate/up, down: one stream runs on
+            // from each product into the next), where its q/k/v lead. Otherwise
+            // `Block::fused` moves them there in that order once the block is read.
+            let mut direct = fuse;
             let qkv = if self.shape(&format!("{}.weight", blk(a.qkv))).is_some() {
-                QkvProj::Fused(proj(blk(a.qkv), (qw + 2 * kv, d), cfg.attn_bias, 0)?)
+                QkvProj::Fused(proj_in(
+                    blk(a.qkv),
+                    (qw + 2 * kv, d),
+                    cfg.attn_bias,
+                    0,
+                    fuse,
+                )?)
+            } else if let Some(qkv) = packed_side_by_side(&qkv_parts, cfg.attn_bias, fuse)? {
+                QkvProj::Fused(qkv)
             } else if let Some(w) = arena_take(&qkv_parts, d)? {
                 // q, k and v side by side as read: the fused projection is a view of them.
                 QkvProj::Fused(side_by_side(w, &qkv_parts, cfg.attn_bias)?)
             } else {
+                direct = false;
                 QkvProj::Separate([
                     proj(blk(a.q), (qw, d), cfg.attn_bias, cfg.n_head)?,
                     proj(blk(a.k), (kv, d), cfg.attn_bias, cfg.kv_heads())?,
                     proj(blk(a.v), (kv, d), cfg.attn_bias, 0)?,
                 ])
             };
-            let o = proj(blk(a.o), (d, qw), cfg.attn_out_bias, 0)?;
+            let o = proj_in(blk(a.o), (d, qw), cfg.attn_out_bias, 0, direct)?;
             let mut attn = MultiHeadAttention::from_projections(&attn_cfg, qkv, o)
                 .map_err(|e| candle_core::Error::Msg(format!("block {i}: {e}")))?;
             if let Some((qn, kn)) = Block::qk_norm_widths(&cfg) {
@@ -239,32 +286,41 @@ impl Gguf {
                 (gated, gate) => gate.filter(|_| gated),
             };
             let gate_up_parts = gate.map(|g| [(blk(g), inner, 0), (blk(m.up), inner, 0)]);
-            let gate_up = match &gate_up_parts {
-                Some(parts) => arena_take(parts, d)?.map(|w| (w, parts)),
-                None => None,
-            };
             // Phi-3's ffn_up holds the gate's rows, then the up projection's.
             let up = format!("{}.weight", blk(m.up));
             let stored_gate_up =
                 n.stored_fused.is_some() && self.shape(&up) == Some(&[2 * inner, d][..]);
-            let mlp = match gate_up {
+            let packed_gate_up = match &gate_up_parts {
+                Some(parts) if !stored_gate_up => packed_side_by_side(parts, cfg.mlp_bias, direct)?,
+                _ => None,
+            };
+            let gate_up = match (&gate_up_parts, &packed_gate_up) {
+                (Some(parts), None) => arena_take(parts, d)?.map(|w| (w, parts)),
+                _ => None,
+            };
+            let mlp = match (gate_up, packed_gate_up) {
                 _ if stored_gate_up => {
-                    let gate_up = proj(blk(m.up), (2 * inner, d), cfg.mlp_bias, 0)?;
-                    let down = proj(blk(m.down), (d, inner), cfg.mlp_bias, 0)?;
+                    let gate_up = proj_in(blk(m.up), (2 * inner, d), cfg.mlp_bias, 0, direct)?;
+                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, direct)?;
+                    Mlp::from_gate_up(&cfg, gate_up, down)?
+                }
+                // Gate and up packed side by side as read.
+                (_, Some(gate_up)) => {
+                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, direct)?;
                     Mlp::from_gate_up(&cfg, gate_up, down)?
                 }
                 // Gate and up side by side as read: the fused projection is a view of them.
-                Some((w, parts)) => {
+                (Some((w, parts)), None) => {
                     let gate_up = side_by_side(w, parts, cfg.mlp_bias)?;
-                    let down = proj(blk(m.down), (d, inner), cfg.mlp_bias, 0)?;
+                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, direct)?;
                     Mlp::from_gate_up(&cfg, gate_up, down)?
                 }
-                None => {
+                (None, None) => {
                     let gate = gate
                         .map(|g| proj(blk(g), (inner, d), cfg.mlp_bias, 0))
                         .transpose()?;
                     let up = proj(blk(m.up), (inner, d), cfg.mlp_bias, 0)?;
-                    let down = proj(blk(m.down), (d, inner), cfg.mlp_bias, 0)?;
+                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, direct)?;
                     Mlp::from_projections(&cfg, up, gate, down)?
                 }
             };

@@ -109,25 +109,87 @@ impl Gguf {
     }
 
     /// A block-quantized matrix packed for this CPU's kernels straight from the
-    /// file, 16 rows at a time (no buffer or `QTensor` the size of the matrix beside it), or
-    /// `None` when the tensor is of another format, the device not the CPU or the CPU
-    /// without the kernels (the caller then reads a `QTensor`). Checks as [`Self::qtensor`].
+    /// file, a group of rows at a time (no buffer or `QTensor` the size of the matrix beside
+    /// it), or `None` when the tensor is of another format, the device not the CPU or the
+    /// CPU without the kernels (the caller then reads a `QTensor`). Checks as
+    /// [`Self::qtensor`]. `settled`: in a slab beside the model's other matrices, as
+    /// inference keeps them ([`Packed::from_rows_settled`]).
     pub(super) fn packed(
         &self,
         name: &str,
         shape: &[usize],
         device: &Device,
+        settled: bool,
     ) -> Result<Option<Packed>> {
-        let info = self.content.tensor_infos.get(name);
-        let (&[n, k], Some(info)) = (shape, info) else {
+        let &[n, k] = shape else {
             return Ok(None);
         };
-        if !gpt_kernels::cpu_kernels(device) || !Packed::packs_here(info.ggml_dtype) {
+        self.packed_parts(&[(name, [n, k])], device, settled)
+    }
+
+    /// Matrices `parts` (`(name, [rows, cols])`) stacked as one packed matrix `[Σ rows,
+    /// cols]`, read straight from the file as [`Self::packed`] reads one (a fused q/k/v or
+    /// gate/up projection, with no copy of its parts): `None` when one of them would not
+    /// be packed alone, they differ in format or width, or a part but the last has rows
+    /// that do not fill its last tile of 16 (as [`Packed::concat`] refuses).
+    pub(super) fn packed_parts(
+        &self,
+        parts: &[(&str, [usize; 2])],
+        device: &Device,
+        settled: bool,
+    ) -> Result<Option<Packed>> {
+        let infos: Option<Vec<_>> = parts
+            .iter()
+            .map(|(name, _)| self.content.tensor_infos.get(*name))
+            .collect();
+        let (Some(infos), Some(&(_, [_, k]))) = (infos, parts.first()) else {
+            return Ok(None);
+        };
+        let dtype = infos[0].ggml_dtype;
+        let stacks = parts
+            .iter()
+            .zip(&infos)
+            .enumerate()
+            .all(|(i, ((_, [n, w]), info))| {
+                info.ggml_dtype == dtype && *w == k && (i + 1 == parts.len() || n % 16 == 0)
+            });
+        if !stacks || !gpt_kernels::cpu_kernels(device) || !Packed::packs_here(dtype) {
             return Ok(None);
         }
-        let (info, mut file) = self.claim(name, shape)?;
-        // The byte range was checked when the file was opened.
-        Packed::from_rows(info.ggml_dtype, n, k, |rows| Ok(file.read_exact(rows)?))
+        // Each part checked and marked as read; its first byte and its length.
+        let mut spans = Vec::with_capacity(parts.len());
+        for (name, shape) in parts {
+            let (info, file) = self.claim(name, shape)?;
+            drop(file);
+            let bytes = shape[0] * shape[1] / dtype.block_size() * dtype.type_size();
+            spans.push((self.content.tensor_data_offset + info.offset, bytes));
+        }
+        let n = parts.iter().map(|(_, [rows, _])| rows).sum();
+        let poisoned = || candle_core::Error::Msg("the GGUF file's lock is poisoned".into());
+        let mut file = self.file.lock().map_err(|_| poisoned())?;
+        // The parts' bytes one after the other, whatever rows a call asks for. (The byte
+        // ranges were checked when the file was opened.)
+        let (mut part, mut left) = (0, 0);
+        let read = |rows: &mut [u8]| -> Result<()> {
+            let mut at = 0;
+            while at < rows.len() {
+                if left == 0 {
+                    let Some(&(start, bytes)) = spans.get(part) else {
+                        bail!("packing read past the last of {} parts", spans.len())
+                    };
+                    file.seek(SeekFrom::Start(start))?;
+                    (part, left) = (part + 1, bytes);
+                }
+                let take = left.min(rows.len() - at);
+                file.read_exact(&mut rows[at..at + take])?;
+                (at, left) = (at + take, left - take);
+            }
+            Ok(())
+        };
+        match settled {
+            true => Packed::from_rows_settled(dtype, n, k, read),
+            false => Packed::from_rows(dtype, n, k, read),
+        }
     }
 
     /// The format `name` is stored in, if the file has it.
