@@ -34,14 +34,22 @@ pub fn packed_weight_vec<T: Copy>(len: usize, value: T) -> Vec<T> {
     v
 }
 
-/// [`packed_weight_vec`] of zeros with its pages left untouched where the allocator hands
-/// out fresh memory: the first write to each page has the system zero it, so threads
-/// filling separate parts of the buffer share that work (in a virtual machine it costs
-/// more than packing the weights).
+/// [`packed_weight_vec`] of zeros, written by rayon's threads: the first write to each
+/// page has the system zero it (in a virtual machine that costs more than packing the
+/// weights into it), and the threads share that work. Written only after the advice, as
+/// [`packed_weight_vec`] does: memory written before it stays on small pages (a
+/// `vec![0; len]` from the allocator did, and decoding through a model's token table on
+/// small pages ran 4–5% slower).
 pub fn packed_weight_zeroed(len: usize) -> Vec<u8> {
-    let v = vec![0u8; len];
+    use rayon::prelude::*;
+    let mut v = Vec::<u8>::with_capacity(len);
     #[cfg(target_os = "linux")]
     advise_huge_pages(v.as_ptr() as usize, len);
+    v.spare_capacity_mut()[..len]
+        .par_chunks_mut(1 << 21)
+        .for_each(|c| c.fill(std::mem::MaybeUninit::new(0)));
+    // SAFETY: the first `len` bytes were all written just above.
+    unsafe { v.set_len(len) };
     v
 }
 
