@@ -9,7 +9,8 @@
 ///
 /// A matrix of 256 KiB or more also has the huge pages at its two ends made whole
 /// (`MADV_COLLAPSE`, Linux 6.1 on; elsewhere nothing happens): a matrix smaller than a huge
-/// page holds no whole one of its own. Quantized tiles take [`packed_weight_vec`] instead.
+/// page holds no whole one of its own. Quantized tiles take [`packed_weight_vec`] or
+/// [`packed_weight_zeroed`] instead.
 /// (Measured in docs/PERFORMANCE.md, "Memory".)
 pub fn weight_vec<T: Copy>(len: usize, value: T) -> Vec<T> {
     let v = packed_weight_vec(len, value);
