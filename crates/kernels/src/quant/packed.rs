@@ -246,9 +246,9 @@ impl Packed {
     /// stored rows, which `read` fills in order, whole rows at a time: up to
     /// `PACK_GROUP_BYTES` of them, a whole number of tiles of 16 rows (fewer rows for the
     /// last group). A loader can read them from a file with no buffer the size of the
-    /// matrix. Each group's tiles are packed in parallel on rayon's pool (the packing is
-    /// most of a quantized model's loading), and the tiles' memory is first touched there.
-    /// Packs whatever the CPU; [`Self::packs_here`] says whether the kernels will run.
+    /// matrix. Each group's tiles are packed in parallel on rayon's pool (the packing was
+    /// most of a quantized model's loading). Packs whatever the CPU; [`Self::packs_here`]
+    /// says whether the kernels will run.
     pub fn from_rows(
         dtype: GgmlDType,
         n: usize,
@@ -259,8 +259,8 @@ impl Packed {
     }
 
     /// [`Self::from_rows`] into a slab shared with the model's other settled matrices, as
-    /// [`Self::settled`] would move it (without the copy): for a model loaded for
-    /// inference.
+    /// [`Self::settled`] would move it, without a buffer of its own or the copy, its pages
+    /// first touched by the packing threads: for a model loaded for inference.
     pub fn from_rows_settled(
         dtype: GgmlDType,
         n: usize,
