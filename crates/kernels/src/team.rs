@@ -322,7 +322,10 @@ impl Team {
 
     /// A helper's life: wait for a new epoch (spinning, then asleep), work on it, repeat.
     fn help(&self) {
-        let mut last = self.word.load(Acquire) >> 32;
+        // The team starts at epoch 0. Reading the word here instead would let a helper that
+        // starts after the first job is published skip that job (`work` returns at once on
+        // a job already finished).
+        let mut last = 0;
         let mut ahead = ReadAhead::default();
         loop {
             let start = Instant::now();
