@@ -426,6 +426,23 @@ mod tests {
         }
     }
 
+    /// The first job of a process, published while the helpers start, is shared too:
+    /// [`helpers_take_tasks`] alone in a fresh process, where no other test has started the
+    /// team before it (a helper that started by reading the epoch it found missed that job).
+    #[test]
+    fn helpers_take_the_first_job_of_a_process() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["team::tests::helpers_take_tasks", "--exact"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// The helpers do take tasks: 200 tasks of 0.5 ms run on more than one thread.
     #[test]
     fn helpers_take_tasks() {
