@@ -430,6 +430,9 @@ case("gguf: alignment 0", generate(gguf_file("gguf-alignment-0.gguf", gguf(meta 
 case("gguf: a billion blocks", generate(gguf_file("gguf-billion-blocks.gguf", gguf(*micro_llama(layers=1_000_000_000)))), "blk.1.")
 case("gguf: unsupported architecture", generate(gguf_file("gguf-mamba.gguf", gguf(*micro_llama(arch="mamba")))), "architecture \"mamba\" is not supported")
 case("gguf: heads that do not divide the width", generate(gguf_file("gguf-heads.gguf", gguf([m if m[0] != "llama.attention.head_count" else (m[0], "u32", 3) for m in meta], tensors))), "head_count=3")
+# Found by fuzzing `load_gguf` (loading for inference): a width the tensors do not have
+# sized the buffer the float matrices are read into before any was read.
+case("gguf: a feed-forward width of 2^27 over tensors of width 8", generate(gguf_file("gguf-lying-ffn.gguf", gguf([m if m[0] != "llama.feed_forward_length" else (m[0], "u32", 1 << 27) for m in meta], tensors))), "ffn_down.weight has shape [4, 8], the config needs [4, 134217728]")
 case("gguf: a tensor the model does not know (Llama 3.1's rope_freqs)", generate(gguf_file("gguf-rope-freqs.gguf", gguf(meta, tensors + [("rope_freqs.weight", *f32(D // H // 2))]))), "tensor rope_freqs.weight")
 case("gguf: a token id outside the vocabulary", generate(gguf_file("gguf-bad-bos.gguf", gguf(meta + [("tokenizer.ggml.bos_token_id", "u32", 1 << 30)], tensors))), "outside the 8 tokens")
 

@@ -21,11 +21,15 @@ fuzz_target!(|data: &[u8]| {
         .and_then(|mut f| f.write_all(weights))
         .expect("write weights");
     let dev = candle_core::Device::Cpu;
-    if let Ok(model) = gpt_blocks::load(dir.path(), candle_core::DType::F32, &dev) {
-        // A model that loads must also run (or fail cleanly) on a short prompt.
-        let _ = model.check_weights();
-        if let Ok(ids) = candle_core::Tensor::new(&[[0u32, 1]], &dev) {
-            let _ = model.infer(&ids, None, None, gpt_blocks::Logits::Last);
+    // As stored, and fused for inference as `gpt` loads it.
+    let plain = gpt_blocks::LoadOptions::new(candle_core::DType::F32);
+    for opts in [plain, plain.for_inference()] {
+        if let Ok(model) = gpt_blocks::load(dir.path(), opts, &dev) {
+            // A model that loads must also run (or fail cleanly) on a short prompt.
+            let _ = model.check_weights();
+            if let Ok(ids) = candle_core::Tensor::new(&[[0u32, 1]], &dev) {
+                let _ = model.infer(&ids, None, None, gpt_blocks::Logits::Last);
+            }
         }
     }
 });

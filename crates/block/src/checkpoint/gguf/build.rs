@@ -438,7 +438,10 @@ impl Gguf {
         // (block, place in the block, name, [rows, cols], rotary heads to reorder, dtype),
         // from the file's own tensors: a file claiming a billion blocks lists no more.
         let mut mats = Vec::new();
-        for (name, dims, t) in self.tensors() {
+        // By name, so that a file with several bad tensors names the same one every time.
+        let mut tensors: Vec<_> = self.tensors().collect();
+        tensors.sort_unstable_by_key(|(name, ..)| *name);
+        for (name, dims, t) in tensors {
             let Some((i, part)) = name
                 .strip_prefix(&blk)
                 .and_then(|n| n.strip_suffix(".weight"))
@@ -460,6 +463,12 @@ impl Gguf {
                 continue;
             }
             let (_, shape, heads) = order[place];
+            // The buffer is sized by these shapes before any part is read: a file whose
+            // tensors are smaller than its metadata says is refused here, as reading the
+            // part would refuse it, and not after allocating what the metadata claims.
+            if dims != shape {
+                bail!("tensor {name} has shape {dims:?}, the config needs {shape:?}")
+            }
             mats.push((i, place, name.to_string(), shape, heads, stored));
         }
         mats.sort_unstable_by_key(|m| (m.0, m.1));
