@@ -47,6 +47,17 @@ for name, state in [("f32", gpt2_state()), ("f16_bare", {k[len("transformer."):]
     with open(os.path.join(corpus("load_safetensors"), name), "wb") as f:
         f.write(struct.pack("<H", len(config)) + config + weights)
 
+# load_safetensors: every family fixture the tests commit (Llama, Qwen3, Gemma 3, Phi-3,
+# LFM2, ...), so that the loaders of other layouts than GPT-2's start from a valid file.
+FAMILIES = os.path.join(HERE, "..", "crates", "block", "tests", "fixtures", "families")
+for name in sorted(os.listdir(FAMILIES)):
+    with open(os.path.join(FAMILIES, name, "config.json"), "rb") as f:
+        family_config = f.read()
+    with open(os.path.join(FAMILIES, name, "model.safetensors"), "rb") as f:
+        family_weights = f.read()
+    with open(os.path.join(corpus("load_safetensors"), name), "wb") as f:
+        f.write(struct.pack("<H", len(family_config)) + family_config + family_weights)
+
 # load_nanogpt: a ckpt.pt as nanoGPT's train.py writes it (Linear weights [out, in], no biases).
 state = {}
 for k, v in gpt2_state(prefix="").items():
