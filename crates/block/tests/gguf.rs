@@ -570,6 +570,108 @@ fn fused_loading_computes_what_the_separate_projections_do() {
     }
 }
 
+/// A file whose q, k and v are stored in different formats, as llama.cpp's q4_K_M keeps some
+/// layers' v in q6_K (here Qwen2's q4_0 file with every layer's v taken from its q8_0
+/// file): loaded for inference, q, k and v stay three products, packed one by one, and
+/// gate/up become one, with the file's weights and the logits of the model loaded as
+/// stored, in a full pass and decoding.
+#[test]
+fn attention_stored_in_mixed_formats_loads_for_inference() {
+    use candle_core::quantized::{gguf_file, QTensor};
+    let read = |file: &str| {
+        let mut f = std::fs::File::open(path(file)).unwrap();
+        let content = gguf_file::Content::read(&mut f).unwrap();
+        (f, content)
+    };
+    let ((mut q4, q4c), (mut q8, q8c)) = (read("qwen2.q4_0.gguf"), read("qwen2.q8_0.gguf"));
+    let mut names: Vec<&String> = q4c.tensor_infos.keys().collect();
+    names.sort();
+    let tensors: Vec<(&str, QTensor)> = names
+        .iter()
+        .map(|n| {
+            let t = match n.ends_with("attn_v.weight") {
+                true => q8c.tensor(&mut q8, n, &Device::Cpu),
+                false => q4c.tensor(&mut q4, n, &Device::Cpu),
+            };
+            (n.as_str(), t.unwrap())
+        })
+        .collect();
+    let kinds = |suffix: &str| -> Vec<GgmlDType> {
+        let mut k: Vec<_> = tensors
+            .iter()
+            .filter(|(n, _)| n.ends_with(suffix))
+            .map(|(_, t)| t.dtype())
+            .collect();
+        k.dedup();
+        k
+    };
+    assert_eq!(kinds("attn_q.weight"), [GgmlDType::Q4_0]);
+    assert_eq!(kinds("attn_v.weight"), [GgmlDType::Q8_0]);
+    let metadata: Vec<_> = q4c.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let mixed = dir.path().join("qwen2.mixed.gguf");
+    let refs: Vec<_> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+    gguf_file::write(
+        &mut std::fs::File::create(&mixed).unwrap(),
+        &metadata,
+        &refs,
+    )
+    .unwrap();
+
+    let gguf = Gguf::open(&mixed).unwrap();
+    let plain = gguf.load(DType::F32, &Device::Cpu).unwrap();
+    let fused = gguf
+        .load(LoadOptions::new(DType::F32).for_inference(), &Device::Cpu)
+        .unwrap();
+    let packs = [GgmlDType::Q4_0, GgmlDType::Q8_0]
+        .into_iter()
+        .all(gpt_kernels::quant::Packed::packs_here);
+    let w = |p: &mha::Proj| p.weight_t().unwrap().to_dtype(DType::F32).unwrap();
+    for (i, (a, b)) in fused.blocks().iter().zip(plain.blocks()).enumerate() {
+        let ((_, fa, _, fm), (_, pa, _, pm)) = (a.parts(), b.parts());
+        let (fa, pa) = (fa.attention().unwrap(), pa.attention().unwrap());
+        assert!(fa.fused_qkv().is_none(), "block {i}: q, k and v fused");
+        let gate_up = fm.fused_gate_up().expect("gate/up fused");
+        let (up, gate, down) = fm.parts();
+        // (Gate and up are views of their fused matrix.)
+        for (j, p) in fa
+            .qkv_proj()
+            .into_iter()
+            .chain([fa.out_proj(), gate_up, down])
+            .enumerate()
+        {
+            assert_eq!(p.packed().is_some(), packs, "block {i}, matrix {j} packed");
+        }
+        let (p_up, p_gate, p_down) = pm.parts();
+        let mut pairs: Vec<(&mha::Proj, &mha::Proj)> =
+            fa.qkv_proj().into_iter().zip(pa.qkv_proj()).collect();
+        pairs.extend([(fa.out_proj(), pa.out_proj()), (up, p_up), (down, p_down)]);
+        pairs.extend(gate.zip(p_gate));
+        for (j, (x, y)) in pairs.into_iter().enumerate() {
+            assert_close(
+                &w(x),
+                &w(y),
+                0.0,
+                0.0,
+                &format!("block {i}, projection {j}"),
+            );
+            match (x.bias(), y.bias()) {
+                (Some(bx), Some(by)) => assert_close(bx, by, 0.0, 0.0, &format!("bias {j}")),
+                (bx, by) => assert_eq!(bx.is_some(), by.is_some(), "block {i}, bias {j}"),
+            }
+        }
+    }
+    let ids = batch(&expected("qwen2")["input_ids"])
+        .narrow(1, 0, 12)
+        .unwrap();
+    let want = plain.infer(&ids, None, None, Logits::All).unwrap();
+    let got = fused.infer(&ids, None, None, Logits::All).unwrap();
+    assert_close(&got, &want, 1e-4, 1e-4, "full pass");
+    let mut cache = GptCache::new(fused.config(), 4);
+    let cached = cached_logits(&fused, &ids, 3, &mut cache);
+    assert_close(&cached, &want, 1e-4, 1e-4, "decoding");
+}
+
 /// `save_gguf` writes what `Gguf::load` reads back: the same logits (f32), and for q8_0 and
 /// q4_K (its fallback, on these widths), and on a model of width 256 the k-quants and q5_0,
 /// the logits of the model quantized in memory to the same blocks. llama.cpp running these

@@ -266,11 +266,14 @@ impl Gguf {
                 // q, k and v side by side as read: the fused projection is a view of them.
                 QkvProj::Fused(side_by_side(w, &qkv_parts, cfg.attn_bias)?)
             } else {
-                direct = false;
+                // q, k and v that cannot share a matrix (llama.cpp's q4_K_M keeps some
+                // layers' v in q6_K) go straight into the slabs one after the other, in
+                // decoding's order, unless rows must be put back in order first.
+                direct = fuse && !qkv_parts.iter().any(|(_, _, heads)| unpermute(*heads));
                 QkvProj::Separate([
-                    proj(blk(a.q), (qw, d), cfg.attn_bias, cfg.n_head)?,
-                    proj(blk(a.k), (kv, d), cfg.attn_bias, cfg.kv_heads())?,
-                    proj(blk(a.v), (kv, d), cfg.attn_bias, 0)?,
+                    proj_in(blk(a.q), (qw, d), cfg.attn_bias, cfg.n_head, direct)?,
+                    proj_in(blk(a.k), (kv, d), cfg.attn_bias, cfg.kv_heads(), direct)?,
+                    proj_in(blk(a.v), (kv, d), cfg.attn_bias, 0, direct)?,
                 ])
             };
             let o = proj_in(blk(a.o), (d, qw), cfg.attn_out_bias, 0, direct)?;
