@@ -89,21 +89,24 @@ impl Gguf {
         let side_by_side = |w: Tensor, parts: &[(String, usize, usize)], has_bias: bool| {
             Proj::from_linear(&w, stacked_bias(parts, has_bias)?)
         };
+        // The rotary heads whose rows a matrix stores in llama.cpp's order (0: as stored).
+        let stored_heads = |heads: usize| if unpermute(heads) { heads } else { 0 };
         // Block-quantized matrices read side by side and packed as one (q, k and v; gate
         // and up) straight into the slabs the model's matrices share, when loading for
-        // inference (`direct`, below): the fused projection with no copy of its parts.
-        // `None` where they cannot be (see `packed_parts`), or where rows must be put back
-        // in order (`unpermute`).
+        // inference (`direct`): the fused projection with no copy of its parts.
+        // `None` where they cannot be (see `packed_parts`).
         let packed_side_by_side =
             |parts: &[(String, usize, usize)], has_bias: bool, direct: bool| {
-                if !direct || parts.iter().any(|(_, _, heads)| unpermute(*heads)) {
+                if !direct {
                     return Ok(None);
                 }
                 let names: Vec<_> = parts
                     .iter()
-                    .map(|(stem, rows, _)| (format!("{stem}.weight"), [*rows, d]))
+                    .map(|(stem, rows, heads)| {
+                        (format!("{stem}.weight"), [*rows, d], stored_heads(*heads))
+                    })
                     .collect();
-                let names: Vec<_> = names.iter().map(|(n, s)| (n.as_str(), *s)).collect();
+                let names: Vec<_> = names.iter().map(|(n, s, h)| (n.as_str(), *s, *h)).collect();
                 match self.packed_parts(&names, device, true)? {
                     Some(w) => Ok(Some(Proj::from_packed(
                         Arc::new(w),
@@ -127,13 +130,11 @@ impl Gguf {
                        heads: usize,
                        settle: bool| {
             let name = format!("{stem}.weight");
-            if !unpermute(heads) {
-                if let Some(packed) = self.packed(&name, &[d_out, d_in], device, settle)? {
-                    let b = bias(format!("{stem}.bias"), d_out, has_bias)?;
-                    return Ok(Proj::from_packed(Arc::new(packed), b));
-                }
-            }
             let b = proj_bias(&stem, d_out, has_bias, heads)?;
+            let dims = [d_out, d_in];
+            if let Some(packed) = self.packed(&name, &dims, stored_heads(heads), device, settle)? {
+                return Ok(Proj::from_packed(Arc::new(packed), b));
+            }
             if let Some(w) = arena.borrow_mut().take(&[(name.clone(), [d_out, d_in])])? {
                 return Proj::from_linear(&w, b);
             }
@@ -166,7 +167,7 @@ impl Gguf {
         // held for a moment, and early on the rest of the model is not there beside them
         // (read last, the token table raised decoding's peak memory).
         let table_name = format!("{}.weight", n.embed.gguf);
-        let (wte, lm_head) = match self.packed(&table_name, &[v, d], device, false)? {
+        let (wte, lm_head) = match self.packed(&table_name, &[v, d], 0, device, false)? {
             // A table packed for this CPU (q8_0, q4_0, q4_K, q6_K): looked up row by row, and a
             // tied head multiplies by the same tiles.
             Some(packed) => {
@@ -247,11 +248,9 @@ impl Gguf {
                 (blk(a.k), kv, cfg.kv_heads()),
                 (blk(a.v), kv, 0),
             ];
-            // For inference, a block's packed matrices go straight into the slabs in the
-            // order decoding reads them (q/k/v, output, gate/up, down: one stream runs on
-            // from each product into the next), where its q/k/v lead. Otherwise
-            // `Block::fused` moves them there in that order once the block is read.
-            let mut direct = fuse;
+            // For inference (`fuse`), a block's packed matrices go straight into the slabs
+            // in the order decoding reads them (q/k/v, output, gate/up, down: one stream
+            // runs on from each product into the next).
             let qkv = if self.shape(&format!("{}.weight", blk(a.qkv))).is_some() {
                 QkvProj::Fused(proj_in(
                     blk(a.qkv),
@@ -268,15 +267,14 @@ impl Gguf {
             } else {
                 // q, k and v that cannot share a matrix (llama.cpp's q4_K_M keeps some
                 // layers' v in q6_K) go straight into the slabs one after the other, in
-                // decoding's order, unless rows must be put back in order first.
-                direct = fuse && !qkv_parts.iter().any(|(_, _, heads)| unpermute(*heads));
+                // decoding's order.
                 QkvProj::Separate([
-                    proj_in(blk(a.q), (qw, d), cfg.attn_bias, cfg.n_head, direct)?,
-                    proj_in(blk(a.k), (kv, d), cfg.attn_bias, cfg.kv_heads(), direct)?,
-                    proj_in(blk(a.v), (kv, d), cfg.attn_bias, 0, direct)?,
+                    proj_in(blk(a.q), (qw, d), cfg.attn_bias, cfg.n_head, fuse)?,
+                    proj_in(blk(a.k), (kv, d), cfg.attn_bias, cfg.kv_heads(), fuse)?,
+                    proj_in(blk(a.v), (kv, d), cfg.attn_bias, 0, fuse)?,
                 ])
             };
-            let o = proj_in(blk(a.o), (d, qw), cfg.attn_out_bias, 0, direct)?;
+            let o = proj_in(blk(a.o), (d, qw), cfg.attn_out_bias, 0, fuse)?;
             let mut attn = MultiHeadAttention::from_projections(&attn_cfg, qkv, o)
                 .map_err(|e| candle_core::Error::Msg(format!("block {i}: {e}")))?;
             if let Some((qn, kn)) = Block::qk_norm_widths(&cfg) {
@@ -294,7 +292,7 @@ impl Gguf {
             let stored_gate_up =
                 n.stored_fused.is_some() && self.shape(&up) == Some(&[2 * inner, d][..]);
             let packed_gate_up = match &gate_up_parts {
-                Some(parts) if !stored_gate_up => packed_side_by_side(parts, cfg.mlp_bias, direct)?,
+                Some(parts) if !stored_gate_up => packed_side_by_side(parts, cfg.mlp_bias, fuse)?,
                 _ => None,
             };
             let gate_up = match (&gate_up_parts, &packed_gate_up) {
@@ -303,27 +301,27 @@ impl Gguf {
             };
             let mlp = match (gate_up, packed_gate_up) {
                 _ if stored_gate_up => {
-                    let gate_up = proj_in(blk(m.up), (2 * inner, d), cfg.mlp_bias, 0, direct)?;
-                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, direct)?;
+                    let gate_up = proj_in(blk(m.up), (2 * inner, d), cfg.mlp_bias, 0, fuse)?;
+                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, fuse)?;
                     Mlp::from_gate_up(&cfg, gate_up, down)?
                 }
                 // Gate and up packed side by side as read.
                 (_, Some(gate_up)) => {
-                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, direct)?;
+                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, fuse)?;
                     Mlp::from_gate_up(&cfg, gate_up, down)?
                 }
                 // Gate and up side by side as read: the fused projection is a view of them.
                 (Some((w, parts)), None) => {
                     let gate_up = side_by_side(w, parts, cfg.mlp_bias)?;
-                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, direct)?;
+                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, fuse)?;
                     Mlp::from_gate_up(&cfg, gate_up, down)?
                 }
                 (None, None) => {
                     let gate = gate
-                        .map(|g| proj(blk(g), (inner, d), cfg.mlp_bias, 0))
+                        .map(|g| proj_in(blk(g), (inner, d), cfg.mlp_bias, 0, fuse))
                         .transpose()?;
-                    let up = proj(blk(m.up), (inner, d), cfg.mlp_bias, 0)?;
-                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, direct)?;
+                    let up = proj_in(blk(m.up), (inner, d), cfg.mlp_bias, 0, fuse)?;
+                    let down = proj_in(blk(m.down), (d, inner), cfg.mlp_bias, 0, fuse)?;
                     Mlp::from_projections(&cfg, up, gate, down)?
                 }
             };

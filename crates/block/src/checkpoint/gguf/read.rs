@@ -112,37 +112,40 @@ impl Gguf {
     /// file, a group of rows at a time (no buffer or `QTensor` the size of the matrix beside
     /// it), or `None` when the tensor is of another format, the device not the CPU or the
     /// CPU without the kernels (the caller then reads a `QTensor`). Checks as
-    /// [`Self::qtensor`]. `settled`: in a slab beside the model's other matrices, as
-    /// inference keeps them ([`Packed::from_rows_settled`]).
+    /// [`Self::qtensor`]. `heads`: the rows are llama.cpp's rotary layout of that many
+    /// heads, put back in Hugging Face's order as they are read (0: as stored).
+    /// `settled`: in a slab beside the model's other matrices, as inference keeps them
+    /// ([`Packed::from_rows_settled`]).
     pub(super) fn packed(
         &self,
         name: &str,
         shape: &[usize],
+        heads: usize,
         device: &Device,
         settled: bool,
     ) -> Result<Option<Packed>> {
         let &[n, k] = shape else {
             return Ok(None);
         };
-        self.packed_parts(&[(name, [n, k])], device, settled)
+        self.packed_parts(&[(name, [n, k], heads)], device, settled)
     }
 
-    /// Matrices `parts` (`(name, [rows, cols])`) stacked as one packed matrix `[Σ rows,
-    /// cols]`, read straight from the file as [`Self::packed`] reads one (a fused q/k/v or
-    /// gate/up projection, with no copy of its parts): `None` when one of them would not
-    /// be packed alone, they differ in format or width, or a part but the last has rows
-    /// that do not fill its last tile of 16 (as [`Packed::concat`] refuses).
+    /// Matrices `parts` (`(name, [rows, cols], rotary heads or 0)`) stacked as one packed
+    /// matrix `[Σ rows, cols]`, read straight from the file as [`Self::packed`] reads one (a
+    /// fused q/k/v or gate/up projection, with no copy of its parts): `None` when one of
+    /// them would not be packed alone, they differ in format or width, or a part but the
+    /// last has rows that do not fill its last tile of 16 (as [`Packed::concat`] refuses).
     pub(super) fn packed_parts(
         &self,
-        parts: &[(&str, [usize; 2])],
+        parts: &[(&str, [usize; 2], usize)],
         device: &Device,
         settled: bool,
     ) -> Result<Option<Packed>> {
         let infos: Option<Vec<_>> = parts
             .iter()
-            .map(|(name, _)| self.content.tensor_infos.get(*name))
+            .map(|(name, ..)| self.content.tensor_infos.get(*name))
             .collect();
-        let (Some(infos), Some(&(_, [_, k]))) = (infos, parts.first()) else {
+        let (Some(infos), Some(&(_, [_, k], _))) = (infos, parts.first()) else {
             return Ok(None);
         };
         let dtype = infos[0].ggml_dtype;
@@ -150,39 +153,63 @@ impl Gguf {
             .iter()
             .zip(&infos)
             .enumerate()
-            .all(|(i, ((_, [n, w]), info))| {
+            .all(|(i, ((_, [n, w], _), info))| {
                 info.ggml_dtype == dtype && *w == k && (i + 1 == parts.len() || n % 16 == 0)
             });
         if !stacks || !gpt_kernels::cpu_kernels(device) || !Packed::packs_here(dtype) {
             return Ok(None);
         }
-        // Each part checked and marked as read; its first byte and its length.
+        // Each part checked and marked as read: its first byte, its row's bytes and, for
+        // rotary rows, the stored row each row of the matrix comes from.
+        let row_bytes = k / dtype.block_size() * dtype.type_size();
         let mut spans = Vec::with_capacity(parts.len());
-        for (name, shape) in parts {
-            let (info, file) = self.claim(name, shape)?;
+        for &(name, [rows, cols], heads) in parts {
+            let (info, file) = self.claim(name, &[rows, cols])?;
             drop(file);
-            let bytes = shape[0] * shape[1] / dtype.block_size() * dtype.type_size();
-            spans.push((self.content.tensor_data_offset + info.offset, bytes));
+            let order = match heads {
+                0 => None,
+                h => Some(rotary_order(rows, h, false)?),
+            };
+            spans.push((self.content.tensor_data_offset + info.offset, rows, order));
         }
-        let n = parts.iter().map(|(_, [rows, _])| rows).sum();
+        let n = parts.iter().map(|(_, [rows, _], _)| rows).sum();
         let poisoned = || candle_core::Error::Msg("the GGUF file's lock is poisoned".into());
         let mut file = self.file.lock().map_err(|_| poisoned())?;
-        // The parts' bytes one after the other, whatever rows a call asks for. (The byte
-        // ranges were checked when the file was opened.)
-        let (mut part, mut left) = (0, 0);
-        let read = |rows: &mut [u8]| -> Result<()> {
-            let mut at = 0;
-            while at < rows.len() {
+        // The parts' rows one after the other, whatever rows a call asks for. A part in
+        // rotary order is read whole first (a layer's q or k), its rows then served in
+        // Hugging Face's order. (The byte ranges were checked when the file was opened.)
+        let (mut part, mut at, mut left) = (0, 0, 0);
+        let mut whole: Vec<u8> = Vec::new();
+        let read = |out: &mut [u8]| -> Result<()> {
+            let mut done = 0;
+            while done < out.len() {
                 if left == 0 {
-                    let Some(&(start, bytes)) = spans.get(part) else {
+                    let Some((start, rows, order)) = spans.get(part) else {
                         bail!("packing read past the last of {} parts", spans.len())
                     };
-                    file.seek(SeekFrom::Start(start))?;
-                    (part, left) = (part + 1, bytes);
+                    file.seek(SeekFrom::Start(*start))?;
+                    (part, at, left) = (part + 1, 0, rows * row_bytes);
+                    whole.clear();
+                    if order.is_some() {
+                        whole.resize(left, 0);
+                        file.read_exact(&mut whole)?;
+                    }
                 }
-                let take = left.min(rows.len() - at);
-                file.read_exact(&mut rows[at..at + take])?;
-                (at, left) = (at + take, left - take);
+                let order = spans[part - 1].2.as_deref();
+                let take = match order {
+                    None => left.min(out.len() - done),
+                    // Up to the end of the row.
+                    Some(_) => (row_bytes - at % row_bytes).min(out.len() - done),
+                };
+                let dst = &mut out[done..done + take];
+                match order {
+                    None => file.read_exact(dst)?,
+                    Some(order) => {
+                        let src = order[at / row_bytes] * row_bytes + at % row_bytes;
+                        dst.copy_from_slice(&whole[src..src + take]);
+                    }
+                }
+                (done, at, left) = (done + take, at + take, left - take);
             }
             Ok(())
         };
