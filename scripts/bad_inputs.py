@@ -433,6 +433,9 @@ case("gguf: heads that do not divide the width", generate(gguf_file("gguf-heads.
 # Found by fuzzing `load_gguf` (loading for inference): a width the tensors do not have
 # sized the buffer the float matrices are read into before any was read.
 case("gguf: a feed-forward width of 2^27 over tensors of width 8", generate(gguf_file("gguf-lying-ffn.gguf", gguf([m if m[0] != "llama.feed_forward_length" else (m[0], "u32", 1 << 27) for m in meta], tensors))), "ffn_down.weight has shape [4, 8], the config needs [4, 134217728]")
+# Found by fuzzing `load_gguf` (loading as stored): the rows of a Llama's q were put back in
+# rotary order by an index of the claimed width, made before the tensor's shape was checked.
+case("gguf: a head width of 2^30 over q of width 4", ["inspect", "--model", gguf_file("gguf-lying-head-width.gguf", gguf(meta + [("llama.attention.key_length", "u32", 1 << 30), ("llama.attention.value_length", "u32", 1 << 30)], tensors))], "attn_q.weight has shape [4, 4], the config needs [2147483648, 4]")
 case("gguf: a tensor the model does not know (Llama 3.1's rope_freqs)", generate(gguf_file("gguf-rope-freqs.gguf", gguf(meta, tensors + [("rope_freqs.weight", *f32(D // H // 2))]))), "tensor rope_freqs.weight")
 case("gguf: a token id outside the vocabulary", generate(gguf_file("gguf-bad-bos.gguf", gguf(meta + [("tokenizer.ggml.bos_token_id", "u32", 1 << 30)], tensors))), "outside the 8 tokens")
 

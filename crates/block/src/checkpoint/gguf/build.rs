@@ -138,19 +138,19 @@ impl Gguf {
             if let Some(w) = arena.borrow_mut().take(&[(name.clone(), [d_out, d_in])])? {
                 return Proj::from_linear(&w, b);
             }
-            let order = match unpermute(heads) {
-                true => Some(rotary_order(d_out, heads, false)?),
-                false => None,
-            };
+            // Rows put back in order once read: the read checks the shape the order's size
+            // comes from (a file's metadata may claim any width).
             if let Some(t) = self.stored(&name).filter(|&t| stored_float(t).is_some()) {
-                let mut w = self.dense(&name, &[d_out, d_in], matrix(t), device)?;
-                if let Some(order) = &order {
-                    w = select_rows(&w, order)?;
-                }
-                return Proj::from_linear(&w, b);
+                let w = self.dense(&name, &[d_out, d_in], matrix(t), device)?;
+                return match unpermute(heads) {
+                    true => {
+                        Proj::from_linear(&select_rows(&w, &rotary_order(d_out, heads, false)?)?, b)
+                    }
+                    false => Proj::from_linear(&w, b),
+                };
             }
             let mut w = self.qtensor(&name, &[d_out, d_in], device)?;
-            if order.is_some() {
+            if unpermute(heads) {
                 w = rotary_rows(&w, heads)?;
             }
             Proj::from_qtensor(Arc::new(w), b, dtype)
