@@ -128,8 +128,12 @@ impl Gguf {
     }
 
     fn from_source(path: &Path, mut file: Source, len: u64) -> Result<Self> {
-        let content = guarded(|| gguf_file::Content::read(&mut file))
-            .map_err(|e| path_err(path, format!("not a valid GGUF file: {e}")))?;
+        // Candle reads the metadata a value at a time: a vocabulary of 262,144 tokens, its
+        // scores and types, are a million small reads, each a system call on a bare file.
+        let content = guarded(|| {
+            gguf_file::Content::read(&mut std::io::BufReader::with_capacity(1 << 16, &mut file))
+        })
+        .map_err(|e| path_err(path, format!("not a valid GGUF file: {e}")))?;
         let gguf = Self {
             path: path.to_path_buf(),
             file: Mutex::new(file),
