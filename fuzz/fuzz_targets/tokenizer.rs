@@ -8,23 +8,11 @@ use libfuzzer_sys::fuzz_target;
 #[allow(dead_code)]
 mod tokenizer;
 
-/// A panic inside the `tokenizers` crate under the reader's guard becomes an error, as in
-/// `gpt` (whose panic hook stays quiet for it): libFuzzer's hook, which aborts on any panic,
-/// is kept for every other.
-fn guarded_panics_are_errors() {
-    static HOOK: std::sync::Once = std::sync::Once::new();
-    HOOK.call_once(|| {
-        let fuzzer_hook = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            if !tokenizer::guarded() {
-                fuzzer_hook(info)
-            }
-        }));
-    });
-}
+#[path = "shared/guarded_panics.rs"]
+mod guarded_panics;
 
 fuzz_target!(|data: &[u8]| {
-    guarded_panics_are_errors();
+    guarded_panics::guarded_panics_are_errors(tokenizer::guarded);
     let Ok(tok) = tokenizer::parse(data) else {
         return;
     };
