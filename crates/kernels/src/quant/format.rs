@@ -267,15 +267,6 @@ impl Format {
     pub(super) fn pack_row(self, src: &[u8], t: &mut [u8], r: usize) {
         // Fifth bit `bit` of value `v` (of a block of 32) into the bit layout at `q`.
         let put_fifth = |q: &mut [u8], v: usize, bit: u8| q[4 * r + v % 4] |= bit << (v / 4);
-        // Four-bit value `v` (of a block of 32) into the nibble layout at `q`.
-        let put = |q: &mut [u8], v: usize, nib: u8| {
-            let (at, high) = self.place(r, v);
-            q[at] = if high {
-                (q[at] & 0x0f) | (nib << 4)
-            } else {
-                (q[at] & 0xf0) | nib
-            };
-        };
         match self {
             Self::Q8_0 => {
                 t[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
@@ -313,12 +304,12 @@ impl Format {
                 };
                 let qs = &src[if five { 4 } else { 0 }..];
                 let at = self.nibbles();
-                for v in 0..QK {
-                    let byte = qs[v % 16];
-                    put(&mut t[at..], v, if v < 16 { byte & 15 } else { byte >> 4 });
-                    if five {
-                        put_fifth(&mut t[at + 256..], v, (qh >> v & 1) as u8);
-                    }
+                put_nibbles(&mut t[at..], r, |v| match v < 16 {
+                    true => qs[v] & 15,
+                    false => qs[v - 16] >> 4,
+                });
+                if five {
+                    put_fifths(&mut t[at + 256..], r, |v| (qh >> v & 1) as u8);
                 }
             }
             Self::Q4K | Self::Q5K => {
@@ -331,9 +322,9 @@ impl Format {
                 if self == Self::Q5K {
                     let qh = &qs[..32];
                     qs = &qs[32..];
-                    for v in 0..QK_K {
-                        let bit = qh[v % 32] >> (v / 32) & 1;
-                        put_fifth(&mut t[q4k::BYTES + v / QK * 64..], v % QK, bit);
+                    // Block b's value v: bit b of byte v.
+                    for b in 0..QK_K / QK {
+                        put_fifths(&mut t[q4k::BYTES + b * 64..], r, |v| qh[v] >> b & 1);
                     }
                 }
                 for j in 0..8 {
@@ -436,6 +427,16 @@ fn put_nibbles(q: &mut [u8], r: usize, nib: impl Fn(usize) -> u8) {
         for (i, byte) in q[at..at + 4].iter_mut().enumerate() {
             *byte = nib(8 * g + i) | nib(8 * g + 4 + i) << 4;
         }
+    }
+}
+
+/// Row `r`'s 32 single bits `bit(0..32)` of one block written into the bit layout at `q`
+/// (the fifth bits of q5_0, q5_1 and q5_K): bit `v` as bit `v / 4` of byte `4r + v % 4`,
+/// each byte written whole.
+#[inline(always)]
+fn put_fifths(q: &mut [u8], r: usize, bit: impl Fn(usize) -> u8) {
+    for (i, byte) in q[4 * r..4 * r + 4].iter_mut().enumerate() {
+        *byte = (0..QK / 4).fold(0, |acc, g| acc | bit(4 * g + i) << g);
     }
 }
 
