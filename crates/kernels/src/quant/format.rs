@@ -278,16 +278,7 @@ impl Format {
                     }
                 }
             }
-            Self::Q4_0 => {
-                // Stored: d, then value j in the low nibble of byte j, j + 16 in its high.
-                t[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
-                let qs = &src[2..18];
-                put_nibbles(&mut t[SCALES..], r, |v| match v < 16 {
-                    true => qs[v] & 15,
-                    false => qs[v - 16] >> 4,
-                });
-            }
-            Self::Q5_0 | Self::Q4_1 | Self::Q5_1 => {
+            Self::Q4_0 | Self::Q5_0 | Self::Q4_1 | Self::Q5_1 => {
                 // Stored: d, (q4_1, q5_1) m, (q5_0, q5_1) the fifth bits as a
                 // little-endian u32, bit j for value j, then value j in the low nibble of
                 // byte j, j + 16 in its high nibble.

@@ -304,15 +304,18 @@ impl Packed {
         let (block, size) = (format.block_bytes(), format.tile_bytes());
         let mut data = Tiles::zeroed(n.div_ceil(TILE) * nb * size, slab);
         let tiles = data.as_mut_slice();
-        // Whole tiles are written whole; the missing rows of the last one keep what stands
-        // for zero: zero scales, and (q8_0, q4_0) operands of zero.
+        // `pack_row` writes every byte a row owns; the missing rows of a last partial tile
+        // keep what stands for zero: zero scales (the bytes are zeros already) and, for q8_0
+        // and q4_0, operands of zero (after the tile's scales).
         let empty = match format {
             Format::Q8_0 => 128u8,
             Format::Q4_0 => 0x88,
             _ => 0,
         };
         if empty != 0 && !n.is_multiple_of(TILE) {
-            tiles[n / TILE * nb * size..].fill(empty);
+            for tile in tiles[n / TILE * nb * size..].chunks_exact_mut(size) {
+                tile[SCALES..].fill(empty);
+            }
         }
         // Bytes of one tile column, stored and packed; a matrix of empty rows has none.
         let (stored, column, group) = (TILE * nb * block, nb * size, group.max(1));
@@ -329,11 +332,6 @@ impl Packed {
                     .zip(rows.par_chunks(stored))
                     .for_each(|(column, src)| {
                         for (b, tile) in column.chunks_exact_mut(size).enumerate() {
-                            if matches!(format, Format::Q8_0 | Format::Q4_0) {
-                                tile[..SCALES].fill(0);
-                            } else if matches!(format, Format::Q5_0 | Format::Q4_1 | Format::Q5_1) {
-                                tile.fill(0);
-                            }
                             for (r, row) in src.chunks_exact(nb * block).enumerate() {
                                 format.pack_row(&row[b * block..][..block], tile, r);
                             }

@@ -93,28 +93,27 @@ impl Gguf {
         let stored_heads = |heads: usize| if unpermute(heads) { heads } else { 0 };
         // Block-quantized matrices read side by side and packed as one (q, k and v; gate
         // and up) straight into the slabs the model's matrices share, when loading for
-        // inference (`direct`): the fused projection with no copy of its parts.
-        // `None` where they cannot be (see `packed_parts`).
-        let packed_side_by_side =
-            |parts: &[(String, usize, usize)], has_bias: bool, direct: bool| {
-                if !direct {
-                    return Ok(None);
-                }
-                let names: Vec<_> = parts
-                    .iter()
-                    .map(|(stem, rows, heads)| {
-                        (format!("{stem}.weight"), [*rows, d], stored_heads(*heads))
-                    })
-                    .collect();
-                let names: Vec<_> = names.iter().map(|(n, s, h)| (n.as_str(), *s, *h)).collect();
-                match self.packed_parts(&names, device, true)? {
-                    Some(w) => Ok(Some(Proj::from_packed(
-                        Arc::new(w),
-                        stacked_bias(parts, has_bias)?,
-                    ))),
-                    None => Ok::<_, candle_core::Error>(None),
-                }
-            };
+        // inference (`fuse`): the fused projection with no copy of its parts. `None`
+        // otherwise, or where they cannot be (see `packed_parts`).
+        let packed_side_by_side = |parts: &[(String, usize, usize)], has_bias: bool| {
+            if !fuse {
+                return Ok(None);
+            }
+            let names: Vec<_> = parts
+                .iter()
+                .map(|(stem, rows, heads)| {
+                    (format!("{stem}.weight"), [*rows, d], stored_heads(*heads))
+                })
+                .collect();
+            let names: Vec<_> = names.iter().map(|(n, s, h)| (n.as_str(), *s, *h)).collect();
+            match self.packed_parts(&names, device, true)? {
+                Some(w) => Ok(Some(Proj::from_packed(
+                    Arc::new(w),
+                    stacked_bias(parts, has_bias)?,
+                ))),
+                None => Ok::<_, candle_core::Error>(None),
+            }
+        };
         let arena_take = |parts: &[(String, usize, usize)], cols: usize| {
             let names: Vec<_> = parts
                 .iter()
@@ -259,7 +258,7 @@ impl Gguf {
                     0,
                     fuse,
                 )?)
-            } else if let Some(qkv) = packed_side_by_side(&qkv_parts, cfg.attn_bias, fuse)? {
+            } else if let Some(qkv) = packed_side_by_side(&qkv_parts, cfg.attn_bias)? {
                 QkvProj::Fused(qkv)
             } else if let Some(w) = arena_take(&qkv_parts, d)? {
                 // q, k and v side by side as read: the fused projection is a view of them.
@@ -292,7 +291,7 @@ impl Gguf {
             let stored_gate_up =
                 n.stored_fused.is_some() && self.shape(&up) == Some(&[2 * inner, d][..]);
             let packed_gate_up = match &gate_up_parts {
-                Some(parts) if !stored_gate_up => packed_side_by_side(parts, cfg.mlp_bias, fuse)?,
+                Some(parts) if !stored_gate_up => packed_side_by_side(parts, cfg.mlp_bias)?,
                 _ => None,
             };
             let gate_up = match (&gate_up_parts, &packed_gate_up) {
