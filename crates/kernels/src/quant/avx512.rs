@@ -3,6 +3,7 @@
 
 use std::arch::x86_64::*;
 
+use super::ahead::ahead;
 use super::format::{q2k, q3k, q4k, q6k, Format, QK, QK_K, SCALES, TILE};
 use super::input::{super_rows, QRows, SuperRows, XRow};
 
@@ -260,19 +261,6 @@ unsafe fn lanes<const SIGNED: bool>(p: *const u8) -> __m512i {
         _mm512_cvtepi8_epi32(v)
     } else {
         _mm512_cvtepu8_epi32(v)
-    }
-}
-
-/// Part `j` of 8 of the `size` bytes after `tile` (the next super-block's tile, or the
-/// next column's first), asked for ahead: a few lines per sub-block rather than a burst
-/// (see `Ahead`). A pointer past the matrix is only a hint: prefetches never fault.
-#[inline(always)]
-fn ahead(tile: *const u8, size: usize, j: usize) {
-    let lines = size.div_ceil(64 * 8);
-    for l in 0..lines {
-        let p = tile.wrapping_add(size + 64 * (j * lines + l));
-        // SAFETY: a prefetch is a hint, never a fault, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) };
     }
 }
 

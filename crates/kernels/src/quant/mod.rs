@@ -3,6 +3,8 @@
 //! reference beside them.
 
 #[cfg(target_arch = "x86_64")]
+mod ahead;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;

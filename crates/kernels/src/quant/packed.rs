@@ -156,10 +156,12 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 /// thread (each holds a line fill buffer until its line arrives), where the spread
 /// requests pay. On an AMD CPU with AVX-512 the two streams read layer-sized q4_K, q3_K
 /// and q2_K matrices faster than one stream and its columns; q5_K's and q6_K's about as
-/// fast, and whole decoding with them level (not measured on Intel's). So AMD CPUs take
-/// the column, or the two streams where they pay, others the spread requests; the unit
-/// tests take all three. The measurements are in docs/PERFORMANCE.md ("Quantized
-/// products").
+/// fast, and whole decoding with them level (not measured on Intel's). So AMD CPUs with
+/// AVX-512 take the column, or the two streams where they pay, others the spread requests.
+/// (With AVX2 alone the kernels spend longer on each tile, and on an AMD CPU too the
+/// column's burst of requests stalled them where the spread ones let the reads overlap
+/// the arithmetic.) The unit tests take all three. The measurements are in
+/// docs/PERFORMANCE.md ("Quantized products").
 #[derive(Clone, Copy)]
 struct Ahead {
     column: bool,
@@ -168,12 +170,12 @@ struct Ahead {
 }
 
 impl Ahead {
-    fn here() -> Ahead {
-        let amd = amd();
+    fn here(level: Level) -> Ahead {
+        let amd_avx512 = amd() && level == Level::Avx512Vnni;
         Ahead {
-            column: amd || cfg!(test),
-            spread: !amd || cfg!(test),
-            two: amd || cfg!(test),
+            column: amd_avx512 || cfg!(test),
+            spread: !amd_avx512 || cfg!(test),
+            two: amd_avx512 || cfg!(test),
         }
     }
 }
@@ -503,7 +505,7 @@ impl Packed {
         // q2_K, q3_K and q4_K decode as two streams with AVX-512 on AMD CPUs (`Ahead`).
         let resident = PACKED_BYTES.load(Ordering::Relaxed) < STREAMED_BYTES;
         let stream = m < UNPACK_ROWS && self.format != Format::Q8_0 && !resident;
-        let ahead = Ahead::here();
+        let ahead = Ahead::here(level);
         let two = stream
             && m == 1
             && level == Level::Avx512Vnni
@@ -872,10 +874,10 @@ fn tile_rows<const T: usize>(
                     ($kernel:ident, $($c:literal)? ; $($ops:ident)?) => {
                         for (tiles, y) in tiles.into_iter().zip(y) {
                             match rows {
-                                1 => $kernel::<1 $(, $c)?>(tiles, $($ops,)? x, r, y),
-                                2 => $kernel::<2 $(, $c)?>(tiles, $($ops,)? x, r, y),
-                                3 => $kernel::<3 $(, $c)?>(tiles, $($ops,)? x, r, y),
-                                _ => $kernel::<4 $(, $c)?>(tiles, $($ops,)? x, r, y),
+                                1 => $kernel::<1 $(, $c)?>(tiles, $($ops,)? x, r, y, spread),
+                                2 => $kernel::<2 $(, $c)?>(tiles, $($ops,)? x, r, y, spread),
+                                3 => $kernel::<3 $(, $c)?>(tiles, $($ops,)? x, r, y, spread),
+                                _ => $kernel::<4 $(, $c)?>(tiles, $($ops,)? x, r, y, spread),
                             }
                         }
                     };
