@@ -116,7 +116,11 @@ fn f32_files_give_transformers_logits() {
 /// (dequantized, `mha::Proj`: a format not packed, or a CPU without the kernels), whose
 /// activations are not rounded to 8 bits; 4% is about what that rounding alone costs
 /// (llama.cpp's q8_0 files above). Measured on 66 ids with the packed kernels: GPT-2 q8_0
-/// 0.83%, Qwen2 q8_0 1.3%, q4_0 1.1%.
+/// 0.83%, Qwen2 q8_0 1.3%, q4_0 1.1%. Or else no farther from the f32 model's logits than
+/// llama.cpp's own: Gemma 3's q8_0 prefill in f32 (q8_0 is not packed without AVX-512
+/// VNNI) is 5.4% of the largest logit from llama.cpp's, whose 8-bit activations its norms
+/// amplify, but 2.9% from the f32 model's, where llama.cpp's are 4.1% (a Zen 4 with AVX2
+/// alone). Either bound fails a product that is wrong.
 ///
 /// Gemma 3 gets 3% (q8_0) and 4% (q4_0): its norms after each branch rescale whatever
 /// rounding a branch's small output carries, and llama.cpp's f16 GELU table adds 2.7e-3
@@ -187,14 +191,14 @@ fn quantized_files_track_llama_cpp() {
         let got = logits(&model, ids);
         let diff = max_abs_diff(&got, reference);
         let noise = max_abs_diff(reference, &exp["logits"]);
+        let ours = max_abs_diff(&got, &exp["logits"]);
         println!(
-            "    {t} ids: {diff:.3e} ({:.2}%); llama.cpp vs transformers' f32 model: {noise:.3e}, ours: {:.3e}",
+            "    {t} ids: {diff:.3e} ({:.2}%); llama.cpp vs transformers' f32 model: {noise:.3e}, ours: {ours:.3e}",
             100.0 * diff / scale,
-            max_abs_diff(&got, &exp["logits"])
         );
         assert!(
-            diff <= (share * scale).max(noise.min(0.04 * scale)),
-            "{name}.{kind}, {t} ids: {diff} (noise {noise}, scale {scale})"
+            diff <= (share * scale).max(noise.min(0.04 * scale)) || ours <= noise,
+            "{name}.{kind}, {t} ids: {diff} from llama.cpp, {ours} from the f32 model (noise {noise}, scale {scale})"
         );
     }
 }
@@ -623,9 +627,16 @@ fn attention_stored_in_mixed_formats_loads_for_inference() {
     let fused = gguf
         .load(LoadOptions::new(DType::F32).for_inference(), &Device::Cpu)
         .unwrap();
-    let packs = [GgmlDType::Q4_0, GgmlDType::Q8_0]
-        .into_iter()
-        .all(gpt_kernels::quant::Packed::packs_here);
+    // v is q8_0, the rest q4_0: each packed where this CPU has kernels for its format
+    // (q8_0 not with AVX2 alone).
+    let packs = |j: usize| {
+        let dtype = if j == 2 {
+            GgmlDType::Q8_0
+        } else {
+            GgmlDType::Q4_0
+        };
+        gpt_kernels::quant::Packed::packs_here(dtype)
+    };
     let w = |p: &mha::Proj| p.weight_t().unwrap().to_dtype(DType::F32).unwrap();
     for (i, (a, b)) in fused.blocks().iter().zip(plain.blocks()).enumerate() {
         let ((_, fa, _, fm), (_, pa, _, pm)) = (a.parts(), b.parts());
@@ -640,7 +651,11 @@ fn attention_stored_in_mixed_formats_loads_for_inference() {
             .chain([fa.out_proj(), gate_up, down])
             .enumerate()
         {
-            assert_eq!(p.packed().is_some(), packs, "block {i}, matrix {j} packed");
+            assert_eq!(
+                p.packed().is_some(),
+                packs(j),
+                "block {i}, matrix {j} packed"
+            );
         }
         let (p_up, p_gate, p_down) = pm.parts();
         let mut pairs: Vec<(&mha::Proj, &mha::Proj)> =
