@@ -116,11 +116,11 @@ fn f32_files_give_transformers_logits() {
 /// (dequantized, `mha::Proj`: a format not packed, or a CPU without the kernels), whose
 /// activations are not rounded to 8 bits; 4% is about what that rounding alone costs
 /// (llama.cpp's q8_0 files above). Measured on 66 ids with the packed kernels: GPT-2 q8_0
-/// 0.83%, Qwen2 q8_0 1.3%, q4_0 1.1%. Or else no farther from the f32 model's logits than
-/// llama.cpp's own: Gemma 3's q8_0 prefill in f32 (q8_0 is not packed without AVX-512
-/// VNNI) is 5.4% of the largest logit from llama.cpp's, whose 8-bit activations its norms
-/// amplify, but 2.9% from the f32 model's, where llama.cpp's are 4.1% (a Zen 4 with AVX2
-/// alone). Either bound fails a product that is wrong.
+/// 0.83%, Qwen2 q8_0 1.3%, q4_0 1.1%. Where q8_0 is not packed (no AVX-512 VNNI), its
+/// prefill runs in f32 on exact activations and may instead be no farther from the f32
+/// model's logits than llama.cpp's own: Gemma 3's is 5.4% of the largest logit from
+/// llama.cpp's, whose 8-bit activations its norms amplify, but 2.9% from the f32 model's,
+/// where llama.cpp's are 4.1% (a Zen 4 with AVX2 alone).
 ///
 /// Gemma 3 gets 3% (q8_0) and 4% (q4_0): its norms after each branch rescale whatever
 /// rounding a branch's small output carries, and llama.cpp's f16 GELU table adds 2.7e-3
@@ -192,12 +192,16 @@ fn quantized_files_track_llama_cpp() {
         let diff = max_abs_diff(&got, reference);
         let noise = max_abs_diff(reference, &exp["logits"]);
         let ours = max_abs_diff(&got, &exp["logits"]);
+        // A q8_0 prefill in f32 on exact activations (q8_0 not packed here); llama.cpp's
+        // distance from the f32 model is a tight bound only for q8_0 (1.7–4%, against
+        // 13–77% for the smaller formats).
+        let exact = kind == "q8_0" && !gpt_kernels::quant::Packed::packs_here(GgmlDType::Q8_0);
         println!(
             "    {t} ids: {diff:.3e} ({:.2}%); llama.cpp vs transformers' f32 model: {noise:.3e}, ours: {ours:.3e}",
             100.0 * diff / scale,
         );
         assert!(
-            diff <= (share * scale).max(noise.min(0.04 * scale)) || ours <= noise,
+            diff <= (share * scale).max(noise.min(0.04 * scale)) || (exact && ours <= noise),
             "{name}.{kind}, {t} ids: {diff} from llama.cpp, {ours} from the f32 model (noise {noise}, scale {scale})"
         );
     }
