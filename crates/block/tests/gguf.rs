@@ -116,11 +116,12 @@ fn f32_files_give_transformers_logits() {
 /// (dequantized, `mha::Proj`: a format not packed, or a CPU without the kernels), whose
 /// activations are not rounded to 8 bits; 4% is about what that rounding alone costs
 /// (llama.cpp's q8_0 files above). Measured on 66 ids with the packed kernels: GPT-2 q8_0
-/// 0.83%, Qwen2 q8_0 1.3%, q4_0 1.1%. Where q8_0 is not packed (no AVX-512 VNNI), its
+/// 0.83%, Qwen2 q8_0 1.3%, q4_0 1.1%. Where q8_0 is not packed (a CPU without AVX2), its
 /// prefill runs in f32 on exact activations and may instead be no farther from the f32
-/// model's logits than llama.cpp's own: Gemma 3's is 5.4% of the largest logit from
-/// llama.cpp's, whose 8-bit activations its norms amplify, but 2.9% from the f32 model's,
-/// where llama.cpp's are 4.1% (a Zen 4 with AVX2 alone).
+/// model's logits than llama.cpp's own: Gemma 3's, so computed (on a Zen 4 whose q8_0 had
+/// no packed kernels), is 5.4% of the largest logit from llama.cpp's, whose 8-bit
+/// activations its norms amplify, but 2.9% from the f32 model's, where llama.cpp's are
+/// 4.1%.
 ///
 /// Gemma 3 gets 3% (q8_0) and 4% (q4_0): its norms after each branch rescale whatever
 /// rounding a branch's small output carries, and llama.cpp's f16 GELU table adds 2.7e-3
@@ -632,7 +633,7 @@ fn attention_stored_in_mixed_formats_loads_for_inference() {
         .load(LoadOptions::new(DType::F32).for_inference(), &Device::Cpu)
         .unwrap();
     // v is q8_0, the rest q4_0: each packed where this CPU has kernels for its format
-    // (q8_0 not with AVX2 alone).
+    // (neither without AVX2).
     let packs = |j: usize| {
         let dtype = if j == 2 {
             GgmlDType::Q8_0

@@ -500,8 +500,8 @@ impl Proj {
             } => {
                 let (start, len) = cols.unwrap_or((0, *d_out));
                 let own = match w {
-                    // Decoding and small batches of matrices that were not packed (q8_0 on a
-                    // CPU without AVX-512 VNNI, every format without AVX2):
+                    // Decoding and small batches of matrices that were not packed (every
+                    // format on a CPU without AVX2):
                     // blocks read once from where they are stored (Candle's kernels would keep
                     // a repacked copy of each matrix beside the file's).
                     QMatMul::QTensor(q) if rows < DENSE_ROWS => {

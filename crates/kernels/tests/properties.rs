@@ -480,7 +480,7 @@ fn quantized_projections_agree_across_row_counts() -> Result<()> {
         let got = proj.forward(&xs)?;
         let what = format!("{dtype:?} {d_in}x{d_out}");
         // Prefill-sized products of matrices that neither Candle's repacked kernels nor our
-        // packed ones (every format with AVX-512 VNNI, all but q8_0 with AVX2) take (both
+        // packed ones (every format with AVX-512 VNNI or AVX2) take (both
         // quantize `x` to 8 bits, as llama.cpp does) are the f32 product with the
         // dequantized weight. (k-quants, whose rows are whole super-blocks of 256, take
         // 8-bit `x` on every path: Candle's or ours packed.)

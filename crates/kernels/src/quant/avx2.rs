@@ -1,5 +1,5 @@
 //! The packed kernels for CPUs with AVX2 alone (`vpmaddubsw` on each half of a tile: rows
-//! 0–7 and 8–15 in the eight lanes), every format but q8_0.
+//! 0–7 and 8–15 in the eight lanes), every packed format.
 
 use std::arch::x86_64::*;
 
@@ -222,6 +222,34 @@ unsafe fn half_sums<const R: usize, const BITS: u8>(
                     s32[half][j] = _mm256_add_epi32(s32[half][j], s);
                     s16[j] = _mm256_setzero_si256();
                 }
+            }
+        }
+    }
+    s32
+}
+
+/// [`half_sums`] for q8_0 tiles: `Σ w · x` for one half of a block (group `g`'s 32
+/// bytes at `q + 64g`, `g < 8`, each `w + 128`). The unsigned operands would overflow
+/// `vpmaddubsw`'s 16-bit pairs (2·255·127), so, as ggml does, it takes the magnitudes
+/// `|w|` (at most 128) by `x` with the sign of `w` (`x` is at most 127 in magnitude:
+/// [`crate::quant::input`]): pairs of at most 2·128·127, added in i32 group by group.
+/// (Splitting each operand into two nibbles instead, summed in i16 over the eight groups,
+/// takes as many instructions and more registers: it measured 5–8% slower.)
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn half_sums8<const R: usize>(q: *const u8, xp: [*const i8; R]) -> [__m256i; R] {
+    let (top, ones) = (_mm256_set1_epi8(-128), _mm256_set1_epi16(1));
+    let mut s32 = [_mm256_setzero_si256(); R];
+    // SAFETY (caller): 32 readable bytes at `q + 64g` (g < 8); 32 values of `x` at each
+    // `xp[j]`.
+    unsafe {
+        for g in 0..8 {
+            let w = _mm256_xor_si256(_mm256_loadu_si256(q.add(64 * g).cast()), top);
+            let a = _mm256_abs_epi8(w);
+            for j in 0..R {
+                let x = _mm256_set1_epi32(xp[j].add(4 * g).cast::<i32>().read_unaligned());
+                let p = _mm256_maddubs_epi16(a, _mm256_sign_epi8(x, w));
+                s32[j] = _mm256_add_epi32(s32[j], _mm256_madd_epi16(p, ones));
             }
         }
     }
@@ -464,9 +492,10 @@ pub(super) unsafe fn q2k_rows_avx2<const R: usize>(
     }
 }
 
-/// [`legacy_rows`] for CPUs with AVX2 alone, q4_0 and q5_0 (or, `MIN`, q4_1 and q5_1)
-/// tiles, with [`half_sums`] in place of `vpdpbusd`. A half of a tile (rows 0–7 or
-/// 8–15: 32 bytes of each group's 64) is one register per row of `x`; the halves go
+/// [`legacy_rows`] for CPUs with AVX2 alone, q8_0, q4_0 and q5_0 (or, `MIN`, q4_1 and
+/// q5_1) tiles, with [`half_sums`] ([`half_sums8`] for q8_0) in place of `vpdpbusd`. A
+/// half of a tile (rows 0–7 or 8–15: 32 bytes of each group's 64) is one register per
+/// row of `x`; the halves go
 /// one after the other over the whole column, the second from L1, so that four rows of
 /// `x` come near fitting the 16 registers.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -484,11 +513,16 @@ pub(super) unsafe fn legacy_rows_avx2<
 ) {
     let head = if MIN { 2 * SCALES } else { SCALES };
     let five = BITS == 5;
-    let size = head + 256 + if five { 64 } else { 0 };
-    let offset = match (MIN, five) {
+    let size = match BITS {
+        8 => head + 512,
+        _ => head + 256 + if five { 64 } else { 0 },
+    };
+    let offset = match (MIN, BITS) {
         (true, _) => 0,
-        (false, true) => 16,
-        (false, false) => 8,
+        // (q8_0's sums are of the values themselves.)
+        (false, 8) => 0,
+        (false, 5) => 16,
+        (false, _) => 8,
     };
     let nb = tiles[0].len() / size;
     assert!(tiles.iter().all(|t| t.len() >= nb * size));
@@ -503,50 +537,65 @@ pub(super) unsafe fn legacy_rows_avx2<
         (xq[j], xd[j], xs[j]) = (q.as_ptr(), d.as_ptr(), s.as_ptr());
     }
     let mut y = y;
-    for h in 0..2 {
-        let mut acc = [[_mm256_setzero_ps(); R]; T];
+    // A decoding product (one row of `x`) takes both halves in one pass over the tiles,
+    // which it reads from memory: a second pass found them in the second- (not the
+    // first-) level cache. A prefill's four rows take the halves one after the other
+    // (the accumulators of both would not fit the registers).
+    let one_pass = R == 1;
+    for pass in 0..if one_pass { 1 } else { 2 } {
+        let halves = if one_pass { 0..2 } else { pass..pass + 1 };
+        let mut acc = [[[_mm256_setzero_ps(); R]; 2]; T];
         for b in 0..nb {
             for (t, tiles) in tiles.iter().enumerate() {
-                // SAFETY: tile b of each column is `size` readable bytes; block b of
-                // each row of `x` is in bounds (asserted above).
-                unsafe {
-                    let tile = tiles.as_ptr().add(b * size);
-                    let xp = xq.map(|q| q.add(b * QK));
-                    let q = tile.add(head + 32 * h);
-                    let pre = match ops.is_empty() {
-                        true => std::ptr::null(),
-                        false => ops.as_ptr().add(512 * b + 256 * h),
-                    };
-                    let [sums, _] = match five {
-                        true => half_sums::<R, 5>(q, tile.add(head + 256 + 32 * h), pre, xp),
-                        false => half_sums::<R, 4>(q, std::ptr::null(), pre, xp),
-                    };
-                    let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
-                    let m = match MIN {
-                        true => _mm256_cvtph_ps(_mm_loadu_si128(tile.add(SCALES + 16 * h).cast())),
-                        false => _mm256_setzero_ps(),
-                    };
-                    for j in 0..R {
-                        let s =
-                            _mm256_add_epi32(sums[j], _mm256_set1_epi32(-offset * *xs[j].add(b)));
-                        let dx = *xd[j].add(b);
-                        acc[t][j] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(s),
-                            _mm256_mul_ps(d, _mm256_set1_ps(dx)),
-                            acc[t][j],
-                        );
-                        if MIN {
-                            let xsum = _mm256_set1_ps(dx * *xs[j].add(b) as f32);
-                            acc[t][j] = _mm256_fmadd_ps(m, xsum, acc[t][j]);
+                for h in halves.clone() {
+                    // SAFETY: tile b of each column is `size` readable bytes; block b of
+                    // each row of `x` is in bounds (asserted above).
+                    unsafe {
+                        let tile = tiles.as_ptr().add(b * size);
+                        let xp = xq.map(|q| q.add(b * QK));
+                        let q = tile.add(head + 32 * h);
+                        let pre = match ops.is_empty() {
+                            true => std::ptr::null(),
+                            false => ops.as_ptr().add(512 * b + 256 * h),
+                        };
+                        let sums = match BITS {
+                            8 => half_sums8::<R>(q, xp),
+                            5 => half_sums::<R, 5>(q, tile.add(head + 256 + 32 * h), pre, xp)[0],
+                            _ => half_sums::<R, 4>(q, std::ptr::null(), pre, xp)[0],
+                        };
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
+                        let m = match MIN {
+                            true => {
+                                _mm256_cvtph_ps(_mm_loadu_si128(tile.add(SCALES + 16 * h).cast()))
+                            }
+                            false => _mm256_setzero_ps(),
+                        };
+                        for j in 0..R {
+                            let s = _mm256_add_epi32(
+                                sums[j],
+                                _mm256_set1_epi32(-offset * *xs[j].add(b)),
+                            );
+                            let dx = *xd[j].add(b);
+                            acc[t][h][j] = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(s),
+                                _mm256_mul_ps(d, _mm256_set1_ps(dx)),
+                                acc[t][h][j],
+                            );
+                            if MIN {
+                                let xsum = _mm256_set1_ps(dx * *xs[j].add(b) as f32);
+                                acc[t][h][j] = _mm256_fmadd_ps(m, xsum, acc[t][h][j]);
+                            }
                         }
                     }
                 }
             }
         }
         for (y, acc) in y.iter_mut().zip(acc) {
-            for j in 0..R {
-                // SAFETY: 8 floats to the half of a [f32; 16].
-                unsafe { _mm256_storeu_ps(y[j][8 * h..].as_mut_ptr(), acc[j]) };
+            for h in halves.clone() {
+                for j in 0..R {
+                    // SAFETY: 8 floats to the half of a [f32; 16].
+                    unsafe { _mm256_storeu_ps(y[j][8 * h..].as_mut_ptr(), acc[h][j]) };
+                }
             }
         }
     }

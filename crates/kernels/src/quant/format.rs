@@ -445,17 +445,15 @@ pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 }
 
 impl Format {
-    /// Whether `level` has kernels for this format. AVX2 has them for every format but
-    /// q8_0, where the products through the blocks as stored spent as long reducing each
+    /// Whether `level` has kernels for this format: AVX-512 VNNI and AVX2 for every one.
+    /// Without them the products through the blocks as stored spent as long reducing each
     /// block's sums across lanes as multiplying them (`stored`, slower than llama.cpp,
     /// which repacks q4_0 for AVX2 too), ran Candle's block product (the k-quants'
-    /// decoding) or kept a repacked copy (Candle's q4_K and q6_K prefill). q8_0's values do
-    /// not fit `vpmaddubsw`'s unsigned operand (and its decoding through `stored` leads
-    /// llama.cpp's).
+    /// decoding) or kept a repacked copy (Candle's q4_K and q6_K prefill); q8_0's prefill
+    /// dequantized its weights for the f32 GEMM.
     pub(super) fn kernels(self, level: Level) -> bool {
         match level {
-            Level::Avx512Vnni => true,
-            Level::Avx2 => self != Self::Q8_0,
+            Level::Avx512Vnni | Level::Avx2 => true,
             Level::Scalar => false,
         }
     }

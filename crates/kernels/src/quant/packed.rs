@@ -30,8 +30,8 @@
 //! have zero scales.
 //!
 //! Sums are exact integers per block (per super-block for the k-quants) and f32 across blocks,
-//! as in ggml. The kernels use AVX-512 VNNI, and for every format but q8_0 AVX2 (`vpmaddubsw`
-//! on each half of a tile, rows 0–7 and 8–15, in place of `vpdpbusd`); [`Packed::new`] packs
+//! as in ggml. The kernels use AVX-512 VNNI, or AVX2 (`vpmaddubsw` on each half of a tile,
+//! rows 0–7 and 8–15, in place of `vpdpbusd`; q8_0's bytes as two nibbles); [`Packed::new`] packs
 //! only where the CPU has kernels for the format (elsewhere a matrix stays a `QTensor` on
 //! [`crate::quant::stored`] or Candle's kernels), and a scalar version of the same arithmetic
 //! is the tests' reference for the packing and the kernels, beside Candle's dequantized weights
@@ -208,7 +208,7 @@ impl Packed {
     }
 
     /// Whether this CPU has kernels for packed matrices of `dtype`: every packed format
-    /// with AVX-512 VNNI, all but q8_0 with AVX2 alone.
+    /// with AVX-512 VNNI or AVX2.
     pub fn packs_here(dtype: GgmlDType) -> bool {
         Format::of(dtype).is_some_and(|f| f.kernels(level()))
     }
@@ -858,6 +858,7 @@ fn tile_rows<const T: usize>(
                     };
                 }
                 match format {
+                    Format::Q8_0 => return by_rows!(8, false),
                     Format::Q4_0 => return by_rows!(4, false),
                     Format::Q5_0 => return by_rows!(5, false),
                     Format::Q4_1 => return by_rows!(4, true),
@@ -1394,6 +1395,68 @@ mod tests {
                         let what = format!("{dtype:?} {level:?}: {a} vs {b}");
                         assert!((a - b).abs() <= 1e-5 * b.abs(), "{what}");
                     }
+                }
+            }
+        }
+    }
+
+    /// q8_0 values at both ends of the byte, -128 (which ggml's quantizer never writes, but
+    /// a file may hold) and 127, times `x` of both signs at its largest magnitude: the
+    /// AVX2 kernel's `vpmaddubsw` of `|w|` (128 at most) by `x` with `w`'s sign. Against
+    /// the sums worked out here from the raw values, and the scalar code.
+    #[test]
+    fn q8_0_values_at_both_ends_multiply_exactly() {
+        let (n, k) = (32, 256);
+        let value = |r: usize, v: usize| -> i8 {
+            match r % 4 {
+                0 => -128,
+                1 => 127,
+                2 => [-128, 127][v % 2],
+                _ => (r * 37 + v * 11) as u8 as i8,
+            }
+        };
+        // Blocks of an f16 scale of 1 and 32 values.
+        let mut stored = Vec::new();
+        for r in 0..n {
+            for b in 0..k / QK {
+                stored.extend(half::f16::from_f32(1.0).to_le_bytes());
+                stored.extend((0..QK).map(|v| value(r, b * QK + v) as u8));
+            }
+        }
+        let mut at = 0;
+        let p = Packed::from_rows(GgmlDType::Q8_0, n, k, |rows| {
+            rows.copy_from_slice(&stored[at..at + rows.len()]);
+            at += rows.len();
+            Ok(())
+        })
+        .unwrap()
+        .unwrap();
+        let sign = |v: usize| if v % 3 == 0 { -1.0 } else { 1.0 };
+        for m in [1, 4] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| sign(i % k) * (1 + i / k) as f32)
+                .collect();
+            let xq = XRows::new(p.format, &x, k);
+            // Each row of x quantizes to ±127 with the scale (1 + j) / 127 in f16.
+            let want: Vec<f64> = (0..m)
+                .flat_map(|j| {
+                    let d = half::f16::from_f32((1 + j) as f32 / 127.0).to_f64();
+                    (0..n).map(move |r| {
+                        let sum: i64 = (0..k)
+                            .map(|v| value(r, v) as i64 * 127 * sign(v) as i64)
+                            .sum();
+                        sum as f64 * d
+                    })
+                })
+                .collect();
+            for level in [Level::Scalar, Level::Avx2, Level::Avx512Vnni] {
+                if level > super::super::level::level() || !p.format.kernels(level) {
+                    continue;
+                }
+                let got = p.product(&xq, m, 0..n, level);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    let what = format!("{level:?} m {m} output {i}: {a} vs {b}");
+                    assert!((*a as f64 - b).abs() <= 1e-6 * b.abs().max(1.0), "{what}");
                 }
             }
         }

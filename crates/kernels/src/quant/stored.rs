@@ -1,7 +1,7 @@
 //! Products of a few rows with a block-quantized weight (ggml's q8_0, q4_0 and q5_0) on
 //! the CPU, reading each weight block once from where it is stored: no dequantized or
 //! repacked copy. (Where [`crate::quant::packed`] has kernels for the format, the model holds the
-//! matrix packed instead: every format with AVX-512 VNNI, q4_0 and q5_0 with AVX2.)
+//! matrix packed instead: every format with AVX-512 VNNI or AVX2.)
 //!
 //! As in ggml, each row of `x` is first quantized to 8 bits in blocks of 32 (q8_0: one
 //! f16 scale per block), so the product of two blocks is an integer dot product of 32
