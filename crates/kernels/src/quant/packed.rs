@@ -1431,7 +1431,7 @@ mod tests {
         })
         .unwrap()
         .unwrap();
-        let sign = |v: usize| if v % 3 == 0 { -1.0 } else { 1.0 };
+        let sign = |v: usize| if v.is_multiple_of(3) { -1.0 } else { 1.0 };
         for m in [1, 4] {
             let x: Vec<f32> = (0..m * k)
                 .map(|i| sign(i % k) * (1 + i / k) as f32)
