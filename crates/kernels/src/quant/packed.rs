@@ -31,7 +31,8 @@
 //!
 //! Sums are exact integers per block (per super-block for the k-quants) and f32 across blocks,
 //! as in ggml. The kernels use AVX-512 VNNI, or AVX2 (`vpmaddubsw` on each half of a tile,
-//! rows 0–7 and 8–15, in place of `vpdpbusd`; q8_0's bytes as two nibbles); [`Packed::new`] packs
+//! rows 0–7 and 8–15, in place of `vpdpbusd`; for q8_0 the values' magnitudes by `x` with
+//! their signs, as ggml's AVX2 code multiplies them); [`Packed::new`] packs
 //! only where the CPU has kernels for the format (elsewhere a matrix stays a `QTensor` on
 //! [`crate::quant::stored`] or Candle's kernels), and a scalar version of the same arithmetic
 //! is the tests' reference for the packing and the kernels, beside Candle's dequantized weights
