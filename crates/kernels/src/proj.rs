@@ -500,10 +500,9 @@ impl Proj {
             } => {
                 let (start, len) = cols.unwrap_or((0, *d_out));
                 let own = match w {
-                    // Decoding and small batches of matrices that were not packed (every
-                    // format on a CPU without AVX2):
-                    // blocks read once from where they are stored (Candle's kernels would keep
-                    // a repacked copy of each matrix beside the file's).
+                    // Decoding and small batches of matrices that were not packed (a CPU
+                    // without AVX2, or not x86): blocks read once from where they are stored
+                    // (Candle's kernels would keep a repacked copy beside the file's).
                     QMatMul::QTensor(q) if rows < DENSE_ROWS => {
                         match crate::quant::stored::qmatmul(&xs2, q, start..start + len)? {
                             Some(ys) => Some(ys),
@@ -514,10 +513,8 @@ impl Proj {
                     }
                     // A prefill where Candle has no repacked kernel: each GEMM task
                     // dequantizes its own span of the rows asked for, in cache, where the whole
-                    // matrix dequantized first would go through memory. On CPUs with AVX2 only
-                    // q8_0 comes here (the others are packed, `quant::packed`); an integer
-                    // GEMM on q8_0's stored blocks is no faster, and this keeps the exact
-                    // activations.
+                    // matrix dequantized first would go through memory. CPUs with AVX2 pack
+                    // every format this reads (`quant::packed`) and never come here.
                     QMatMul::QTensor(q) if !candle_repacks(q, *d_in, *d_out) => {
                         crate::quant::stored::prefill_dequantized(&xs2, q, start..start + len)?
                     }
@@ -688,8 +685,8 @@ mod tests {
         Ok(())
     }
 
-    /// The stored-layout path ([`crate::quant::stored`]), which CPUs with AVX-512 VNNI never take
-    /// through `Proj::from_qtensor` (they pack): a whole projection and a narrowed view,
+    /// The stored-layout path ([`crate::quant::stored`]), which CPUs with AVX2 or AVX-512 VNNI
+    /// never take through `Proj::from_qtensor` (they pack): a whole projection and a narrowed view,
     /// against the product with the dequantized weight, within `x`'s 8-bit rounding.
     #[test]
     fn unpacked_quantized_projections_match_the_dequantized_product() -> Result<()> {

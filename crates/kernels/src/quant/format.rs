@@ -446,11 +446,10 @@ pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 
 impl Format {
     /// Whether `level` has kernels for this format: AVX-512 VNNI and AVX2 for every one.
-    /// Without them the products through the blocks as stored spent as long reducing each
-    /// block's sums across lanes as multiplying them (`stored`, slower than llama.cpp,
-    /// which repacks q4_0 for AVX2 too), ran Candle's block product (the k-quants'
-    /// decoding) or kept a repacked copy (Candle's q4_K and q6_K prefill); q8_0's prefill
-    /// dequantized its weights for the f32 GEMM.
+    /// SIMD products through the blocks as stored spent as long reducing each block's sums
+    /// across lanes as multiplying them (slower than llama.cpp, which repacks q4_0 for AVX2
+    /// too), Candle's block product (the k-quants' decoding) was slower still, and Candle's
+    /// q4_K and q6_K prefill kept a repacked copy beside the blocks.
     pub(super) fn kernels(self, level: Level) -> bool {
         match level {
             Level::Avx512Vnni | Level::Avx2 => true,

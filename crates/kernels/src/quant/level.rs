@@ -2,7 +2,7 @@
 
 use std::sync::OnceLock;
 
-/// The instruction sets the kernels (`stored` and `packed`) use, best last.
+/// The instruction sets the kernels of `packed` use, best last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) enum Level {
     Scalar,

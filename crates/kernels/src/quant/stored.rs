@@ -1,23 +1,17 @@
-//! Products of a few rows with a block-quantized weight (ggml's q8_0, q4_0 and q5_0) on
-//! the CPU, reading each weight block once from where it is stored: no dequantized or
-//! repacked copy. (Where [`crate::quant::packed`] has kernels for the format, the model holds the
-//! matrix packed instead: every format with AVX-512 VNNI or AVX2.)
+//! Products with a block-quantized weight (ggml's q8_0, q4_0 and q5_0, and the k-quants
+//! through Candle's block product) on the CPU, reading each weight block from where it is
+//! stored: no dequantized or repacked copy of the matrix. This is the path of CPUs without
+//! AVX2 (and of other architectures): where [`crate::quant::packed`] has kernels for the format
+//! (every format it packs, with AVX2 or AVX-512 VNNI) the model holds the matrix packed
+//! instead, and its kernels are the fast ones.
 //!
 //! As in ggml, each row of `x` is first quantized to 8 bits in blocks of 32 (q8_0: one
-//! f16 scale per block), so the product of two blocks is an integer dot product of 32
-//! pairs times the two scales. `vpdpbusd` (AVX-512 VNNI) takes 64 pairs (two blocks) per
-//! instruction, `vpmaddubsw` + `vpmaddwd` (AVX2) 32 in two. Both multiply unsigned by
-//! signed bytes: q4_0's 4-bit values are unsigned already (their offset of 8 comes off
-//! through the block sums of `x`), and for q8_0 the kernels take |w| and move w's sign
-//! onto `x`, which is in [-127, 127] and so never overflows when negated (|w| is 128 at
-//! most and fits an unsigned byte, so a -128 in a file is exact too).
-//!
-//! Weights are `[out, in]`, as GGUF files and Candle's quantized matrices store them. Each
-//! thread takes a contiguous range of output rows and walks it front to back; a weight row
-//! (816 bytes for 768 inputs in q8_0) is read from memory once and from L1 for every
-//! further row of `x`. Sums are in f32, as ggml's are. The reference is Candle's quantized
-//! matrix product (which quantizes `x` the same way) and the f64 product with the
-//! dequantized weight; the tests hold the kernels to both and to the scalar code.
+//! f16 scale per block), so the product of two blocks is an exact integer dot product of
+//! 32 pairs times the two scales, summed in f32 as ggml's are. Weights are `[out, in]`, as
+//! GGUF files and Candle's quantized matrices store them. Each thread takes a contiguous
+//! range of output rows; a weight row is read from memory once and from L1 for every
+//! further row of `x`. The references are Candle's quantized matrix product (which
+//! quantizes `x` the same way) and the f64 product with the dequantized weight.
 
 use std::ops::Range;
 
@@ -27,7 +21,6 @@ use candle_core::{bail, Result, Tensor};
 use half::f16;
 
 use super::input::QRows;
-use super::level::{level, Level};
 use crate::dense::{map_ranges, ranges};
 
 /// Values per block, in both formats and in the quantized rows of `x`.
@@ -104,7 +97,7 @@ pub fn qmatmul(xs: &Tensor, w: &QTensor, rows: Range<usize>) -> Result<Option<Te
     }
     let x = crate::dense::with_f32_values(xs, |x| Ok(QRows::new(x, k)))?;
     let weights = &data[rows.start * row_bytes..rows.end * row_bytes];
-    let ys = product(level(), format, weights, row_bytes, &x);
+    let ys = product(format, weights, row_bytes, &x);
     Tensor::from_vec(ys, (m, rows.len()), xs.device()).map(Some)
 }
 
@@ -213,7 +206,7 @@ fn with_blocks(
 }
 
 /// `[m, n]`: every row of `x` against the `n` weight rows of `row_bytes` bytes in `w`.
-fn product(level: Level, format: Format, w: &[u8], row_bytes: usize, x: &QRows) -> Vec<f32> {
+fn product(format: Format, w: &[u8], row_bytes: usize, x: &QRows) -> Vec<f32> {
     let (m, n) = (x.rows(), w.len() / row_bytes.max(1));
     if m == 0 || n == 0 {
         return vec![0.0; m * n];
@@ -222,23 +215,10 @@ fn product(level: Level, format: Format, w: &[u8], row_bytes: usize, x: &QRows) 
     let blocks = map_ranges(&parts, |lo, hi| {
         let n = hi - lo;
         let mut out = vec![0f32; m * n];
-        // Four weight rows at a time, one from each quarter of the range: rows lo + j, lo + q +
-        // j, lo + 2q + j and lo + 3q + j. Each quarter is then one stream read front to back,
-        // where four neighbouring rows would be four short streams of a row's bytes each, which
-        // the prefetchers follow at a fraction of the speed. The block of `x` is loaded once
-        // for the four, and their sums reduce together. A missing row in the last quarter
-        // repeats the first row.
-        let q = n.div_ceil(4);
-        for j in 0..q {
-            let idx = [0, 1, 2, 3].map(|s| s * q + j);
-            let rows = idx.map(|i| &w[(lo + if i < n { i } else { j }) * row_bytes..][..row_bytes]);
+        for i in 0..n {
+            let row = &w[(lo + i) * row_bytes..][..row_bytes];
             for r in 0..m {
-                let d = dot4(level, format, rows, x.row(r));
-                for (&i, d) in idx.iter().zip(d) {
-                    if i < n {
-                        out[r * n + i] = d;
-                    }
-                }
+                out[r * n + i] = dot(format, row, x.row(r));
             }
         }
         out
@@ -255,55 +235,10 @@ fn product(level: Level, format: Format, w: &[u8], row_bytes: usize, x: &QRows) 
     ys
 }
 
-/// One weight row (`w`, whole blocks) against one quantized row of `x`, with the kernels
-/// of `level`, which must not be above [`level()`].
-fn dot(level: Level, format: Format, w: &[u8], (xq, xd, xo): (&[i8], &[f32], &[i32])) -> f32 {
-    let nb = xd.len();
-    assert!(w.len() >= nb * format.block_bytes() && xq.len() >= nb * QK && xo.len() >= nb);
-    #[cfg(target_arch = "x86_64")]
-    {
-        debug_assert!(level <= self::level());
-        // SAFETY: `level` is at most what the CPU was seen to support, and the lengths
-        // were checked above.
-        match (level, format) {
-            (Level::Avx2 | Level::Avx512Vnni, Format::Q8_0) => {
-                return unsafe { x86::q8_0_avx2(w, xq, xd) }
-            }
-            (Level::Avx2 | Level::Avx512Vnni, Format::Q4_0) => {
-                return unsafe { x86::q4_0_avx2(w, xq, xd, xo) }
-            }
-            (Level::Scalar, _) | (_, Format::Q5_0) => {}
-        }
-    }
-    let _ = level;
-    dot_scalar(format, w, xq, xd)
-}
-
-/// Four weight rows against one quantized row of `x`, as [`dot`].
-fn dot4(level: Level, format: Format, w: [&[u8]; 4], x: (&[i8], &[f32], &[i32])) -> [f32; 4] {
-    #[cfg(target_arch = "x86_64")]
-    if level >= Level::Avx2 {
-        let (xq, xd, xo) = x;
-        let nb = xd.len();
-        assert!(w.iter().all(|w| w.len() >= nb * format.block_bytes()));
-        assert!(xq.len() >= nb * QK && xo.len() >= nb);
-        // SAFETY: the CPU has the instructions of `level` (at most what it was seen to
-        // support) and the lengths were checked above.
-        return unsafe {
-            match (level, format) {
-                (Level::Avx512Vnni, Format::Q8_0) => x86::vnni_x4::<false>(w, xq, xd, xo),
-                (Level::Avx512Vnni, Format::Q4_0) => x86::vnni_x4::<true>(w, xq, xd, xo),
-                (_, Format::Q8_0) => x86::avx2_x4::<8>(w, xq, xd, xo),
-                (_, Format::Q4_0) => x86::avx2_x4::<4>(w, xq, xd, xo),
-                (_, Format::Q5_0) => x86::avx2_x4::<5>(w, xq, xd, xo),
-            }
-        };
-    }
-    w.map(|w| dot(level, format, w, x))
-}
-
-/// The scalar form of every kernel: an exact integer sum per block, scaled in f32.
-fn dot_scalar(format: Format, w: &[u8], xq: &[i8], xd: &[f32]) -> f32 {
+/// One weight row (`w`, whole blocks) against one quantized row of `x`: an exact integer
+/// sum per block, scaled in f32.
+fn dot(format: Format, w: &[u8], (xq, xd, _): (&[i8], &[f32], &[i32])) -> f32 {
+    debug_assert!(w.len() >= xd.len() * format.block_bytes() && xq.len() >= xd.len() * QK);
     let mut acc = 0f32;
     for (b, block) in w
         .chunks_exact(format.block_bytes())
@@ -339,358 +274,6 @@ fn dot_scalar(format: Format, w: &[u8], xq: &[i8], xd: &[f32]) -> f32 {
         acc += sum as f32 * (dw * xd[b]);
     }
     acc
-}
-
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    //! Every kernel takes `w` holding `xd.len()` whole blocks, `xq` as many blocks of 32
-    //! values and (q4_0) `xo` as many offsets; the caller checks the lengths. Each block's
-    //! sum is an exact integer, as in the scalar code: only the order of the f32 sums
-    //! differs.
-
-    use std::arch::x86_64::*;
-
-    /// The f16 scale at `p`, widened.
-    #[target_feature(enable = "f16c")]
-    #[inline]
-    unsafe fn scale(p: *const u8) -> f32 {
-        // SAFETY (caller): two readable bytes at `p`.
-        let h = unsafe { p.cast::<u16>().read_unaligned() };
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
-    }
-
-    /// The 32 values of the q4_0 block at `p` as unsigned bytes in element order.
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    unsafe fn nibbles(p: *const u8) -> __m256i {
-        // SAFETY (caller): a whole 18-byte block at `p`.
-        unsafe { nibbles_at(p.add(2)) }
-    }
-
-    /// The 32 four-bit values of the 16 bytes at `q` as bytes in element order (q4_0's
-    /// layout: element j low in byte j, element j + 16 high).
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    unsafe fn nibbles_at(q: *const u8) -> __m256i {
-        // SAFETY (caller): 16 readable bytes at `q`.
-        let q = unsafe { _mm_loadu_si128(q.cast()) };
-        _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16::<4>(q), q),
-            _mm256_set1_epi8(0x0f),
-        )
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q8_0_avx2(w: &[u8], xq: &[i8], xd: &[f32]) -> f32 {
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        for (b, &dx) in xd.iter().enumerate() {
-            // SAFETY: block b of `w` (34 bytes) and of `xq` (32) are in bounds.
-            unsafe {
-                let p = w.as_ptr().add(b * 34);
-                let wv = _mm256_loadu_si256(p.add(2).cast());
-                let xv = _mm256_loadu_si256(xq.as_ptr().add(b * 32).cast());
-                // |w| · (x with w's sign); pairs of products sum to at most 2·128·127.
-                let pairs =
-                    _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-                let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(scale(p) * dx), acc);
-            }
-        }
-        crate::simd::avx2::hsum(acc)
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q4_0_avx2(w: &[u8], xq: &[i8], xd: &[f32], xo: &[i32]) -> f32 {
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        for (b, &dx) in xd.iter().enumerate() {
-            // SAFETY: block b of `w` (18 bytes) and of `xq` (32) are in bounds.
-            unsafe {
-                let p = w.as_ptr().add(b * 18);
-                let xv = _mm256_loadu_si256(xq.as_ptr().add(b * 32).cast());
-                let pairs = _mm256_maddubs_epi16(nibbles(p), xv);
-                // The block's offset joins its first lane: the sum stays an exact integer.
-                let lanes = _mm256_add_epi32(
-                    _mm256_madd_epi16(pairs, ones),
-                    _mm256_setr_epi32(-8 * xo[b], 0, 0, 0, 0, 0, 0, 0),
-                );
-                let sum = _mm256_cvtepi32_ps(lanes);
-                acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(scale(p) * dx), acc);
-            }
-        }
-        crate::simd::avx2::hsum(acc)
-    }
-
-    /// Four rows' integer sums for two blocks, each the sum of the eight lanes of its
-    /// vector in `s` (rows 0–3 of the first block, then of the second): `[r0, r1, r2, r3]`
-    /// of the first block in lanes 0–3, of the second in lanes 4–7.
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    fn reduce8(s: [__m256i; 8]) -> __m256i {
-        // hadd pairs lanes within each 128-bit half: after two rounds lane j of the low
-        // half holds lanes 0–3 of vector j, of the high half its lanes 4–7.
-        let g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-        let g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
-        _mm256_add_epi32(
-            _mm256_permute2x128_si256::<0x20>(g0, g1),
-            _mm256_permute2x128_si256::<0x31>(g0, g1),
-        )
-    }
-
-    /// As [`reduce8`] for one block: `[r0, r1, r2, r3]`.
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    fn reduce4(s: [__m256i; 4]) -> __m128i {
-        let g = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-        _mm_add_epi32(_mm256_castsi256_si128(g), _mm256_extracti128_si256::<1>(g))
-    }
-
-    /// The block at `p` as unsigned bytes `u = w + c`: q4_0's 4-bit values (c = 8), or
-    /// q8_0's values with the sign bit flipped (c = 128).
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    unsafe fn unsigned_block<const Q4: bool>(p: *const u8) -> __m256i {
-        // SAFETY (caller): a whole block at `p`.
-        unsafe {
-            if Q4 {
-                nibbles(p)
-            } else {
-                _mm256_xor_si256(_mm256_loadu_si256(p.add(2).cast()), _mm256_set1_epi8(-128))
-            }
-        }
-    }
-
-    /// The f16 scale at `p`, as bits.
-    #[inline]
-    unsafe fn bits(p: *const u8) -> i16 {
-        // SAFETY (caller): two readable bytes at `p`.
-        unsafe { p.cast::<i16>().read_unaligned() }
-    }
-
-    /// The block at `p` of `BITS`-bit values (q8_0, q4_0 or q5_0) times the block of `x`
-    /// in `xv`, as eight lanes that sum to the block's integer sum plus `c · Σ x` (the
-    /// unsigned values' offset `c`, 8 or 16, is taken off by the caller; q8_0's sum is
-    /// exact): `vpmaddubsw` multiplies unsigned by signed bytes, so q4_0's and q5_0's
-    /// values go in unsigned and q8_0 gives |w| and moves w's sign onto `x` (pairs of
-    /// products then reach 2·128·127, inside an i16).
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    unsafe fn block_sum<const BITS: u8>(p: *const u8, xv: __m256i) -> __m256i {
-        // SAFETY (caller): a whole block at `p`.
-        let pairs = unsafe {
-            match BITS {
-                4 => _mm256_maddubs_epi16(nibbles(p), xv),
-                5 => _mm256_maddubs_epi16(fifth_bits(p), xv),
-                _ => {
-                    let wv = _mm256_loadu_si256(p.add(2).cast());
-                    _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv))
-                }
-            }
-        };
-        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
-    }
-
-    /// The 32 five-bit values of the q5_0 block at `p` as bytes in element order: bit j
-    /// of the high bits (a u32 after the scale) broadcast to byte j (as ggml's
-    /// `bytes_from_bits_32`: byte j keeps bit j of its copy, all others set, and equals
-    /// 0xff where that bit is), its 16 joined to the low nibbles.
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    unsafe fn fifth_bits(p: *const u8) -> __m256i {
-        // SAFETY (caller): a whole 22-byte block at `p`.
-        let (qh, low) = unsafe {
-            (
-                p.add(2).cast::<i32>().read_unaligned(),
-                nibbles_at(p.add(6)),
-            )
-        };
-        let bytes = _mm256_shuffle_epi8(
-            _mm256_set1_epi32(qh),
-            _mm256_set_epi64x(
-                0x0303_0303_0303_0303,
-                0x0202_0202_0202_0202,
-                0x0101_0101_0101_0101,
-                0,
-            ),
-        );
-        let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
-        let set = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
-        _mm256_or_si256(low, _mm256_and_si256(set, _mm256_set1_epi8(16)))
-    }
-
-    /// [`vnni_x4`] for CPUs with AVX2 alone: four rows (q8_0, q4_0 or q5_0) against
-    /// one row of `x`, two blocks per step, each block's product [`block_sum`]'s, the
-    /// eight sums of a step reduced and scaled together. Where one row at a time read the
-    /// four rows one after another, this reads them side by side (four streams) and
-    /// reduces once per step instead of per row.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn avx2_x4<const BITS: u8>(
-        w: [&[u8]; 4],
-        xq: &[i8],
-        xd: &[f32],
-        xs: &[i32],
-    ) -> [f32; 4] {
-        let (bytes, c) = match BITS {
-            4 => (18, 8),
-            5 => (22, 16),
-            _ => (34, 0),
-        };
-        let nb = xd.len();
-        let p = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
-        let mut acc = _mm256_setzero_ps();
-        let mut b = 0;
-        while b + 2 <= nb {
-            // SAFETY: blocks b and b + 1 of every row, `xq`, `xd` and `xs` are in bounds.
-            unsafe {
-                let x0 = _mm256_loadu_si256(xq.as_ptr().add(b * 32).cast());
-                let x1 = _mm256_loadu_si256(xq.as_ptr().add(b * 32 + 32).cast());
-                let (o0, o1) = (b * bytes, (b + 1) * bytes);
-                let u = |r: usize, o: usize| p[r].add(o);
-                let s = reduce8([
-                    block_sum::<BITS>(u(0, o0), x0),
-                    block_sum::<BITS>(u(1, o0), x0),
-                    block_sum::<BITS>(u(2, o0), x0),
-                    block_sum::<BITS>(u(3, o0), x0),
-                    block_sum::<BITS>(u(0, o1), x1),
-                    block_sum::<BITS>(u(1, o1), x1),
-                    block_sum::<BITS>(u(2, o1), x1),
-                    block_sum::<BITS>(u(3, o1), x1),
-                ]);
-                let offset =
-                    _mm256_setr_m128i(_mm_set1_epi32(-c * xs[b]), _mm_set1_epi32(-c * xs[b + 1]));
-                let s = _mm256_cvtepi32_ps(_mm256_add_epi32(s, offset));
-                let h = _mm_setr_epi16(
-                    bits(u(0, o0)),
-                    bits(u(1, o0)),
-                    bits(u(2, o0)),
-                    bits(u(3, o0)),
-                    bits(u(0, o1)),
-                    bits(u(1, o1)),
-                    bits(u(2, o1)),
-                    bits(u(3, o1)),
-                );
-                let dx = _mm256_setr_m128(_mm_set1_ps(xd[b]), _mm_set1_ps(xd[b + 1]));
-                acc = _mm256_fmadd_ps(s, _mm256_mul_ps(_mm256_cvtph_ps(h), dx), acc);
-            }
-            b += 2;
-        }
-        let mut acc4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-        if b < nb {
-            // SAFETY: the last block of every row, `xq`, `xd` and `xs` is in bounds.
-            unsafe {
-                let x0 = _mm256_loadu_si256(xq.as_ptr().add(b * 32).cast());
-                let o = b * bytes;
-                let s = reduce4([
-                    block_sum::<BITS>(p[0].add(o), x0),
-                    block_sum::<BITS>(p[1].add(o), x0),
-                    block_sum::<BITS>(p[2].add(o), x0),
-                    block_sum::<BITS>(p[3].add(o), x0),
-                ]);
-                let s = _mm_cvtepi32_ps(_mm_add_epi32(s, _mm_set1_epi32(-c * xs[b])));
-                let h = _mm_setr_epi16(
-                    bits(p[0].add(o)),
-                    bits(p[1].add(o)),
-                    bits(p[2].add(o)),
-                    bits(p[3].add(o)),
-                    0,
-                    0,
-                    0,
-                    0,
-                );
-                acc4 = _mm_fmadd_ps(s, _mm_mul_ps(_mm_cvtph_ps(h), _mm_set1_ps(xd[b])), acc4);
-            }
-        }
-        let mut out = [0f32; 4];
-        // SAFETY: four floats to `out`.
-        unsafe { _mm_storeu_ps(out.as_mut_ptr(), acc4) };
-        out
-    }
-
-    /// Four rows (q4_0 when `Q4`, else q8_0) against one row of `x`, two blocks per step.
-    /// Each row's block is one `vpdpbusd` of its unsigned bytes `u = w + c` by `x` on 256
-    /// bits (`c · Σ x` is taken off after), and the eight sums of a step are reduced and
-    /// scaled together: no per-block broadcasts or sign fixes, which made a row-at-a-time
-    /// kernel compute-bound at about half the memory's speed.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn vnni_x4<const Q4: bool>(
-        w: [&[u8]; 4],
-        xq: &[i8],
-        xd: &[f32],
-        xs: &[i32],
-    ) -> [f32; 4] {
-        let (bytes, c) = if Q4 { (18, 8) } else { (34, 128) };
-        let nb = xd.len();
-        let p = [w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()];
-        let z = _mm256_setzero_si256();
-        let mut acc = _mm256_setzero_ps();
-        let mut b = 0;
-        while b + 2 <= nb {
-            // SAFETY: blocks b and b + 1 of every row, `xq`, `xd` and `xs` are in bounds.
-            unsafe {
-                let x0 = _mm256_loadu_si256(xq.as_ptr().add(b * 32).cast());
-                let x1 = _mm256_loadu_si256(xq.as_ptr().add(b * 32 + 32).cast());
-                let (o0, o1) = (b * bytes, (b + 1) * bytes);
-                let u = |r: usize, o: usize| p[r].add(o);
-                let s = reduce8([
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(u(0, o0)), x0),
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(u(1, o0)), x0),
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(u(2, o0)), x0),
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(u(3, o0)), x0),
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(u(0, o1)), x1),
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(u(1, o1)), x1),
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(u(2, o1)), x1),
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(u(3, o1)), x1),
-                ]);
-                let offset =
-                    _mm256_setr_m128i(_mm_set1_epi32(-c * xs[b]), _mm_set1_epi32(-c * xs[b + 1]));
-                let s = _mm256_cvtepi32_ps(_mm256_add_epi32(s, offset));
-                let h = _mm_setr_epi16(
-                    bits(u(0, o0)),
-                    bits(u(1, o0)),
-                    bits(u(2, o0)),
-                    bits(u(3, o0)),
-                    bits(u(0, o1)),
-                    bits(u(1, o1)),
-                    bits(u(2, o1)),
-                    bits(u(3, o1)),
-                );
-                let dx = _mm256_setr_m128(_mm_set1_ps(xd[b]), _mm_set1_ps(xd[b + 1]));
-                acc = _mm256_fmadd_ps(s, _mm256_mul_ps(_mm256_cvtph_ps(h), dx), acc);
-            }
-            b += 2;
-        }
-        let mut acc4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-        if b < nb {
-            // SAFETY: the last block of every row, `xq`, `xd` and `xs` is in bounds.
-            unsafe {
-                let x0 = _mm256_loadu_si256(xq.as_ptr().add(b * 32).cast());
-                let o = b * bytes;
-                let s = reduce4([
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(p[0].add(o)), x0),
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(p[1].add(o)), x0),
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(p[2].add(o)), x0),
-                    _mm256_dpbusd_epi32(z, unsigned_block::<Q4>(p[3].add(o)), x0),
-                ]);
-                let s = _mm_cvtepi32_ps(_mm_add_epi32(s, _mm_set1_epi32(-c * xs[b])));
-                let h = _mm_setr_epi16(
-                    bits(p[0].add(o)),
-                    bits(p[1].add(o)),
-                    bits(p[2].add(o)),
-                    bits(p[3].add(o)),
-                    0,
-                    0,
-                    0,
-                    0,
-                );
-                acc4 = _mm_fmadd_ps(s, _mm_mul_ps(_mm_cvtph_ps(h), _mm_set1_ps(xd[b])), acc4);
-            }
-        }
-        let mut out = [0f32; 4];
-        // SAFETY: four floats to `out`.
-        unsafe { _mm_storeu_ps(out.as_mut_ptr(), acc4) };
-        out
-    }
 }
 
 #[cfg(test)]
@@ -788,13 +371,6 @@ pub(crate) mod tests {
         }
     }
 
-    fn levels() -> Vec<Level> {
-        [Level::Scalar, Level::Avx2, Level::Avx512Vnni]
-            .into_iter()
-            .filter(|&l| l <= level())
-            .collect()
-    }
-
     /// A `[n, k]` weight of standard normal values (with a few large ones, so blocks have
     /// different scales), quantized by Candle.
     fn weight(n: usize, k: usize, dtype: GgmlDType, seed: u64) -> (Vec<f32>, QTensor) {
@@ -820,7 +396,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn kernels_match_scalar_code_and_candle_and_the_f64_product() {
+    fn products_match_candle_and_the_f64_product() {
         let dev = Device::Cpu;
         // Odd block counts (k = 96, 800) exercise the one-block tails.
         for (dtype, (m, k, n)) in [GgmlDType::Q8_0, GgmlDType::Q4_0, GgmlDType::Q5_0]
@@ -830,34 +406,10 @@ pub(crate) mod tests {
             let (wd, q) = weight(n, k, dtype, m as u64);
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
             let xv: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-            let data = q.data().unwrap();
-            let format = Format::of(dtype).unwrap();
-            let row_bytes = k / QK * format.block_bytes();
-            let xq = QRows::new(&xv, k);
-            let scalar = product(Level::Scalar, format, &data, row_bytes, &xq);
-            // Σ |w|·|x| per output: the scale of f32 rounding in sums of its terms.
-            let magnitude: Vec<f32> = (0..m * n)
-                .map(|i| {
-                    let (r, o) = (i / n, i % n);
-                    let (xr, wr) = (&xv[r * k..][..k], &wd[o * k..][..k]);
-                    xr.iter().zip(wr).map(|(a, b)| (a * b).abs()).sum()
-                })
-                .collect();
-            for level in levels() {
-                let ys = product(level, format, &data, row_bytes, &xq);
-                for ((a, b), mag) in ys.iter().zip(&scalar).zip(&magnitude) {
-                    // The integer sums are exact: only the order of the f32 sums differs.
-                    assert!(
-                        (a - b).abs() <= 1e-6 * mag,
-                        "{level:?} {dtype:?}: {a} vs {b}"
-                    );
-                }
-            }
             // Candle's product quantizes x the same way: the same numbers up to the order
             // of the sums. (Its q5_0 product takes blocks in pairs: an odd count fails its
             // debug assertion.)
             let ys = qmatmul(&x, &q, 0..n).unwrap().unwrap();
-            drop(data);
             if dtype != GgmlDType::Q5_0 || (k / QK).is_multiple_of(2) {
                 let theirs = QMatMul::from_qtensor(q).unwrap().forward(&x).unwrap();
                 let diff = (&ys - &theirs).unwrap().abs().unwrap().max_all().unwrap();
@@ -1040,49 +592,6 @@ pub(crate) mod tests {
                 .unwrap(),
             0.0
         );
-    }
-
-    #[test]
-    fn q8_0_weights_of_minus_128_are_exact() {
-        // ggml's quantizer writes [-127, 127], but a file may hold -128: |w| = 128 must
-        // still multiply as 128 (the AVX2 pair sums reach 2·128·127, below i16's limit).
-        let format = Format::Q8_0;
-        let mut w = Vec::new();
-        for b in 0..3 {
-            w.extend_from_slice(&f16::from_f32(0.5 + b as f32).to_le_bytes());
-            w.extend((0..QK).map(|j| {
-                if j % 3 == 0 {
-                    0x80u8
-                } else {
-                    (j as u8).wrapping_mul(37)
-                }
-            }));
-        }
-        let x: Vec<f32> = (0..3 * QK)
-            .map(|i| if i % 2 == 0 { -1.0 } else { 0.9 })
-            .collect();
-        let xq = QRows::new(&x, 3 * QK);
-        let scalar = dot(Level::Scalar, format, &w, xq.row(0));
-        for level in levels() {
-            assert_eq!(dot(level, format, &w, xq.row(0)), scalar, "{level:?}");
-            let four = dot4(level, format, [&w[..]; 4], xq.row(0));
-            assert!(
-                four.iter()
-                    .all(|&v| (v - scalar).abs() <= 1e-6 * scalar.abs()),
-                "{level:?}: {four:?} vs {scalar}"
-            );
-        }
-        // And the scalar code is the plain sum.
-        let exact: f32 = (0..3)
-            .map(|b| {
-                let blk = &w[b * 34..][..34];
-                let s: i32 = (0..QK)
-                    .map(|j| blk[2 + j] as i8 as i32 * xq.q[b * QK + j] as i32)
-                    .sum();
-                s as f32 * f16::from_le_bytes([blk[0], blk[1]]).to_f32() * xq.d[b]
-            })
-            .sum();
-        assert!((scalar - exact).abs() <= 1e-5 * exact.abs());
     }
 
     #[test]
