@@ -210,9 +210,9 @@ unsafe fn half_sums<const R: usize, const BITS: u8>(
                     _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)),
                 );
             }
-            // (Four-bit operands, several rows of `x`: see `in_registers`. Five- and six-bit
+            // (Four-bit operands, four rows of `x`: see `in_registers`. Five- and six-bit
             // ones measured no faster so.)
-            if BITS == 4 && R > 1 {
+            if BITS == 4 && R == 4 {
                 in_registers(&mut s16);
             }
             let flush = match BITS {
@@ -256,10 +256,10 @@ unsafe fn half_sums8<const R: usize>(q: *const u8, xp: [*const i8; R]) -> [__m25
                 let p = _mm256_maddubs_epi16(a, _mm256_sign_epi8(x, w));
                 s32[j] = _mm256_add_epi32(s32[j], _mm256_madd_epi16(p, ones));
             }
-            // (Several rows of `x`, a prefill's: see `in_registers`. One row's sums, in
-            // decoding, are left to the compiler, which interleaves the calls for a tile's
-            // halves and columns: with the block there it decoded at 0.58x.)
-            if R > 1 {
+            // (Four rows of `x`: a prefill's passes, or four sequences decoded together; see
+            // `in_registers`. Fewer rows' sums are left to the compiler's schedule: with the
+            // block there, one sequence decoded at 0.58×, two at 0.88×, three at 0.93×.)
+            if R == 4 {
                 in_registers(&mut s32);
             }
         }
@@ -269,10 +269,10 @@ unsafe fn half_sums8<const R: usize>(q: *const u8, xp: [*const i8; R]) -> [__m25
 
 /// Hands `R` (one to four) running sums through an empty `asm` block, once per group of a
 /// block: no instruction, but each sum must be whole in its register there. Without it,
-/// LLVM turned the sums of a prefill's four rows of `x` into trees over a block's groups,
-/// hoisted the groups' broadcasts of `x` ahead of them and spilled what no longer fit into
-/// the registers; with it, the q8_0 products of a prefill ran 1.12× as fast, q4_0's 1.08×
-/// (docs/PERFORMANCE.md, "Quantized products").
+/// LLVM turned the sums of four rows of `x` into trees over a block's groups, hoisted the
+/// groups' broadcasts of `x` ahead of them and spilled what no longer fit into the
+/// registers; with it, the q8_0 products of a prefill ran 1.12× as fast, q4_0's 1.08×, and
+/// four sequences decoded together 1.34× (docs/PERFORMANCE.md, "Quantized products").
 #[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn in_registers<const R: usize>(s: &mut [__m256i; R]) {
