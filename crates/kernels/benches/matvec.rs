@@ -65,9 +65,9 @@ fn bench_matvec(c: &mut Criterion) {
 }
 
 /// The same products with block-quantized weights (`[out, in]`, as GGUF stores them):
-/// `gpt_kernels::quant` (the repacked tiles `Proj` uses where the CPU has AVX2 or AVX-512 VNNI)
-/// and `gpt_kernels::quant::stored` (the stored layout's scalar products, used elsewhere) against Candle's `QMatMul`
-/// (which repacks q8_0 matrices whose input width is a multiple of 256 for its own AVX-512 VNNI
+/// `gpt_kernels::quant` (the repacked tiles `Proj` uses where the CPU has AVX2 or AVX-512
+/// VNNI) and `gpt_kernels::quant::stored` (the stored layout's scalar products, used
+/// elsewhere) against Candle's `QMatMul` (which repacks q8_0 matrices whose input width is a multiple of 256 for its own AVX-512 VNNI
 /// kernel, keeping the copy). Throughput is in weight bytes read per second. Run it on the pool
 /// (`Proj` is called from a worker in `gpt`): calls from outside pay a wake-up each.
 fn bench_qmatvec(c: &mut Criterion) {

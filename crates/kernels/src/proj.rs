@@ -685,9 +685,9 @@ mod tests {
         Ok(())
     }
 
-    /// The stored-layout path ([`crate::quant::stored`]), which CPUs with AVX2 or AVX-512 VNNI
-    /// never take through `Proj::from_qtensor` (they pack): a whole projection and a narrowed view,
-    /// against the product with the dequantized weight, within `x`'s 8-bit rounding.
+    /// The stored-layout path ([`crate::quant::stored`]), which CPUs with AVX2 or AVX-512
+    /// VNNI never take through `Proj::from_qtensor` (they pack): a whole projection and a
+    /// narrowed view, against the product with the dequantized weight, within `x`'s 8-bit rounding.
     #[test]
     fn unpacked_quantized_projections_match_the_dequantized_product() -> Result<()> {
         let dev = Device::Cpu;

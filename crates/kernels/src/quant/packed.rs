@@ -4,10 +4,11 @@
 //!
 //! A q8_0 matrix `[n, k]` is stored by GGUF (and Candle) row after row of blocks (an f16
 //! scale and 32 signed bytes). A product with that layout must reduce each block's sums
-//! across lanes before scaling them, about eight instructions per 32 products. Here the same bytes are regrouped in tiles of 16 rows × one block:
-//! the 16 scales, then the 32 values of each row in groups of four, so that one 64-byte
-//! load holds four values of each of the 16 rows, and one `vpdpbusd` multiplies them by
-//! four values of `x` broadcast to every lane, adding into one lane per row. A tile's 512
+//! across lanes before scaling them, about eight instructions per 32 products. Here the
+//! same bytes are regrouped in tiles of 16 rows × one block: the 16 scales, then the 32
+//! values of each row in groups of four, so that one 64-byte load holds four values of
+//! each of the 16 rows, and one `vpdpbusd` multiplies them by four values of `x` broadcast
+//! to every lane, adding into one lane per row. A tile's 512
 //! products take eight instructions and its scaling one: no horizontal sums at all. Values
 //! are stored with 128 added (unsigned, as `vpdpbusd` wants its first operand), which the
 //! block sums of `x` take off again. q4_0 tiles hold the same groups as nibbles (values
@@ -33,8 +34,8 @@
 //! rows 0–7 and 8–15, in place of `vpdpbusd`; for q8_0 the values' magnitudes by `x` with
 //! their signs, as ggml's AVX2 code multiplies them); [`Packed::new`] packs
 //! only where the CPU has kernels for the format (elsewhere a matrix stays a `QTensor` on
-//! [`crate::quant::stored`]'s scalar products or Candle's kernels), and a scalar version of the same arithmetic
-//! is the tests' reference for the packing and the kernels, beside Candle's dequantized weights
+//! [`crate::quant::stored`]'s scalar products or Candle's kernels), and a scalar version of
+//! the same arithmetic is the tests' reference for the packing and the kernels, beside Candle's dequantized weights
 //! and products.
 
 use candle_core::quantized::{GgmlDType, QTensor};
