@@ -272,7 +272,7 @@ unsafe fn half_sums8<const R: usize>(q: *const u8, xp: [*const i8; R]) -> [__m25
 /// LLVM turned the sums of four rows of `x` into trees over a block's groups, hoisted the
 /// groups' broadcasts of `x` ahead of them and spilled what no longer fit into the
 /// registers; with it, the q8_0 products of a prefill ran 1.12× as fast, q4_0's 1.08×, and
-/// four sequences decoded together 1.34× (docs/PERFORMANCE.md, "Quantized products").
+/// four sequences decoded together 1.36× (docs/PERFORMANCE.md, "Quantized products").
 #[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn in_registers<const R: usize>(s: &mut [__m256i; R]) {
