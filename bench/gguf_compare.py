@@ -29,6 +29,10 @@ Decoding reads every weight once per token, so its ceiling is the memory read ba
 over the file's tensor bytes: the read floor, measured (torch summing 1 GiB with the same
 threads) just before and after each decoding pair, their mean. "of floor" is tokens/s x
 tensor bytes / bandwidth: 1.0 would be decoding as fast as the weights can be read.
+Where a shared machine's memory rate moves within seconds (a virtual machine's neighbours),
+a floor taken around the pair misjudges the decoding between; so each round also runs
+`gpt bench --read-floor`, which reads 256 MiB on its decoding threads after every decoding
+step: "of interleaved floor" is that run's tokens/s x tensor bytes / the rate of those reads.
 """
 import argparse
 import json
@@ -112,13 +116,15 @@ def gguf(kind):
     return path
 
 
-def ours(path, n, new):
+def ours(path, n, new, floor=False):
+    """(tokens/s, peak RSS in MiB), and with `floor` the read rate between decoding steps."""
     cmd = [os.path.join(ROOT, "target", "release", "gpt"), "bench", "--model", path,
            "--prompt-len", str(n), "--new-tokens", str(new), "--runs", "1",
            "--threads", str(args.threads), "--kv-dtype", args.gpt_kv_dtype, "--format", "json"]
-    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    out = json.loads(subprocess.run(cmd + ["--read-floor"] * floor, check=True,
+                                    capture_output=True, text=True).stdout)
     rate = out["decode_tokens_per_s"] if new else out["prefill_tokens_per_s"]
-    return rate, out["peak_rss_bytes"] / 2**20
+    return rate, out["peak_rss_bytes"] / 2**20, out.get("read_floor_bytes_per_s")
 
 
 def theirs(path, n, new):
@@ -135,7 +141,7 @@ shapes = [("decode 128 after 16", 16, 128), ("prefill 512", 512, 0)]
 shapes += [(f"decode 64 after {n}", n, 64) for n in args.depths]
 workloads = [(f"{kind}: {name}", gguf(kind), n, new) for kind in args.kinds for name, n, new in shapes]
 results = {w[0]: {"gpt": [], "llama.cpp": [], "gpt rss": [], "llama.cpp rss": [], "gpt floor": [],
-                  "llama.cpp floor": []} for w in workloads}
+                  "llama.cpp floor": [], "gpt interleaved": []} for w in workloads}
 for r in range(args.rounds):
     for name, path, n, new in workloads:
         # The read floor counts weights only: decoding after a long context reads the
@@ -153,15 +159,18 @@ for r in range(args.rounds):
             per_token = (before + read_floor()) / 2 / tensor_bytes(path)
             res["gpt floor"].append(o[0] / per_token)
             res["llama.cpp floor"].append(t[0] / per_token)
-            floor = f" (floor {per_token:.1f} tok/s)"
+            tok_s, _, rate = ours(path, n, new, floor=True)
+            res["gpt interleaved"].append(tok_s * tensor_bytes(path) / rate)
+            floor = (f" (floor {per_token:.1f} tok/s; gpt {res['gpt interleaved'][-1]:.2f} of "
+                     f"{rate / 1e9:.1f} GB/s interleaved)")
         print(f"round {r + 1} {name}: gpt {o[0]:.1f} tok/s, llama.cpp {t[0]:.1f} tok/s{floor}, "
               f"ratio {o[0] / t[0]:.2f}; RSS {o[1]:.0f} / {t[1]:.0f} MiB", flush=True)
 
 print(f"\n{args.arch}, {args.threads} threads, median of {args.rounds} rounds, "
       f"gpt with a {args.gpt_kv_dtype} KV cache")
 print("| workload | gpt tok/s | llama.cpp tok/s | gpt / llama.cpp | of floor gpt / llama.cpp "
-      "| peak RSS gpt / llama.cpp |")
-print("|---|---|---|---|---|---|")
+      "| gpt of interleaved floor | peak RSS gpt / llama.cpp |")
+print("|---|---|---|---|---|---|---|")
 for name, res in results.items():
     g, l = statistics.median(res["gpt"]), statistics.median(res["llama.cpp"])
     floor = " "
@@ -169,6 +178,10 @@ for name, res in results.items():
         by_round = ", ".join(f"{x:.2f}" for x in res["gpt floor"])
         floor = (f"{statistics.median(res['gpt floor']):.2f} / "
                  f"{statistics.median(res['llama.cpp floor']):.2f} (gpt by round {by_round})")
+    inter = " "
+    if res["gpt interleaved"]:
+        by_round = ", ".join(f"{x:.2f}" for x in res["gpt interleaved"])
+        inter = f"{statistics.median(res['gpt interleaved']):.2f} ({by_round})"
     rss = (statistics.median(res["gpt rss"]), statistics.median(res["llama.cpp rss"]))
-    print(f"| {name} | {g:.1f} | {l:.1f} | {g / l:.2f} | {floor} | "
+    print(f"| {name} | {g:.1f} | {l:.1f} | {g / l:.2f} | {floor} | {inter} | "
           f"{rss[0]:.0f} / {rss[1]:.0f} MiB ({rss[0] / rss[1]:.2f}) |")

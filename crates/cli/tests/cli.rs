@@ -268,6 +268,27 @@ fn bench_and_trace_report() {
     assert!(v["prefill_tokens_per_s"].as_f64().unwrap() > 0.0);
     assert!(v["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
     assert!(v["peak_rss_bytes"].as_u64().unwrap() > 0);
+    // Without --read-floor there is no floor; with it, a read rate any machine has (between
+    // 100 MB/s and 10 TB/s), and the peak memory without its 256 MiB buffer.
+    assert!(v.get("read_floor_bytes_per_s").is_none());
+    let out = ok(&[
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "2",
+        "--runs",
+        "1",
+        "--read-floor",
+        "--format",
+        "json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let rate = v["read_floor_bytes_per_s"].as_f64().unwrap();
+    assert!((1e8..1e13).contains(&rate), "{rate} bytes/s");
+    assert!(v["peak_rss_bytes"].as_u64().unwrap() < 256 << 20);
     fails(
         &[
             "bench",

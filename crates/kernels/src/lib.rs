@@ -11,6 +11,7 @@
 //!   fused ops with their backward passes, for training;
 //! - [`team`]: the helper threads of a decoding step; [`memory`]: weight buffers on huge
 //!   pages; [`profile`]: where a decoding step's time goes (with the `profile` feature);
+//!   [`floor`]: the memory-read rate that bounds decoding, measured between its steps;
 //!   [`cpu_kernels`]: which devices take all this (the CPU, unless `GPT_GENERIC_PATHS=1`).
 //!
 //! Kernels are chosen at run time: the same binary runs on CPUs without AVX-512.
@@ -31,6 +32,7 @@
 
 pub mod act;
 pub mod dense;
+pub mod floor;
 pub mod memory;
 pub mod ops;
 mod paths;

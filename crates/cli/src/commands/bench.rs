@@ -25,6 +25,14 @@ pub struct BenchArgs {
     /// Timed repetitions; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    /// Also measure the memory-read floor (CPU only): after each decoding step, read a
+    /// 256 MiB buffer on the decoding threads, and report that rate beside decoding's. Both
+    /// then see the same machine, where a floor measured before or after the run may not
+    /// (a shared machine's memory rate moves by seconds). What the reads evict from the
+    /// caches slows decoding a little; the peak memory reported is the untimed first run's,
+    /// before the buffer.
+    #[arg(long)]
+    pub read_floor: bool,
     /// Output format.
     #[arg(long, value_enum, default_value = "text")]
     pub format: Format,
@@ -59,6 +67,9 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
         )
     }
     let dev = model.device().clone();
+    if a.read_floor && !dev.is_cpu() {
+        bail!("--read-floor measures the CPU's memory, and the model runs on {dev:?}")
+    }
     // A fixed pseudo-random prompt.
     let ids: Vec<u32> = (0..a.batch * a.prompt_len)
         .map(|i| ((i as u64 * 2_654_435_761) % cfg.vocab_size as u64) as u32)
@@ -69,8 +80,16 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
     // Seconds of the timed runs' decoding in projections, in attention steps and in all,
     // where the `profile` feature times them.
     let mut split: Option<[f64; 3]> = None;
+    // With --read-floor: the buffer (made after the untimed run), the peak memory before it,
+    // and the timed runs' seconds spent reading it.
+    let mut floor: Option<(gpt_kernels::floor::ReadFloor, Option<u64>)> = None;
+    let mut floor_reads = std::time::Duration::ZERO;
     // One untimed run warms caches and the thread pool.
     for run in 0..=a.runs {
+        if a.read_floor && run == 1 {
+            let rss = peak_rss_bytes();
+            floor = Some((gpt_kernels::floor::ReadFloor::new(), rss));
+        }
         let mut cache = model.new_cache(a.prompt_len + a.new_tokens);
         let t0 = Instant::now();
         let logits = model.infer(&prompt, None, Some(&mut cache), Logits::Last)?;
@@ -79,13 +98,19 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
         crate::alloc::release_freed_memory();
         let t1 = Instant::now();
         gpt_kernels::profile::take(); // the prefill's
+                                      // The floor's reads in this run, left out of decoding's time.
+        let mut reads = std::time::Duration::ZERO;
         for _ in 0..a.new_tokens {
             let next: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
             let input = Tensor::from_vec(next, (a.batch, 1), &dev)?;
             let logits = model.infer(&input, None, Some(&mut cache), Logits::Last)?;
             rows = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            if let Some((f, _)) = &floor {
+                reads += f.read();
+            }
         }
-        let t2 = Instant::now();
+        floor_reads += reads;
+        let t2 = Instant::now() - reads;
         let parts = gpt_kernels::profile::take();
         if let (Some([(_, products, _), (_, attention, _)]), true) = (parts, run > 0) {
             let s = split.get_or_insert([0.0; 3]);
@@ -106,7 +131,15 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
     } else {
         median(decode)
     };
-    let rss = peak_rss_bytes();
+    let rss = match &floor {
+        Some((_, before)) => *before,
+        None => peak_rss_bytes(),
+    };
+    // Bytes per second of the floor's reads, where decoding ran.
+    let read_rate = floor
+        .as_ref()
+        .filter(|_| a.new_tokens > 0)
+        .map(|(f, _)| (f.bytes() * a.runs * a.new_tokens) as f64 / floor_reads.as_secs_f64());
     let threads = candle_core::utils::get_num_threads();
     // Milliseconds per decoding step: projections, attention, the rest.
     let steps = (a.runs * a.new_tokens).max(1) as f64;
@@ -126,6 +159,9 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
                 "decode_tokens_per_s": decode,
                 "peak_rss_bytes": rss,
             });
+            if let Some(rate) = read_rate {
+                out["read_floor_bytes_per_s"] = serde_json::json!(rate);
+            }
             if let Some([products, attention, rest]) = split {
                 out["decode_ms_per_step"] = serde_json::json!({
                     "projections": products,
@@ -142,6 +178,9 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
             );
             println!("prefill: {prefill:.1} tokens/s");
             println!("decode:  {decode:.1} tokens/s");
+            if let Some(rate) = read_rate {
+                println!("read floor: {:.1} GB/s between decoding steps", rate / 1e9);
+            }
             if let Some([products, attention, rest]) = split {
                 println!(
                     "decoding step: {products:.3} ms in projections, {attention:.3} ms in attention, {rest:.3} ms the rest"
