@@ -9,7 +9,8 @@ separated by spaces, e.g. `"/tmp/gpt-old"` and `"target/release/gpt"`, or
 N rounds runs A then B once (`gpt bench --prompt-len 16 --new-tokens 128 --runs 1
 --threads 2`, on $AB_MODEL); the medians and the median of the N ratios B/A are printed.
 With AB_WORK=prefill the work is a prefill of 512 tokens instead (`--prompt-len 512
---new-tokens 0`), and its speed is compared. Each side's peak RSS (from `gpt bench`) is
+--new-tokens 0`), and its speed is compared; AB_SHAPE=PROMPT,NEW sets other lengths
+(`AB_SHAPE=1024,64`: decoding after a long context). Each side's peak RSS (from `gpt bench`) is
 printed beside its speed. Needs only the Python standard library.
 """
 import json
@@ -27,6 +28,7 @@ n, configs = int(args[0]), args[1:3]
 model = os.environ.get("AB_MODEL", "/tmp/gpt2-124m-random")
 prefill = os.environ.get("AB_WORK", "decode") == "prefill"
 shape = ["512", "0"] if prefill else ["16", "128"]
+shape = os.environ.get("AB_SHAPE", ",".join(shape)).split(",")
 metric = "prefill_tokens_per_s" if prefill else "decode_tokens_per_s"
 res = [[], []]
 rss = [[], []]

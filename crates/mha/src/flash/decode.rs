@@ -190,6 +190,10 @@ impl Call<'_> {
         // much as the attention itself. Query heads sharing the keys (grouped-query
         // attention) each read the 16 rows again, from the first-level cache by then.
         let direct = in_place(kp, d) && in_place(vp, dv);
+        // Without AVX-512, a half-precision cache is read in place by the row kernels of
+        // `gpt_kernels::simd` (which widen as they load) rather than widened into `buf` and
+        // read again: the same products, without the widening pass.
+        let half = !direct && !matches!(kp, KvPtr::F32(_)) && !matches!(vp, KvPtr::F32(_));
         // A last block of fewer than SUB keys is read in place too where the storage holds
         // SUB rows from it (a cache allocated past its length, or the next head's rows):
         // the scores of the rows past the range are dropped.
@@ -221,6 +225,14 @@ impl Call<'_> {
                         // SAFETY: key rows j0 + sb.. + SUB lie in the storage (`whole`);
                         // `in_place` held.
                         unsafe { scores_in_place(kp, k_st, j0 + sb, x, op.scale, s) };
+                    }
+                    continue;
+                }
+                if half {
+                    for (qi, x) in queries.iter().enumerate() {
+                        let s = &mut s[qi * bc + sb..qi * bc + sb + n];
+                        // SAFETY: key rows j0 + sb.. + n lie in the storage.
+                        unsafe { scores_rows(kp, k_st, j0 + sb, x, op.scale, s) };
                     }
                     continue;
                 }
@@ -257,6 +269,12 @@ impl Call<'_> {
                 if direct {
                     // SAFETY: value rows j0 + sb.. + n lie in the storage; `in_place` held.
                     unsafe { add_in_place(vp, v_st, j0 + sb, n, s, bc, sb, &mut part.acc, dv) };
+                    continue;
+                }
+                if half {
+                    // SAFETY: value rows j0 + sb.. + n lie in the storage; `s` holds nq rows
+                    // of bc weights and `acc` nq rows of dv.
+                    unsafe { add_rows(vp, v_st, j0 + sb, n, s, bc, sb, &mut part.acc, dv) };
                     continue;
                 }
                 // SAFETY: value rows j0 + sb.. + n lie in the storage.
@@ -398,6 +416,89 @@ unsafe fn add_in_place(
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, st, j, n, w, bc, sb, acc, dv); // `in_place` is false there
+}
+
+/// Rows `j..j + 4` at `p` (`st` apart, `width` values each), the last of them repeated
+/// where fewer than four remain before row `end`.
+///
+/// # Safety
+/// Rows `j..end` lie in the storage `p` points into; `j < end`.
+unsafe fn rows4<'a, T>(p: *const T, st: usize, j: usize, end: usize, width: usize) -> [&'a [T]; 4] {
+    [0, 1, 2, 3].map(|i| std::slice::from_raw_parts(p.add((j + i).min(end - 1) * st), width))
+}
+
+/// `s[i] = scale · x · row(j + i)` for the `s.len()` rows from row `j` at `p`, `st` apart,
+/// read in place four at a time by `simd::dot4` (f32, f16 or bf16).
+///
+/// # Safety
+/// Rows `j..j + s.len()` (`x.len()` values each) lie in the storage `p` points into.
+unsafe fn scores_rows(p: KvPtr, st: usize, j: usize, x: &[f32], scale: f32, s: &mut [f32]) {
+    let (end, d) = (j + s.len(), x.len());
+    for (at, s) in (j..end).step_by(4).zip(s.chunks_mut(4)) {
+        let dots = match p {
+            KvPtr::F32(p) => simd::dot4(x, rows4(p, st, at, end, d)),
+            KvPtr::F16(p) => simd::dot4_f16(x, rows4(p, st, at, end, d)),
+            KvPtr::BF16(p) => simd::dot4_bf16(x, rows4(p, st, at, end, d)),
+        };
+        // (A last call short of four rows repeated its last: those sums are dropped.)
+        for (s, v) in s.iter_mut().zip(dots) {
+            *s = v * scale;
+        }
+    }
+}
+
+/// [`add_weighted`] of the `n` rows from row `j` at `p` (`st` apart, `dv` values each),
+/// read in place: four at a time by `simd::axpy4` (f32, f16 or bf16), the rest one value
+/// at a time, as [`add_weighted`] does with widened rows.
+///
+/// # Safety
+/// Rows `j..j + n` lie in the storage `p` points into; `w` holds `acc.len() / dv` rows of
+/// `bc` weights.
+#[allow(clippy::too_many_arguments)]
+unsafe fn add_rows(
+    p: KvPtr,
+    st: usize,
+    j: usize,
+    n: usize,
+    w: &[f32],
+    bc: usize,
+    sb: usize,
+    acc: &mut [f32],
+    dv: usize,
+) {
+    let n4 = n / 4 * 4;
+    for (y, w) in acc.chunks_exact_mut(dv).zip(w.chunks_exact(bc)) {
+        let w = &w[sb..sb + n];
+        for i in (0..n4).step_by(4) {
+            let a = [w[i], w[i + 1], w[i + 2], w[i + 3]];
+            match p {
+                KvPtr::F32(p) => simd::axpy4(y, a, rows4(p, st, j + i, j + n, dv)),
+                KvPtr::F16(p) => simd::axpy4_f16(y, a, rows4(p, st, j + i, j + n, dv)),
+                KvPtr::BF16(p) => simd::axpy4_bf16(y, a, rows4(p, st, j + i, j + n, dv)),
+            }
+        }
+        for (i, &a) in w.iter().enumerate().skip(n4) {
+            let at = (j + i) * st;
+            match p {
+                KvPtr::F32(p) => {
+                    let row = std::slice::from_raw_parts(p.add(at), dv);
+                    y.iter_mut().zip(row).for_each(|(y, &v)| *y += a * v);
+                }
+                KvPtr::F16(p) => {
+                    let row = std::slice::from_raw_parts(p.add(at), dv);
+                    y.iter_mut()
+                        .zip(row)
+                        .for_each(|(y, v)| *y += a * v.to_f32());
+                }
+                KvPtr::BF16(p) => {
+                    let row = std::slice::from_raw_parts(p.add(at), dv);
+                    y.iter_mut()
+                        .zip(row)
+                        .for_each(|(y, v)| *y += a * v.to_f32());
+                }
+            }
+        }
+    }
 }
 
 /// `s[j] = scale · x · row(j)` for the first `s.len() = n` of SUB rows of `x.len()`
@@ -698,6 +799,71 @@ mod tests {
                             (got - want).abs() < 1e-4,
                             "values width {width} nq {nq} n {n}: {got} vs {want}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The in-place readers of a cache without AVX-512 (`scores_rows`, `add_rows`: f32,
+    /// f16 and bf16 rows, counts that are not multiples of four) against the f64 sums of
+    /// the same values as stored.
+    #[test]
+    fn rows_read_in_place_equal_f64_sums() {
+        use half::{bf16, f16};
+        for (width, st, n) in [(64, 80, 16), (24, 24, 13), (16, 40, 1), (128, 128, 7)] {
+            let stored = values(SUB * st, 7);
+            let x = values(width, 3);
+            let f16s: Vec<f16> = stored.iter().map(|&v| f16::from_f32(v)).collect();
+            let bf16s: Vec<bf16> = stored.iter().map(|&v| bf16::from_f32(v)).collect();
+            let cases: [(KvPtr, Vec<f32>); 3] = [
+                (KvPtr::F32(stored.as_ptr()), stored.clone()),
+                (
+                    KvPtr::F16(f16s.as_ptr()),
+                    f16s.iter().map(|v| v.to_f32()).collect(),
+                ),
+                (
+                    KvPtr::BF16(bf16s.as_ptr()),
+                    bf16s.iter().map(|v| v.to_f32()).collect(),
+                ),
+            ];
+            for (p, rows) in cases {
+                // From row 2: the first rows of the storage are not the first read.
+                let j = 2.min(SUB - n);
+                let mut s = vec![0f32; n];
+                // SAFETY: rows j..j + n of `st` values lie in the storage.
+                unsafe { scores_rows(p, st, j, &x, 0.5, &mut s) };
+                for (i, &got) in s.iter().enumerate() {
+                    let want: f64 = (0..width)
+                        .map(|c| x[c] as f64 * rows[(j + i) * st + c] as f64)
+                        .sum::<f64>()
+                        * 0.5;
+                    assert!(
+                        (got as f64 - want).abs() < 1e-4,
+                        "scores width {width} n {n} row {i}: {got} vs {want}"
+                    );
+                }
+                for nq in [1, 3] {
+                    let bc = n + 3;
+                    let w = values(nq * bc, 11);
+                    let mut acc = values(nq * width, 5);
+                    let before = acc.clone();
+                    // SAFETY: as above; w holds nq rows of bc, acc nq rows of width.
+                    unsafe { add_rows(p, st, j, n, &w, bc, 2, &mut acc, width) };
+                    for q in 0..nq {
+                        for c in 0..width {
+                            let want = before[q * width + c] as f64
+                                + (0..n)
+                                    .map(|i| {
+                                        w[q * bc + 2 + i] as f64 * rows[(j + i) * st + c] as f64
+                                    })
+                                    .sum::<f64>();
+                            let got = acc[q * width + c] as f64;
+                            assert!(
+                                (got - want).abs() < 1e-4,
+                                "values width {width} nq {nq} n {n}: {got} vs {want}"
+                            );
+                        }
                     }
                 }
             }
