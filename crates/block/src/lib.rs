@@ -1,20 +1,23 @@
-//! Transformer blocks and one decoder model for six checkpoint families on
+//! Transformer blocks and one decoder model for fourteen checkpoint families on
 //! [Candle](https://github.com/huggingface/candle), built on the `mha` attention crate.
 //!
-//! - [`Block`]: a norm (LayerNorm or RMSNorm), attention (rotary or not, global or local),
-//!   an MLP (plain or gated), residuals in sequence or in parallel, dropout, pre- or
-//!   post-norm;
+//! - [`Block`]: norms (LayerNorm or RMSNorm, before and/or after each part), attention
+//!   (rotary or not, global or local, q/k norms, soft-capped scores) or a gated short
+//!   convolution (LFM2), an MLP (plain or gated), residuals in sequence or in parallel,
+//!   dropout;
 //! - [`Gpt`]: embeddings, blocks, final norm, tied or separate LM head; training mode with
 //!   dropout and a next-token loss (every family but GPT-NeoX, whose fused q/k/v rows are
 //!   regrouped at load), cached decoding, left-padded batches. The [`Family`]
-//!   (GPT-2, Llama, Mistral, Qwen2, GPT-NeoX, GPT-Neo) decides the parts and the tensor
-//!   names, nothing else;
+//!   (GPT-2, Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Granite, Gemma 2, Gemma 3,
+//!   Phi-3/Phi-4-mini, LFM2, GPT-NeoX, GPT-Neo) decides the parts and the tensor names,
+//!   nothing else;
 //! - [`load()`]: any checkpoint by its path, with [`LoadOptions`] (dtype, quantized while
 //!   loading, fused for inference):
 //!   - Hugging Face directories of any family (`config.json` in either generation of field
 //!     names + safetensors, sharded or not, with or without the root prefix);
 //!     [`save_dir`]: GPT-2 and Llama directories;
-//!   - llama.cpp's GGUF files (gpt2, llama, qwen2, gptneox; [`Gguf`]), block-quantized
+//!   - llama.cpp's GGUF files (gpt2, llama, qwen2, qwen3, smollm3, olmo2, granite, gemma2,
+//!     gemma3, phi3, lfm2, gptneox; [`Gguf`]), block-quantized
 //!     matrices kept as stored, the tokenizer's metadata checked ([`GgufVocab`]);
 //!     [`save_gguf`]: any model as a GGUF file llama.cpp runs;
 //!   - nanoGPT `ckpt.pt` checkpoints;
