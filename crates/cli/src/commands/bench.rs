@@ -97,8 +97,9 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
         // As `generate` does after its prefill (counted in the prefill's time).
         crate::alloc::release_freed_memory();
         let t1 = Instant::now();
-        gpt_kernels::profile::take(); // the prefill's
-                                      // The floor's reads in this run, left out of decoding's time.
+        // (The prefill's parts.)
+        gpt_kernels::profile::take();
+        // The floor's reads in this run, left out of decoding's time.
         let mut reads = std::time::Duration::ZERO;
         for _ in 0..a.new_tokens {
             let next: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
