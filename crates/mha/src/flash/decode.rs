@@ -178,22 +178,19 @@ impl Call<'_> {
         let (kp, vp) = (k.ptr(bi, hk, 0), v.ptr(bi, hk, 0));
         let (k_st, v_st) = (k.st(), v.st());
         let mut scores = vec![0f32; nq * BLOCK.min(range.len())];
-        // Scratch for widened rows, allocated when first needed (rarely, in place).
+        // Scratch for a last block's key rows, allocated when first needed (rarely).
         let mut buf = Vec::new();
         let mut part = Partial {
             m: vec![f32::NEG_INFINITY; nq],
             l: vec![0f32; nq],
             acc: vec![0f32; nq * dv],
         };
-        // A half-precision cache is read in place, widened as the products load it,
-        // rather than widened into `buf` and read again: the widening pass cost nearly as
-        // much as the attention itself. Query heads sharing the keys (grouped-query
-        // attention) each read the 16 rows again, from the first-level cache by then.
-        let direct = in_place(kp, d) && in_place(vp, dv);
-        // Without AVX-512, a half-precision cache is read in place by the row kernels of
-        // `gpt_kernels::simd` (which widen as they load) rather than widened into `buf` and
-        // read again: the same products, without the widening pass.
-        let half = !direct && !matches!(kp, KvPtr::F32(_)) && !matches!(vp, KvPtr::F32(_));
+        // Where the AVX-512 kernels take the rows, they read them in place whatever the
+        // cache's precision, widened as they load (widening into `buf` first cost nearly as
+        // much as the attention itself): 16 keys at a time, each query head of the group
+        // reading them again from the first-level cache. Elsewhere the row kernels of
+        // `gpt_kernels::simd` read them in place, four at a time.
+        let (k16, v16) = (avx512_rows(d), avx512_rows(dv));
         // A last block of fewer than SUB keys is read in place too where the storage holds
         // SUB rows from it (a cache allocated past its length, or the next head's rows):
         // the scores of the rows past the range are dropped.
@@ -209,39 +206,33 @@ impl Call<'_> {
                 prefetch_rows(vp, v_st, j0 + sb, n, dv);
                 let next = (j0 + sb + AHEAD).min(range.end);
                 prefetch_rows(kp, k_st, next, SUB.min(range.end - next), d);
-                if direct && n == SUB {
+                if k16 && n == SUB {
                     for (qi, x) in queries.iter().enumerate() {
                         let s = &mut s[qi * bc + sb..qi * bc + sb + SUB];
-                        // SAFETY: key rows j0 + sb.. + SUB lie in the storage; `in_place`
-                        // held.
-                        unsafe { scores_in_place(kp, k_st, j0 + sb, x, op.scale, s) };
+                        // SAFETY: key rows j0 + sb.. + SUB lie in the storage; `k16` held.
+                        unsafe { scores16(kp, k_st, j0 + sb, x, op.scale, s) };
                     }
-                    continue;
-                }
-                if direct && whole {
+                } else if k16 {
                     // (A separate branch: the one above keeps its 16 scores' fixed count.)
+                    let (p, st, j) = if whole {
+                        (kp, k_st, j0 + sb)
+                    } else {
+                        // SAFETY: key rows j0 + sb.. + n lie in the storage; `k16` held.
+                        unsafe { widen(kp, k_st, j0 + sb, n, d, &mut buf) };
+                        (KvPtr::F32(buf.as_ptr()), d, 0)
+                    };
                     for (qi, x) in queries.iter().enumerate() {
                         let s = &mut s[qi * bc + sb..qi * bc + sb + n];
-                        // SAFETY: key rows j0 + sb.. + SUB lie in the storage (`whole`);
-                        // `in_place` held.
-                        unsafe { scores_in_place(kp, k_st, j0 + sb, x, op.scale, s) };
+                        // SAFETY: SUB rows from row `j` lie in the storage (`whole`) or in
+                        // `buf` (`widen`); `k16` held.
+                        unsafe { scores16(p, st, j, x, op.scale, s) };
                     }
-                    continue;
-                }
-                if half {
+                } else {
                     for (qi, x) in queries.iter().enumerate() {
                         let s = &mut s[qi * bc + sb..qi * bc + sb + n];
                         // SAFETY: key rows j0 + sb.. + n lie in the storage.
                         unsafe { scores_rows(kp, k_st, j0 + sb, x, op.scale, s) };
                     }
-                    continue;
-                }
-                // SAFETY: key rows j0 + sb.. + n lie in the storage (`key_range` is within tk).
-                let (rows, st) = unsafe { widen(kp, k_st, j0 + sb, n, d, &mut buf) };
-                for (qi, x) in queries.iter().enumerate() {
-                    let s = &mut s[qi * bc + sb..qi * bc + sb + n];
-                    // SAFETY: `rows` holds SUB rows of `d` values, `st` apart (`widen`).
-                    unsafe { scores16(rows, st, n, x, op.scale, s) };
                 }
             }
             for qi in 0..nq {
@@ -266,73 +257,42 @@ impl Call<'_> {
             // ACC[nq, dv] += P[nq, bc] · V[j0.., dv]
             for sb in (0..bc).step_by(SUB) {
                 let n = SUB.min(bc - sb);
-                if direct {
-                    // SAFETY: value rows j0 + sb.. + n lie in the storage; `in_place` held.
-                    unsafe { add_in_place(vp, v_st, j0 + sb, n, s, bc, sb, &mut part.acc, dv) };
-                    continue;
+                let acc = &mut part.acc;
+                // SAFETY: value rows j0 + sb.. + n lie in the storage; `s` holds nq rows of
+                // bc weights and `acc` nq rows of dv; `v16` held for the first.
+                unsafe {
+                    if v16 {
+                        add_weighted(vp, v_st, j0 + sb, n, s, bc, sb, acc, dv);
+                    } else {
+                        add_rows(vp, v_st, j0 + sb, n, s, bc, sb, acc, dv);
+                    }
                 }
-                if half {
-                    // SAFETY: value rows j0 + sb.. + n lie in the storage; `s` holds nq rows
-                    // of bc weights and `acc` nq rows of dv.
-                    unsafe { add_rows(vp, v_st, j0 + sb, n, s, bc, sb, &mut part.acc, dv) };
-                    continue;
-                }
-                // SAFETY: value rows j0 + sb.. + n lie in the storage.
-                let (rows, st) = unsafe { widen(vp, v_st, j0 + sb, n, dv, &mut buf) };
-                // SAFETY: `rows` holds n rows of `dv` values, `st` apart; `s` holds nq rows of
-                // bc weights and `acc` nq rows of dv.
-                unsafe { add_weighted(rows, st, n, s, bc, sb, &mut part.acc, dv) };
             }
         }
         part
     }
 }
 
-/// Rows `j..j + n` (`n ≤ SUB`) of one head's keys or values as f32, `width` values each:
-/// a pointer and row stride into the storage for SUB f32 rows, otherwise into `buf`
-/// (widened, or copied; grown to `SUB · width` rows first), with rows `n..SUB` zero.
+/// Rows `j..j + n` (`n ≤ SUB`) of one head's keys (`width` values each, `st` apart) as the
+/// first `n` f32 rows of `buf`, `width` apart (grown to SUB rows first: [`scores16`] reads
+/// SUB, and the sums of the rows past `n`, whatever they hold, are dropped).
 ///
 /// # Safety
-/// The rows must lie inside the storage `p` points into.
-unsafe fn widen(
-    p: KvPtr,
-    st: usize,
-    j: usize,
-    n: usize,
-    width: usize,
-    buf: &mut Vec<f32>,
-) -> (*const f32, usize) {
+/// [`avx512_rows`] holds for `width`; the rows lie inside the storage `p` points into.
+unsafe fn widen(p: KvPtr, st: usize, j: usize, n: usize, width: usize, buf: &mut Vec<f32>) {
     if buf.len() < SUB * width {
         buf.resize(SUB * width, 0.0);
     }
-    let buf = &mut buf[..SUB * width];
+    // `half`'s slice conversion takes 8 values a call, not inlined: it was a sixth of
+    // decoding SmolLM-135M over 1024 cached positions.
     #[cfg(target_arch = "x86_64")]
-    if width.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
-        // `half`'s slice conversion takes 8 values a call, not inlined: it was a sixth of
-        // decoding SmolLM-135M over 1024 cached positions.
-        match p {
-            KvPtr::F16(p) => avx512::widen(p.add(j * st), st, n, width, buf),
-            KvPtr::BF16(p) => avx512::widen(p.add(j * st), st, n, width, buf),
-            KvPtr::F32(p) if n == SUB => return (p.add(j * st), st),
-            KvPtr::F32(p) => avx512::widen(p.add(j * st), st, n, width, buf),
-        }
-        buf[n * width..].fill(0.0);
-        return (buf.as_ptr(), width);
-    }
     match p {
-        KvPtr::F32(p) if n == SUB => return (p.add(j * st), st),
-        KvPtr::F32(p) => {
-            for (r, dst) in buf.chunks_exact_mut(width).take(n).enumerate() {
-                dst.copy_from_slice(std::slice::from_raw_parts(p.add((j + r) * st), width));
-            }
-        }
-        // Half precision, widened into `buf` as the blocks of the prefill path are.
-        _ => {
-            p.rows(j, n, st, width, buf);
-        }
+        KvPtr::F16(p) => avx512::widen(p.add(j * st), st, n, width, buf),
+        KvPtr::BF16(p) => avx512::widen(p.add(j * st), st, n, width, buf),
+        KvPtr::F32(p) => avx512::widen(p.add(j * st), st, n, width, buf),
     }
-    buf[n * width..].fill(0.0);
-    (buf.as_ptr(), width)
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, st, j, n, width); // `avx512_rows` is false there
 }
 
 /// Asks for rows `j..j + n` (`width` values each, `st` apart) at `p` to be brought into the
@@ -360,22 +320,23 @@ fn prefetch_rows(p: KvPtr, st: usize, j: usize, n: usize, width: usize) {
     let _ = (p, st, j, n, width);
 }
 
-/// Whether the AVX-512 products can read rows of `width` values at `p` in place: half
-/// precision (f32 rows are read in place by [`widen`] already) and a multiple of 16 wide.
-fn in_place(p: KvPtr, width: usize) -> bool {
+/// Whether the AVX-512 kernels take rows of `width` values: the CPU has AVX-512F and
+/// `width` is a multiple of 16.
+fn avx512_rows(width: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if width.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
-        return matches!(p, KvPtr::F16(_) | KvPtr::BF16(_));
+    if width.is_multiple_of(16) {
+        return std::arch::is_x86_feature_detected!("avx512f");
     }
-    let _ = (p, width);
+    let _ = width;
     false
 }
 
-/// [`scores16`] of SUB whole half-precision rows from row `j` at `p`, read in place.
+/// `s[i] = scale · x · row(j + i)` for the first `s.len() ≤ SUB` of the SUB rows from row
+/// `j` at `p` (`st` apart; f32, or half precision widened as it loads), read in place.
 ///
 /// # Safety
-/// [`in_place`] holds for `p` and `x.len()`; rows `j..j + SUB` lie in the storage.
-unsafe fn scores_in_place(p: KvPtr, st: usize, j: usize, x: &[f32], scale: f32, s: &mut [f32]) {
+/// [`avx512_rows`] holds for `x.len()`; rows `j..j + SUB` lie in the storage.
+unsafe fn scores16(p: KvPtr, st: usize, j: usize, x: &[f32], scale: f32, s: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         let sums = match p {
@@ -388,16 +349,18 @@ unsafe fn scores_in_place(p: KvPtr, st: usize, j: usize, x: &[f32], scale: f32, 
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, st, j, x, scale, s); // `in_place` is false there
+    let _ = (p, st, j, x, scale, s); // `avx512_rows` is false there
 }
 
-/// [`add_weighted`] of `n` half-precision rows from row `j` at `p`, read in place.
+/// `acc[i] += Σ_r w[i·bc + sb + r] · row(j + r)` for the `acc.len() / dv` query rows `i`
+/// and the `n` rows from row `j` at `p` (`st` apart, `dv` values each; f32, or half
+/// precision widened as it loads), read in place.
 ///
 /// # Safety
-/// [`in_place`] holds for `p` and `dv`; rows `j..j + n` lie in the storage; `w` holds
+/// [`avx512_rows`] holds for `dv`; rows `j..j + n` lie in the storage; `w` holds
 /// `acc.len() / dv` rows of `bc` weights.
 #[allow(clippy::too_many_arguments)]
-unsafe fn add_in_place(
+unsafe fn add_weighted(
     p: KvPtr,
     st: usize,
     j: usize,
@@ -415,7 +378,7 @@ unsafe fn add_in_place(
         KvPtr::F32(p) => avx512::add_weighted(p.add(j * st), st, n, w, bc, sb, acc, dv),
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, st, j, n, w, bc, sb, acc, dv); // `in_place` is false there
+    let _ = (p, st, j, n, w, bc, sb, acc, dv); // `avx512_rows` is false there
 }
 
 /// Rows `j..j + 4` at `p` (`st` apart, `width` values each), the last of them repeated
@@ -448,8 +411,8 @@ unsafe fn scores_rows(p: KvPtr, st: usize, j: usize, x: &[f32], scale: f32, s: &
 }
 
 /// [`add_weighted`] of the `n` rows from row `j` at `p` (`st` apart, `dv` values each),
-/// read in place: four at a time by `simd::axpy4` (f32, f16 or bf16), the rest one value
-/// at a time, as [`add_weighted`] does with widened rows.
+/// read in place without AVX-512: four at a time by `simd::axpy4` (f32, f16 or bf16), the
+/// rest one value at a time.
 ///
 /// # Safety
 /// Rows `j..j + n` lie in the storage `p` points into; `w` holds `acc.len() / dv` rows of
@@ -496,69 +459,6 @@ unsafe fn add_rows(
                         .zip(row)
                         .for_each(|(y, v)| *y += a * v.to_f32());
                 }
-            }
-        }
-    }
-}
-
-/// `s[j] = scale · x · row(j)` for the first `s.len() = n` of SUB rows of `x.len()`
-/// values, `st` apart.
-///
-/// # Safety
-/// SUB rows at `rows` (`st` apart, `x.len()` each) must be readable.
-unsafe fn scores16(rows: *const f32, st: usize, n: usize, x: &[f32], scale: f32, s: &mut [f32]) {
-    let d = x.len();
-    let row = |j: usize| std::slice::from_raw_parts(rows.add(j * st), d);
-    #[cfg(target_arch = "x86_64")]
-    if d.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
-        let sums = avx512::scores16(rows, st, x);
-        for (s, &v) in s.iter_mut().zip(&sums[..n]) {
-            *s = v * scale;
-        }
-        return;
-    }
-    for j in (0..n).step_by(4) {
-        let dots = simd::dot4(x, [row(j), row(j + 1), row(j + 2), row(j + 3)]);
-        for (s, v) in s[j..n.min(j + 4)].iter_mut().zip(dots) {
-            *s = v * scale;
-        }
-    }
-}
-
-/// `acc[i] += Σ_j p[i·bc + sb + j] · row(j)` for the `acc.len() / dv` query rows `i` and
-/// the `n` rows at `rows` (`st` apart, `dv` values each).
-///
-/// # Safety
-/// `n` rows at `rows` must be readable; `p` holds `acc.len() / dv` rows of `bc` weights.
-#[allow(clippy::too_many_arguments)]
-unsafe fn add_weighted(
-    rows: *const f32,
-    st: usize,
-    n: usize,
-    p: &[f32],
-    bc: usize,
-    sb: usize,
-    acc: &mut [f32],
-    dv: usize,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if dv.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
-        return avx512::add_weighted(rows, st, n, p, bc, sb, acc, dv);
-    }
-    let row = |j: usize| std::slice::from_raw_parts(rows.add(j * st), dv);
-    for (y, p) in acc.chunks_exact_mut(dv).zip(p.chunks_exact(bc)) {
-        let p = &p[sb..sb + n];
-        let n4 = n / 4 * 4;
-        for j in (0..n4).step_by(4) {
-            simd::axpy4(
-                y,
-                [p[j], p[j + 1], p[j + 2], p[j + 3]],
-                [row(j), row(j + 1), row(j + 2), row(j + 3)],
-            );
-        }
-        for (j, &a) in p.iter().enumerate().skip(n4) {
-            for (y, &w) in y.iter_mut().zip(row(j)) {
-                *y += a * w;
             }
         }
     }
@@ -755,64 +655,23 @@ mod tests {
         }
     }
 
-    /// The kernels (AVX-512 where the CPU has it and the width is a multiple of 16, the
-    /// generic loops elsewhere) against the f64 sums of the same values.
+    /// Both readers of a cache (the row kernels, and AVX-512's where the CPU has it and
+    /// the width is a multiple of 16, a short block's keys through `widen` too): f32, f16
+    /// and bf16 rows, counts that are not multiples of four, against the f64 sums of the
+    /// same values as stored.
     #[test]
-    fn kernels_equal_f64_sums() {
-        for (width, st, n) in [
-            (64, 64, 16),
-            (64, 80, 5),
-            (80, 96, 16),
-            (24, 24, 13),
-            (16, 16, 1),
-        ] {
-            let rows = values(SUB * st, 7);
-            let x = values(width, 3);
-            let mut s = vec![0f32; n];
-            // SAFETY: SUB rows of `st` values hold `width` values each.
-            unsafe { scores16(rows.as_ptr(), st, n, &x, 0.5, &mut s) };
-            for (j, &got) in s.iter().enumerate() {
-                let want: f64 = (0..width)
-                    .map(|c| x[c] as f64 * rows[j * st + c] as f64)
-                    .sum::<f64>()
-                    * 0.5;
-                assert!(
-                    (got as f64 - want).abs() < 1e-4,
-                    "scores width {width} n {n} row {j}: {got} vs {want}"
-                );
-            }
-            for nq in 1..=6 {
-                let bc = n + 3;
-                let p = values(nq * bc, 11);
-                let mut acc = values(nq * width, 5);
-                let before = acc.clone();
-                // SAFETY: n rows of `st` values; p holds nq rows of bc, acc nq rows of width.
-                unsafe { add_weighted(rows.as_ptr(), st, n, &p, bc, 2, &mut acc, width) };
-                for i in 0..nq {
-                    for c in 0..width {
-                        let want = before[i * width + c] as f64
-                            + (0..n)
-                                .map(|j| p[i * bc + 2 + j] as f64 * rows[j * st + c] as f64)
-                                .sum::<f64>();
-                        let got = acc[i * width + c] as f64;
-                        assert!(
-                            (got - want).abs() < 1e-4,
-                            "values width {width} nq {nq} n {n}: {got} vs {want}"
-                        );
-                    }
-                }
-            }
-        }
-    }
-
-    /// The in-place readers of a cache without AVX-512 (`scores_rows`, `add_rows`: f32,
-    /// f16 and bf16 rows, counts that are not multiples of four) against the f64 sums of
-    /// the same values as stored.
-    #[test]
-    fn rows_read_in_place_equal_f64_sums() {
+    fn readers_equal_f64_sums() {
         use half::{bf16, f16};
-        for (width, st, n) in [(64, 80, 16), (24, 24, 13), (16, 40, 1), (128, 128, 7)] {
-            let stored = values(SUB * st, 7);
+        for (width, st, n) in [
+            (64, 80, 16),
+            (64, 64, 5),
+            (24, 24, 13),
+            (16, 40, 1),
+            (128, 128, 7),
+        ] {
+            // SUB rows from row 2: the first rows of the storage are not the first read.
+            let j = 2;
+            let stored = values((SUB + j) * st, 7);
             let x = values(width, 3);
             let f16s: Vec<f16> = stored.iter().map(|&v| f16::from_f32(v)).collect();
             let bf16s: Vec<bf16> = stored.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -828,42 +687,65 @@ mod tests {
                 ),
             ];
             for (p, rows) in cases {
-                // From row 2: the first rows of the storage are not the first read.
-                let j = 2.min(SUB - n);
+                let check_scores = |s: &[f32], how: &str| {
+                    for (i, &got) in s.iter().enumerate() {
+                        let want: f64 = (0..width)
+                            .map(|c| x[c] as f64 * rows[(j + i) * st + c] as f64)
+                            .sum::<f64>()
+                            * 0.5;
+                        assert!(
+                            (got as f64 - want).abs() < 1e-4,
+                            "{how} scores width {width} n {n} row {i}: {got} vs {want}"
+                        );
+                    }
+                };
                 let mut s = vec![0f32; n];
                 // SAFETY: rows j..j + n of `st` values lie in the storage.
                 unsafe { scores_rows(p, st, j, &x, 0.5, &mut s) };
-                for (i, &got) in s.iter().enumerate() {
-                    let want: f64 = (0..width)
-                        .map(|c| x[c] as f64 * rows[(j + i) * st + c] as f64)
-                        .sum::<f64>()
-                        * 0.5;
-                    assert!(
-                        (got as f64 - want).abs() < 1e-4,
-                        "scores width {width} n {n} row {i}: {got} vs {want}"
-                    );
+                check_scores(&s, "rows");
+                if avx512_rows(width) {
+                    s.fill(0.0);
+                    // SAFETY: rows j..j + SUB lie in the storage; `avx512_rows` held.
+                    unsafe { scores16(p, st, j, &x, 0.5, &mut s) };
+                    check_scores(&s, "avx512");
+                    s.fill(0.0);
+                    let mut buf = vec![f32::NAN; 3];
+                    // SAFETY: rows j..j + n lie in the storage; `avx512_rows` held.
+                    unsafe { widen(p, st, j, n, width, &mut buf) };
+                    // SAFETY: `widen` left SUB rows of `width` values in `buf`.
+                    unsafe { scores16(KvPtr::F32(buf.as_ptr()), width, 0, &x, 0.5, &mut s) };
+                    check_scores(&s, "widened");
                 }
-                for nq in [1, 3] {
+                for nq in 1..=6 {
                     let bc = n + 3;
                     let w = values(nq * bc, 11);
-                    let mut acc = values(nq * width, 5);
-                    let before = acc.clone();
+                    let before = values(nq * width, 5);
+                    let check = |acc: &[f32], how: &str| {
+                        for q in 0..nq {
+                            for c in 0..width {
+                                let want = before[q * width + c] as f64
+                                    + (0..n)
+                                        .map(|i| {
+                                            w[q * bc + 2 + i] as f64 * rows[(j + i) * st + c] as f64
+                                        })
+                                        .sum::<f64>();
+                                let got = acc[q * width + c] as f64;
+                                assert!(
+                                    (got - want).abs() < 1e-4,
+                                    "{how} values width {width} nq {nq} n {n}: {got} vs {want}"
+                                );
+                            }
+                        }
+                    };
+                    let mut acc = before.clone();
                     // SAFETY: as above; w holds nq rows of bc, acc nq rows of width.
                     unsafe { add_rows(p, st, j, n, &w, bc, 2, &mut acc, width) };
-                    for q in 0..nq {
-                        for c in 0..width {
-                            let want = before[q * width + c] as f64
-                                + (0..n)
-                                    .map(|i| {
-                                        w[q * bc + 2 + i] as f64 * rows[(j + i) * st + c] as f64
-                                    })
-                                    .sum::<f64>();
-                            let got = acc[q * width + c] as f64;
-                            assert!(
-                                (got - want).abs() < 1e-4,
-                                "values width {width} nq {nq} n {n}: {got} vs {want}"
-                            );
-                        }
+                    check(&acc, "rows");
+                    if avx512_rows(width) {
+                        let mut acc = before.clone();
+                        // SAFETY: as above; `avx512_rows` held.
+                        unsafe { add_weighted(p, st, j, n, &w, bc, 2, &mut acc, width) };
+                        check(&acc, "avx512");
                     }
                 }
             }
