@@ -161,13 +161,16 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 /// AVX-512 take the column, or the two streams where they pay, others the spread requests.
 /// (With AVX2 alone the kernels spend longer on each tile, and on an AMD CPU too the
 /// column's burst of requests stalled them where the spread ones let the reads overlap
-/// the arithmetic.) The unit tests take all three. The measurements are in
-/// docs/PERFORMANCE.md ("Quantized products").
+/// the arithmetic.) q8_0's decoding streams each ask for the tile a few blocks on
+/// (`q8`): that paid on a Zen 5, and cost on a Zen 4 with AVX-512 (family 0x19, whose
+/// 512-bit operations run as two halves), which goes without. The unit tests take all of
+/// them. The measurements are in docs/PERFORMANCE.md ("Quantized products").
 #[derive(Clone, Copy)]
 struct Ahead {
     column: bool,
     spread: bool,
     two: bool,
+    q8: bool,
 }
 
 impl Ahead {
@@ -177,6 +180,7 @@ impl Ahead {
             column: amd_avx512 || cfg!(test),
             spread: !amd_avx512 || cfg!(test),
             two: amd_avx512 || cfg!(test),
+            q8: !(amd_avx512 && family() == 0x19) || cfg!(test),
         }
     }
 }
@@ -194,6 +198,26 @@ fn amd() -> bool {
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+/// The CPU's family (CPUID leaf 1: the base family, plus the extended one where the base
+/// is 0xF): 0x19 for AMD's Zen 3 and Zen 4, 0x1A for Zen 5.
+fn family() -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // (Looked up once: in a virtual machine CPUID traps to the host.)
+        static FAMILY: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+        *FAMILY.get_or_init(|| {
+            let eax = std::arch::x86_64::__cpuid(1).eax;
+            let base = (eax >> 8) & 0xF;
+            match base {
+                0xF => base + ((eax >> 20) & 0xFF),
+                _ => base,
+            }
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    0
 }
 
 impl Packed {
@@ -513,7 +537,7 @@ impl Packed {
             && ahead.two
             && matches!(self.format, Format::Q2K | Format::Q3K | Format::Q4K);
         let spread = match self.format {
-            Format::Q8_0 => m == 1 && !resident,
+            Format::Q8_0 => m == 1 && !resident && ahead.q8,
             Format::Q4_0 | Format::Q5_0 | Format::Q4_1 | Format::Q5_1 => false,
             _ => stream && m == 1 && (ahead.spread || two),
         };
