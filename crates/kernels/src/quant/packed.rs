@@ -162,9 +162,11 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 /// (With AVX2 alone the kernels spend longer on each tile, and on an AMD CPU too the
 /// column's burst of requests stalled them where the spread ones let the reads overlap
 /// the arithmetic.) q8_0's decoding streams each ask for the tile a few blocks on
-/// (`q8`): that paid on a Zen 5, and cost on a Zen 4 with AVX-512 (family 0x19, whose
-/// 512-bit operations run as two halves), which goes without. The unit tests take all of
-/// them. The measurements are in docs/PERFORMANCE.md ("Quantized products").
+/// (`q8`). The column, the two streams and q8_0's requests paid on a Zen 5; a Zen 4 with
+/// AVX-512 (family 0x19, whose 512-bit operations run as two halves) decoded faster
+/// without all three, with the spread requests as CPUs without AVX-512 take them. The
+/// unit tests take all of them. The measurements are in docs/PERFORMANCE.md ("Quantized
+/// products").
 #[derive(Clone, Copy)]
 struct Ahead {
     column: bool,
@@ -176,11 +178,13 @@ struct Ahead {
 impl Ahead {
     fn here(level: Level) -> Ahead {
         let amd_avx512 = amd() && level == Level::Avx512Vnni;
+        let zen4 = amd_avx512 && family() == 0x19;
+        let burst = amd_avx512 && !zen4;
         Ahead {
-            column: amd_avx512 || cfg!(test),
-            spread: !amd_avx512 || cfg!(test),
-            two: amd_avx512 || cfg!(test),
-            q8: !(amd_avx512 && family() == 0x19) || cfg!(test),
+            column: burst || cfg!(test),
+            spread: !burst || cfg!(test),
+            two: burst || cfg!(test),
+            q8: !zen4 || cfg!(test),
         }
     }
 }
