@@ -7,28 +7,13 @@ use super::ahead::ahead;
 use super::format::{q2k, q3k, q4k, q6k, Format, QK, QK_K, SCALES, TILE};
 use super::input::{super_rows, QRows, SuperRows, XRow};
 
-/// The 64 bytes at `p` as two loads of 32. The legacy formats' tiles (544 bytes for q8_0,
-/// 288 for q4_0, 352 for q5_0) put every other block's values 32 bytes off a cache line,
-/// where one load of 64 bytes would straddle two lines (docs/PERFORMANCE.md, "Quantized
-/// products").
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn load64(p: *const u8) -> __m512i {
-    // SAFETY (caller): 64 readable bytes at `p`.
-    unsafe {
-        let lo = _mm256_loadu_si256(p.cast());
-        let hi = _mm256_loadu_si256(p.add(32).cast());
-        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-    }
-}
-
 /// The low (or, `HIGH`, the high) nibbles of the 64 bytes at `p`, as bytes. (A function
 /// and not a closure: closures do not inherit the target features.)
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
 unsafe fn nibbles<const HIGH: bool>(p: *const u8) -> __m512i {
     // SAFETY (caller): 64 readable bytes at `p`.
-    let v = unsafe { load64(p) };
+    let v = unsafe { _mm512_loadu_si512(p.cast()) };
     let v = if HIGH { _mm512_srli_epi16::<4>(v) } else { v };
     _mm512_and_si512(v, _mm512_set1_epi8(0x0f))
 }
@@ -74,7 +59,7 @@ unsafe fn dot_groups(w: &[__m512i], p: *const i32, s: __m512i) -> __m512i {
 #[inline]
 unsafe fn add_fifth_bits(w: &mut [__m512i; 8], p: *const u8) {
     // SAFETY (caller): 64 readable bytes at `p`.
-    let v = unsafe { load64(p) };
+    let v = unsafe { _mm512_loadu_si512(p.cast()) };
     // Shifts of 16-bit lanes: the mask keeps bit 4 of each byte, which came from the
     // same byte (shifts of at most 4 to the left and 3 to the right).
     let high = [
@@ -219,14 +204,14 @@ unsafe fn load8(p: *const u8) -> [__m512i; 8] {
     // inherit the target features.)
     unsafe {
         [
-            load64(p),
-            load64(p.add(64)),
-            load64(p.add(128)),
-            load64(p.add(192)),
-            load64(p.add(256)),
-            load64(p.add(320)),
-            load64(p.add(384)),
-            load64(p.add(448)),
+            _mm512_loadu_si512(p.cast()),
+            _mm512_loadu_si512(p.add(64).cast()),
+            _mm512_loadu_si512(p.add(128).cast()),
+            _mm512_loadu_si512(p.add(192).cast()),
+            _mm512_loadu_si512(p.add(256).cast()),
+            _mm512_loadu_si512(p.add(320).cast()),
+            _mm512_loadu_si512(p.add(384).cast()),
+            _mm512_loadu_si512(p.add(448).cast()),
         ]
     }
 }
