@@ -164,15 +164,18 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 /// the arithmetic.) q8_0's decoding streams each ask for the tile a few blocks on
 /// (`q8`). The column, the two streams and q8_0's requests paid on a Zen 5; a Zen 4 with
 /// AVX-512 (family 0x19, whose 512-bit operations run as two halves) decoded faster
-/// without all three, with the spread requests as CPUs without AVX-512 take them. The
-/// unit tests take all of them. The measurements are in docs/PERFORMANCE.md ("Quantized
-/// products").
+/// without all three, with the spread requests as CPUs without AVX-512 take them, and
+/// its q8_0 streams faster still through the AVX2 kernel (`q8_avx2`; from the cache the
+/// AVX-512 one is the faster). The unit tests take all of them but `q8_avx2`, whose AVX2
+/// kernel they take at its own level. The measurements are in docs/PERFORMANCE.md
+/// ("Quantized products").
 #[derive(Clone, Copy)]
 struct Ahead {
     column: bool,
     spread: bool,
     two: bool,
     q8: bool,
+    q8_avx2: bool,
 }
 
 impl Ahead {
@@ -185,6 +188,7 @@ impl Ahead {
             spread: !burst || cfg!(test),
             two: burst || cfg!(test),
             q8: !zen4 || cfg!(test),
+            q8_avx2: zen4 && !cfg!(test),
         }
     }
 }
@@ -535,6 +539,11 @@ impl Packed {
         let resident = PACKED_BYTES.load(Ordering::Relaxed) < STREAMED_BYTES;
         let stream = m < UNPACK_ROWS && self.format != Format::Q8_0 && !resident;
         let ahead = Ahead::here(level);
+        // (Only decoding's choice of kernel: above, `pair` and `unpack` need m > 1.)
+        let level = match self.format {
+            Format::Q8_0 if m == 1 && !resident && ahead.q8_avx2 => level.min(Level::Avx2),
+            _ => level,
+        };
         let two = stream
             && m == 1
             && level == Level::Avx512Vnni
