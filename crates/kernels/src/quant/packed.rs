@@ -161,20 +161,19 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 /// AVX-512 take the column, or the two streams where they pay, others the spread requests.
 /// (With AVX2 alone the kernels spend longer on each tile, and on an AMD CPU too the
 /// column's burst of requests stalled them where the spread ones let the reads overlap
-/// the arithmetic.) q8_0's decoding streams each ask for the tile a few blocks on
-/// (`q8`). The column, the two streams and q8_0's requests paid on a Zen 5; a Zen 4 with
-/// AVX-512 (family 0x19, whose 512-bit operations run as two halves) decoded faster
-/// without all three, with the spread requests as CPUs without AVX-512 take them, and
-/// its q8_0 streams faster still through the AVX2 kernel (`q8_avx2`; from the cache the
-/// AVX-512 one is the faster). The unit tests take all of them but `q8_avx2`, whose AVX2
-/// kernel they take at its own level. The measurements are in docs/PERFORMANCE.md
-/// ("Quantized products").
+/// the arithmetic.) The column, the two streams and q8_0's requests for the tile a few
+/// blocks on (`avx512::legacy_rows`) paid on a Zen 5; a Zen 4 with AVX-512 (family 0x19,
+/// whose 512-bit operations run as two halves) decoded faster without the column and the
+/// two streams, with the spread requests as CPUs without AVX-512 take them, and its q8_0
+/// streams faster through the AVX2 kernel, which asks for nothing (`q8_avx2`; from the
+/// cache the AVX-512 one is the faster). The unit tests take all of them but `q8_avx2`,
+/// whose AVX2 kernel they take at its own level. The measurements are in
+/// docs/PERFORMANCE.md ("Quantized products").
 #[derive(Clone, Copy)]
 struct Ahead {
     column: bool,
     spread: bool,
     two: bool,
-    q8: bool,
     q8_avx2: bool,
 }
 
@@ -187,7 +186,6 @@ impl Ahead {
             column: burst || cfg!(test),
             spread: !burst || cfg!(test),
             two: burst || cfg!(test),
-            q8: !zen4 || cfg!(test),
             q8_avx2: zen4 && !cfg!(test),
         }
     }
@@ -550,7 +548,7 @@ impl Packed {
             && ahead.two
             && matches!(self.format, Format::Q2K | Format::Q3K | Format::Q4K);
         let spread = match self.format {
-            Format::Q8_0 => m == 1 && !resident && ahead.q8,
+            Format::Q8_0 => m == 1 && !resident,
             Format::Q4_0 | Format::Q5_0 | Format::Q4_1 | Format::Q5_1 => false,
             _ => stream && m == 1 && (ahead.spread || two),
         };
