@@ -38,17 +38,40 @@ unsafe fn q4_operands(q: *const u8) -> [__m512i; 8] {
     }
 }
 
+/// The operands of a block of 32 four-bit values as [`q4_operands`] gives them, except
+/// that each odd group (the high nibbles) stays in place: 16 times its value, one `and`
+/// where the value itself takes a shift too. Decoding's kernels, whose unpacking competes
+/// with the products for the vector units, sum the odd groups apart and shift their sum
+/// back ([`dot_groups`] with `IN_PLACE`): exact, as it is a multiple of 16.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q4_operands_in_place(q: *const u8) -> [__m512i; 8] {
+    let (lo, hi) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0xf0u8 as i8));
+    let mut w = [_mm512_setzero_si512(); 8];
+    for (i, w) in w.chunks_exact_mut(2).enumerate() {
+        // SAFETY (caller): 256 readable bytes at `q`.
+        let v = unsafe { _mm512_loadu_si512(q.add(64 * i).cast()) };
+        w[0] = _mm512_and_si512(v, lo);
+        w[1] = _mm512_and_si512(v, hi);
+    }
+    w
+}
+
 /// `s + Σ_g w[g] · x[4g..4g + 3]` per lane (row), for the values of `x` at `p` (four
-/// per `i32`), in two chains.
+/// per `i32`), in two chains: the even groups' (with `s`) and the odd groups', which with
+/// `IN_PLACE` hold 16 times their values ([`q4_operands_in_place`]).
 #[target_feature(enable = "avx512f,avx512vnni")]
 #[inline]
-unsafe fn dot_groups(w: &[__m512i], p: *const i32, s: __m512i) -> __m512i {
+unsafe fn dot_groups<const IN_PLACE: bool>(w: &[__m512i], p: *const i32, s: __m512i) -> __m512i {
     let (mut s0, mut s1) = (s, _mm512_setzero_si512());
     for g in (0..w.len()).step_by(2) {
         // SAFETY (caller): `w.len()` (even) values of 4 bytes at `p`.
         let (x0, x1) = unsafe { (p.add(g).read_unaligned(), p.add(g + 1).read_unaligned()) };
         s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(x0));
         s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(x1));
+    }
+    if IN_PLACE {
+        s1 = _mm512_srai_epi32::<4>(s1);
     }
     _mm512_add_epi32(s0, s1)
 }
@@ -300,14 +323,21 @@ pub(super) unsafe fn q4k_rows<const R: usize, const FIVE: bool, const T: usize>(
                     }
                     let sc = lanes::<false>(tile.add(q4k::SC + 16 * j));
                     let m = lanes::<false>(tile.add(q4k::MIN + 16 * j));
-                    let w = match pre {
-                        true => load8(ops.as_ptr().add((8 * b + j) * 512)),
-                        false => q4k_operands::<FIVE>(tile, j),
+                    // (q5_K's fifth bits leave no room to keep the high nibbles in place.)
+                    let in_place = !FIVE && !pre;
+                    let w = match (pre, in_place) {
+                        (true, _) => load8(ops.as_ptr().add((8 * b + j) * 512)),
+                        (false, true) => q4_operands_in_place(tile.add(q4k::QS + 256 * j)),
+                        (false, false) => q4k_operands::<FIVE>(tile, j),
                     };
                     for i in 0..R {
                         let x = xs[i];
                         let p = x.q.add(b * QK_K + QK * j).cast();
-                        let s = dot_groups(&w, p, _mm512_setzero_si512());
+                        let zero = _mm512_setzero_si512();
+                        let s = match in_place {
+                            true => dot_groups::<true>(&w, p, zero),
+                            false => dot_groups::<false>(&w, p, zero),
+                        };
                         sums[i] = _mm512_add_epi32(sums[i], _mm512_mullo_epi32(s, sc));
                         let xsum = *x.s.add(16 * b + 2 * j) + *x.s.add(16 * b + 2 * j + 1);
                         let xsum = _mm512_set1_epi32(xsum);
@@ -670,9 +700,12 @@ pub(super) unsafe fn q6k_rows<const R: usize, const Q3: bool, const T: usize>(
                         let x = xs[i];
                         let p = x.q.add(b * QK_K + QK * j).cast::<i32>();
                         let s = x.s.add(16 * b + 2 * j);
-                        let lo = dot_groups(&w[..4], p, _mm512_set1_epi32(-offset * *s));
-                        let hi =
-                            dot_groups(&w[4..], p.add(4), _mm512_set1_epi32(-offset * *s.add(1)));
+                        let lo = dot_groups::<false>(&w[..4], p, _mm512_set1_epi32(-offset * *s));
+                        let hi = dot_groups::<false>(
+                            &w[4..],
+                            p.add(4),
+                            _mm512_set1_epi32(-offset * *s.add(1)),
+                        );
                         let sum = _mm512_add_epi32(
                             _mm512_mullo_epi32(lo, sc_lo),
                             _mm512_mullo_epi32(hi, sc_hi),
@@ -732,8 +765,8 @@ pub(super) unsafe fn q2k_rows<const R: usize, const T: usize>(
                         let x = xs[i];
                         let p = x.q.add(b * QK_K + QK * j).cast::<i32>();
                         let s = x.s.add(16 * b + 2 * j);
-                        let lo = dot_groups(&w[..4], p, _mm512_setzero_si512());
-                        let hi = dot_groups(&w[4..], p.add(4), _mm512_setzero_si512());
+                        let lo = dot_groups::<false>(&w[..4], p, _mm512_setzero_si512());
+                        let hi = dot_groups::<false>(&w[4..], p.add(4), _mm512_setzero_si512());
                         let sum = _mm512_add_epi32(
                             _mm512_mullo_epi32(lo, sc_lo),
                             _mm512_mullo_epi32(hi, sc_hi),
@@ -887,22 +920,22 @@ pub(super) unsafe fn legacy_rows<
                 }
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
                 let m = _mm512_cvtph_ps(_mm256_loadu_si256(tile.add(SCALES).cast()));
-                // w[g] pairs with values 4g..4g+3 of `x`'s block.
-                let w = match pre {
-                    true => load8(ops.as_ptr().add(b * 512)),
-                    false => legacy_operands::<BITS>(tile.add(head)),
+                // w[g] pairs with values 4g..4g+3 of `x`'s block; q4_0's and q4_1's odd
+                // groups in place (16 times their values) where unpacked here.
+                let in_place = BITS == 4 && !pre;
+                let w = match (pre, in_place) {
+                    (true, _) => load8(ops.as_ptr().add(b * 512)),
+                    (false, true) => q4_operands_in_place(tile.add(head)),
+                    (false, false) => legacy_operands::<BITS>(tile.add(head)),
                 };
                 for j in 0..R {
                     let p = xq[j].add(b * QK).cast::<i32>();
-                    let mut s0 = _mm512_setzero_si512();
-                    let mut s1 = _mm512_set1_epi32(-offset * *xs[j].add(b));
-                    for g in (0..8).step_by(2) {
-                        let x0 = _mm512_set1_epi32(p.add(g).read_unaligned());
-                        let x1 = _mm512_set1_epi32(p.add(g + 1).read_unaligned());
-                        s0 = _mm512_dpbusd_epi32(s0, w[g], x0);
-                        s1 = _mm512_dpbusd_epi32(s1, w[g + 1], x1);
-                    }
-                    let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                    let init = _mm512_set1_epi32(-offset * *xs[j].add(b));
+                    let s = match in_place {
+                        true => dot_groups::<true>(&w, p, init),
+                        false => dot_groups::<false>(&w, p, init),
+                    };
+                    let s = _mm512_cvtepi32_ps(s);
                     let dx = *xd[j].add(b);
                     acc[t][j] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[t][j]);
                     if MIN {
