@@ -144,6 +144,47 @@ unsafe fn q6k_operands(tile: *const u8, j: usize) -> [__m512i; 8] {
     }
 }
 
+/// [`q6k_operands`] with GFNI: each group's two high bits taken from the loaded bit pairs
+/// to bits 4..5 by one affine transform of bytes (`vgf2p8affineqb`, a bit matrix), and
+/// merged with the nibble by one select; where the shifts, masks and `or`s take 13
+/// instructions for four groups, this takes 10.
+#[target_feature(enable = "avx512f,avx512bw,gfni")]
+#[inline]
+unsafe fn q6k_operands_gfni(tile: *const u8, j: usize) -> [__m512i; 8] {
+    // Output bit i of a byte is the parity of its AND with byte 7 - i of the matrix: bits
+    // 2f and 2f + 1 (group 4h + f's pair) to bits 4 and 5, the rest 0.
+    const fn pair(f: u32) -> i64 {
+        ((1 << (2 * f)) << 24 | (2 << (2 * f)) << 16) as i64
+    }
+    let matrices = [
+        _mm512_set1_epi64(pair(0)),
+        _mm512_set1_epi64(pair(1)),
+        _mm512_set1_epi64(pair(2)),
+        _mm512_set1_epi64(pair(3)),
+    ];
+    let low = _mm512_set1_epi8(0x0f);
+    let mut w = [_mm512_setzero_si512(); 8];
+    // SAFETY (caller): a whole tile at `tile`, j < 8.
+    unsafe {
+        let (ql, qh) = (tile.add(q6k::QL + 256 * j), tile.add(q6k::QH + 128 * j));
+        for h in 0..2 {
+            let pairs = _mm512_loadu_si512(qh.add(64 * h).cast());
+            for i in 0..2 {
+                // Groups 4h + 2i (low nibbles) and 4h + 2i + 1 (high nibbles, shifted
+                // down; the select drops what the 16-bit shift brings in above them).
+                let v = _mm512_loadu_si512(ql.add(64 * (2 * h + i)).cast());
+                for (k, nibbles) in [v, _mm512_srli_epi16::<4>(v)].into_iter().enumerate() {
+                    let f = 2 * i + k;
+                    let high = _mm512_gf2p8affine_epi64_epi8::<0>(pairs, matrices[f]);
+                    // low ? nibbles : high, bit by bit.
+                    w[4 * h + f] = _mm512_ternarylogic_epi32::<0xe4>(nibbles, high, low);
+                }
+            }
+        }
+    }
+    w
+}
+
 /// The three-bit operands of block `j` (of 32 values) of a q3_K tile at `tile`: the two
 /// low bits of group `4h + f` at bits `2f..2f + 1` of the h-th 64 bytes, the third
 /// bit or-ed in from its plane.
@@ -652,79 +693,102 @@ pub(super) unsafe fn q2k_pair<const R: usize>(
     unsafe { store_rows(y, acc) };
 }
 
-/// `R` rows of `x` against `T` columns of q6_K (`Q3`: q3_K) tiles, as ggml's q6_K ·
-/// q8_K (q3_K · q8_K): per block of 32 and row of `x`, eight `vpdpbusd` in two halves
-/// of 16 values (each less the offset, 32 or 4, times the half's sum of `x`) and an
-/// integer multiply of each by its scales; per super-block one multiply-add. The
-/// operands are built once for the `R` rows. Columns as in [`q4k_rows`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-pub(super) unsafe fn q6k_rows<const R: usize, const Q3: bool, const T: usize>(
-    tiles: [&[u8]; T],
-    ops: &[u8],
-    x: &SuperRows,
-    r: usize,
-    y: [&mut [[f32; TILE]; 4]; T],
-    spread: bool,
-) {
-    // (The scales lie at the same place in both tiles: q6k::SC == q3k::SC.)
-    let (size, offset) = if Q3 {
-        (q3k::BYTES, 4)
-    } else {
-        (q6k::BYTES, 32)
-    };
-    let nb = tiles[0].len() / size;
-    assert!(tiles.iter().all(|t| t.len() >= nb * size));
-    let xs = super_rows::<R>(x, r, nb);
-    let pre = !ops.is_empty();
-    assert!(!pre || (T == 1 && ops.len() >= nb * 8 * 512));
-    let mut acc = [[_mm512_setzero_ps(); R]; T];
-    for b in 0..nb {
-        for (t, acc) in acc.iter_mut().enumerate() {
-            // SAFETY: tile b of each column is `size` readable bytes, its operands in `ops`
-            // when given; super-block b of each row of `x` is in bounds (`super_rows`).
-            unsafe {
-                let tile = tiles[t].as_ptr().add(b * size);
-                let mut sums = [_mm512_setzero_si512(); R];
-                for j in 0..8 {
-                    if spread {
-                        ahead(tile, size, j);
+/// Defines [`q6k_rows`] and [`q6k_rows_gfni`]: one kernel, built for two sets of
+/// target features (a function's features cannot depend on a generic parameter), each
+/// with the operands that its features allow.
+macro_rules! q6k_rows {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $operands:ident) => {
+        $(#[$doc])*
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $name<const R: usize, const Q3: bool, const T: usize>(
+            tiles: [&[u8]; T],
+            ops: &[u8],
+            x: &SuperRows,
+            r: usize,
+            y: [&mut [[f32; TILE]; 4]; T],
+            spread: bool,
+        ) {
+            // (The scales lie at the same place in both tiles: q6k::SC == q3k::SC.)
+            let (size, offset) = if Q3 {
+                (q3k::BYTES, 4)
+            } else {
+                (q6k::BYTES, 32)
+            };
+            let nb = tiles[0].len() / size;
+            assert!(tiles.iter().all(|t| t.len() >= nb * size));
+            let xs = super_rows::<R>(x, r, nb);
+            let pre = !ops.is_empty();
+            assert!(!pre || (T == 1 && ops.len() >= nb * 8 * 512));
+            let mut acc = [[_mm512_setzero_ps(); R]; T];
+            for b in 0..nb {
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: tile b of each column is `size` readable bytes, its operands
+                    // in `ops` when given; super-block b of each row of `x` is in bounds
+                    // (`super_rows`).
+                    unsafe {
+                        let tile = tiles[t].as_ptr().add(b * size);
+                        let mut sums = [_mm512_setzero_si512(); R];
+                        for j in 0..8 {
+                            if spread {
+                                ahead(tile, size, j);
+                            }
+                            let w = match (pre, Q3) {
+                                (true, _) => load8(ops.as_ptr().add((8 * b + j) * 512)),
+                                (false, true) => q3k_operands(tile, j),
+                                (false, false) => $operands(tile, j),
+                            };
+                            let sc_lo = lanes::<true>(tile.add(q6k::SC + 32 * j));
+                            let sc_hi = lanes::<true>(tile.add(q6k::SC + 32 * j + 16));
+                            for i in 0..R {
+                                let x = xs[i];
+                                let p = x.q.add(b * QK_K + QK * j).cast::<i32>();
+                                let s = x.s.add(16 * b + 2 * j);
+                                let lo =
+                                    dot_groups::<false>(&w[..4], p, _mm512_set1_epi32(-offset * *s));
+                                let hi = dot_groups::<false>(
+                                    &w[4..],
+                                    p.add(4),
+                                    _mm512_set1_epi32(-offset * *s.add(1)),
+                                );
+                                let sum = _mm512_add_epi32(
+                                    _mm512_mullo_epi32(lo, sc_lo),
+                                    _mm512_mullo_epi32(hi, sc_hi),
+                                );
+                                sums[i] = _mm512_add_epi32(sums[i], sum);
+                            }
+                        }
+                        let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
+                        for i in 0..R {
+                            let dx = _mm512_set1_ps(*xs[i].d.add(b));
+                            let s = _mm512_cvtepi32_ps(sums[i]);
+                            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
+                        }
                     }
-                    let w = match (pre, Q3) {
-                        (true, _) => load8(ops.as_ptr().add((8 * b + j) * 512)),
-                        (false, true) => q3k_operands(tile, j),
-                        (false, false) => q6k_operands(tile, j),
-                    };
-                    let sc_lo = lanes::<true>(tile.add(q6k::SC + 32 * j));
-                    let sc_hi = lanes::<true>(tile.add(q6k::SC + 32 * j + 16));
-                    for i in 0..R {
-                        let x = xs[i];
-                        let p = x.q.add(b * QK_K + QK * j).cast::<i32>();
-                        let s = x.s.add(16 * b + 2 * j);
-                        let lo = dot_groups::<false>(&w[..4], p, _mm512_set1_epi32(-offset * *s));
-                        let hi = dot_groups::<false>(
-                            &w[4..],
-                            p.add(4),
-                            _mm512_set1_epi32(-offset * *s.add(1)),
-                        );
-                        let sum = _mm512_add_epi32(
-                            _mm512_mullo_epi32(lo, sc_lo),
-                            _mm512_mullo_epi32(hi, sc_hi),
-                        );
-                        sums[i] = _mm512_add_epi32(sums[i], sum);
-                    }
-                }
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(tile.cast()));
-                for i in 0..R {
-                    let dx = _mm512_set1_ps(*xs[i].d.add(b));
-                    let s = _mm512_cvtepi32_ps(sums[i]);
-                    acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), s, acc[i]);
                 }
             }
+            // SAFETY: this function enables AVX-512F, all that `store_rows` needs.
+            unsafe { store_rows(y, acc) };
         }
-    }
-    // SAFETY: this function enables AVX-512F, all that `store_rows` needs.
-    unsafe { store_rows(y, acc) };
+    };
 }
+
+q6k_rows!(
+    /// `R` rows of `x` against `T` columns of q6_K (`Q3`: q3_K) tiles, as ggml's q6_K ·
+    /// q8_K (q3_K · q8_K): per block of 32 and row of `x`, eight `vpdpbusd` in two halves
+    /// of 16 values (each less the offset, 32 or 4, times the half's sum of `x`) and an
+    /// integer multiply of each by its scales; per super-block one multiply-add. The
+    /// operands are built once for the `R` rows. Columns as in [`q4k_rows`].
+    q6k_rows,
+    "avx512f,avx512bw,avx512vnni,f16c",
+    q6k_operands
+);
+
+q6k_rows!(
+    /// [`q6k_rows`] with GFNI, for q6_K: its operands by [`q6k_operands_gfni`].
+    q6k_rows_gfni,
+    "avx512f,avx512bw,avx512vnni,f16c,gfni",
+    q6k_operands_gfni
+);
 
 /// `R` rows of `x` against `T` columns of q2_K tiles, as ggml's q2_K · q8_K: per block
 /// of 32 and row of `x`, eight `vpdpbusd` in two halves of 16 values, each multiplied

@@ -452,7 +452,7 @@ impl Format {
     /// q4_K and q6_K prefill kept a repacked copy beside the blocks.
     pub(super) fn kernels(self, level: Level) -> bool {
         match level {
-            Level::Avx512Vnni | Level::Avx2 => true,
+            Level::Avx512Gfni | Level::Avx512Vnni | Level::Avx2 => true,
             Level::Scalar => false,
         }
     }

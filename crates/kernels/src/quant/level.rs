@@ -10,6 +10,9 @@ pub(super) enum Level {
     Avx2,
     /// AVX-512 with VNNI and byte operations (`vpdpbusd`).
     Avx512Vnni,
+    /// The same with GFNI (`vgf2p8affineqb`, any linear map of a byte's bits in one
+    /// instruction): q6_K's decoding unpacks its bit pairs with it.
+    Avx512Gfni,
 }
 
 /// This CPU's level (looked up once: every product asks).
@@ -20,7 +23,10 @@ pub(super) fn level() -> Level {
         {
             use std::arch::is_x86_feature_detected as has;
             if has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("f16c") {
-                return Level::Avx512Vnni;
+                return match has!("gfni") {
+                    true => Level::Avx512Gfni,
+                    false => Level::Avx512Vnni,
+                };
             }
             if has!("avx2") && has!("fma") && has!("f16c") {
                 return Level::Avx2;

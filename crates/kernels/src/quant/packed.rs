@@ -179,7 +179,7 @@ struct Ahead {
 
 impl Ahead {
     fn here(level: Level) -> Ahead {
-        let amd_avx512 = amd() && level == Level::Avx512Vnni;
+        let amd_avx512 = amd() && level >= Level::Avx512Vnni;
         let zen4 = amd_avx512 && family() == 0x19;
         let burst = amd_avx512 && !zen4;
         Ahead {
@@ -516,7 +516,7 @@ impl Packed {
         } else {
             UNPACK_ROWS
         };
-        let pair = level == Level::Avx512Vnni && m >= rows;
+        let pair = level >= Level::Avx512Vnni && m >= rows;
         let unpack = level >= Level::Avx2 && (planes || pair) && m >= UNPACK_ROWS;
         // Bytes of one column's operands.
         let per = if unpack { self.k * TILE } else { 0 };
@@ -544,7 +544,7 @@ impl Packed {
         };
         let two = stream
             && m == 1
-            && level == Level::Avx512Vnni
+            && level >= Level::Avx512Vnni
             && ahead.two
             && matches!(self.format, Format::Q2K | Format::Q3K | Format::Q4K);
         let spread = match self.format {
@@ -617,7 +617,9 @@ impl Packed {
                             // the CPU's); `ops` holds k·16 bytes, 512 per block of 32 values.
                             unsafe {
                                 match level {
-                                    Level::Avx512Vnni => avx512::unpack(self.format, tiles, ops),
+                                    Level::Avx512Vnni | Level::Avx512Gfni => {
+                                        avx512::unpack(self.format, tiles, ops)
+                                    }
                                     _ => avx2::unpack_avx2(self.format, tiles, ops),
                                 }
                             };
@@ -931,7 +933,7 @@ fn tile_rows<const T: usize>(
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if level == Level::Avx512Vnni {
+    if level >= Level::Avx512Vnni {
         // SAFETY: `level` is at most what the CPU has (`level()`); the kernels check
         // the lengths.
         unsafe {
@@ -1022,6 +1024,10 @@ fn tile_rows<const T: usize>(
                 (format, XRows::Super(x)) => match format {
                     Format::Q4K => by_rows!(q4k::<R, false, T>(tiles, ops, x, r, y, spread)),
                     Format::Q5K => by_rows!(q4k::<R, true, T>(tiles, ops, x, r, y, spread)),
+                    Format::Q6K if level == Level::Avx512Gfni => {
+                        use avx512::q6k_rows_gfni as q6k;
+                        by_rows!(q6k::<R, false, T>(tiles, ops, x, r, y, spread))
+                    }
                     Format::Q6K => by_rows!(q6k::<R, false, T>(tiles, ops, x, r, y, spread)),
                     Format::Q3K => by_rows!(q6k::<R, true, T>(tiles, ops, x, r, y, spread)),
                     Format::Q2K => by_rows!(q2k::<R, T>(tiles, x, r, y, spread)),
@@ -1337,7 +1343,7 @@ mod tests {
                 }
             }
             // Every level of kernels this CPU runs that has them for the format.
-            for level in [Level::Avx2, Level::Avx512Vnni] {
+            for level in [Level::Avx2, Level::Avx512Vnni, Level::Avx512Gfni] {
                 if level > super::super::level::level() || !p.format.kernels(level) {
                     continue;
                 }
@@ -1422,7 +1428,7 @@ mod tests {
             for m in [1, 4] {
                 let xq = XRows::new(p.format, &vec![1.0; m * k], k);
                 let scalar = p.product(&xq, m, 0..n, Level::Scalar);
-                for level in [Level::Avx2, Level::Avx512Vnni] {
+                for level in [Level::Avx2, Level::Avx512Vnni, Level::Avx512Gfni] {
                     if level > super::super::level::level() || !p.format.kernels(level) {
                         continue;
                     }
@@ -1485,7 +1491,12 @@ mod tests {
                     })
                 })
                 .collect();
-            for level in [Level::Scalar, Level::Avx2, Level::Avx512Vnni] {
+            for level in [
+                Level::Scalar,
+                Level::Avx2,
+                Level::Avx512Vnni,
+                Level::Avx512Gfni,
+            ] {
                 if level > super::super::level::level() || !p.format.kernels(level) {
                     continue;
                 }
