@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::ahead::ahead;
+use super::ahead::{ahead, Spread};
 use super::format::{q2k, q3k, q4k, q6k, Format, QK, QK_K, SCALES, TILE};
 use super::input::{super_rows, QRows, SuperRows};
 
@@ -317,7 +317,7 @@ pub(super) unsafe fn q4k_rows_avx2<const R: usize, const FIVE: bool>(
     x: &SuperRows,
     r: usize,
     y: &mut [[f32; TILE]; 4],
-    spread: bool,
+    spread: Spread,
 ) {
     let size = if FIVE { q4k::Q5_BYTES } else { q4k::BYTES };
     let nb = tiles.len() / size;
@@ -335,8 +335,8 @@ pub(super) unsafe fn q4k_rows_avx2<const R: usize, const FIVE: bool>(
                 for j in 0..8 {
                     // The first half's pass streams the column from memory; the
                     // second reads it again from L1.
-                    if spread && h == 0 {
-                        ahead(tile, size, j);
+                    if h == 0 {
+                        ahead(tile, size, j, spread);
                     }
                     let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
                     let q = tile.add(q4k::QS + 256 * j + 32 * h);
@@ -388,7 +388,7 @@ pub(super) unsafe fn q6k_rows_avx2<const R: usize, const Q3: bool>(
     x: &SuperRows,
     r: usize,
     y: &mut [[f32; TILE]; 4],
-    spread: bool,
+    spread: Spread,
 ) {
     // (The scales lie at the same place in both tiles: q6k::SC == q3k::SC.)
     let (size, offset) = if Q3 {
@@ -409,8 +409,8 @@ pub(super) unsafe fn q6k_rows_avx2<const R: usize, const Q3: bool>(
                 let mut sums = [_mm256_setzero_si256(); R];
                 for j in 0..8 {
                     // (As in `q4k_rows_avx2`.)
-                    if spread && h == 0 {
-                        ahead(tile, size, j);
+                    if h == 0 {
+                        ahead(tile, size, j, spread);
                     }
                     let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
                     let pre = match ops.is_empty() {
@@ -469,7 +469,7 @@ pub(super) unsafe fn q2k_rows_avx2<const R: usize>(
     x: &SuperRows,
     r: usize,
     y: &mut [[f32; TILE]; 4],
-    spread: bool,
+    spread: Spread,
 ) {
     let nb = tiles.len() / q2k::BYTES;
     let xs = super_rows::<R>(x, r, nb);
@@ -485,8 +485,8 @@ pub(super) unsafe fn q2k_rows_avx2<const R: usize>(
                 let mut mins = [_mm256_setzero_si256(); R];
                 for j in 0..8 {
                     // (As in `q4k_rows_avx2`.)
-                    if spread && h == 0 {
-                        ahead(tile, q2k::BYTES, j);
+                    if h == 0 {
+                        ahead(tile, q2k::BYTES, j, spread);
                     }
                     let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
                     let q = tile.add(q2k::QL + 128 * j + 32 * h);

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::ahead::ahead;
+use super::ahead::{ahead, Spread};
 use super::format::{q2k, q3k, q4k, q6k, Format, QK, QK_K, SCALES, TILE};
 use super::input::{super_rows, QRows, SuperRows, XRow};
 
@@ -341,7 +341,7 @@ pub(super) unsafe fn q4k_rows<const R: usize, const FIVE: bool, const T: usize>(
     x: &SuperRows,
     r: usize,
     y: [&mut [[f32; TILE]; 4]; T],
-    spread: bool,
+    spread: Spread,
 ) {
     let size = if FIVE { q4k::Q5_BYTES } else { q4k::BYTES };
     let nb = tiles[0].len() / size;
@@ -359,9 +359,7 @@ pub(super) unsafe fn q4k_rows<const R: usize, const FIVE: bool, const T: usize>(
                 let mut sums = [_mm512_setzero_si512(); R];
                 let mut mins = [_mm512_setzero_si512(); R];
                 for j in 0..8 {
-                    if spread {
-                        ahead(tile, size, j);
-                    }
+                    ahead(tile, size, j, spread);
                     let sc = lanes::<false>(tile.add(q4k::SC + 16 * j));
                     let m = lanes::<false>(tile.add(q4k::MIN + 16 * j));
                     // (q5_K's fifth bits leave no room to keep the high nibbles in place.)
@@ -706,7 +704,7 @@ macro_rules! q6k_rows {
             x: &SuperRows,
             r: usize,
             y: [&mut [[f32; TILE]; 4]; T],
-            spread: bool,
+            spread: Spread,
         ) {
             // (The scales lie at the same place in both tiles: q6k::SC == q3k::SC.)
             let (size, offset) = if Q3 {
@@ -729,9 +727,7 @@ macro_rules! q6k_rows {
                         let tile = tiles[t].as_ptr().add(b * size);
                         let mut sums = [_mm512_setzero_si512(); R];
                         for j in 0..8 {
-                            if spread {
-                                ahead(tile, size, j);
-                            }
+                            ahead(tile, size, j, spread);
                             let w = match (pre, Q3) {
                                 (true, _) => load8(ops.as_ptr().add((8 * b + j) * 512)),
                                 (false, true) => q3k_operands(tile, j),
@@ -800,7 +796,7 @@ pub(super) unsafe fn q2k_rows<const R: usize, const T: usize>(
     x: &SuperRows,
     r: usize,
     y: [&mut [[f32; TILE]; 4]; T],
-    spread: bool,
+    spread: Spread,
 ) {
     let nb = tiles[0].len() / q2k::BYTES;
     assert!(tiles.iter().all(|t| t.len() >= nb * q2k::BYTES));
@@ -816,9 +812,7 @@ pub(super) unsafe fn q2k_rows<const R: usize, const T: usize>(
                 let mut sums = [_mm512_setzero_si512(); R];
                 let mut mins = [_mm512_setzero_si512(); R];
                 for j in 0..8 {
-                    if spread {
-                        ahead(tile, q2k::BYTES, j);
-                    }
+                    ahead(tile, q2k::BYTES, j, spread);
                     let w = bit_pairs(tile.add(q2k::QL + 128 * j));
                     // Scale in the low nibble, minimum in the high one, a lane per row.
                     let s_lo = lanes::<false>(tile.add(q2k::SC + 32 * j));

@@ -2,7 +2,6 @@
 //! for this CPU's kernels ([`Packed`]), one file per instruction set with the scalar
 //! reference beside them.
 
-#[cfg(target_arch = "x86_64")]
 mod ahead;
 #[cfg(target_arch = "x86_64")]
 mod avx2;

@@ -42,6 +42,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, Result};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use super::ahead::Spread;
 use super::format::{q4k, Format, SCALES, TILE};
 use super::input::XRows;
 use super::level::{level, Level};
@@ -166,13 +167,16 @@ const STREAMED_BYTES: usize = if cfg!(test) { 1 } else { 32 << 20 };
 /// whose 512-bit operations run as two halves) decoded faster without the column and the
 /// two streams, with the spread requests as CPUs without AVX-512 take them, and its q8_0
 /// streams faster through the AVX2 kernel, which asks for nothing (`q8_avx2`; from the
-/// cache the AVX-512 one is the faster). The unit tests take all of them but `q8_avx2`,
+/// cache the AVX-512 one is the faster). There the spread requests ask four super-blocks
+/// on, into the second-level cache (`far`, [`Spread::Far`]): one ahead left the q4_K and
+/// q6_K kernels waiting on their loads. The unit tests take all of them but `q8_avx2`,
 /// whose AVX2 kernel they take at its own level. The measurements are in
 /// docs/PERFORMANCE.md ("Quantized products").
 #[derive(Clone, Copy)]
 struct Ahead {
     column: bool,
     spread: bool,
+    far: bool,
     two: bool,
     q8_avx2: bool,
 }
@@ -185,6 +189,7 @@ impl Ahead {
         Ahead {
             column: burst || cfg!(test),
             spread: !burst || cfg!(test),
+            far: zen4,
             two: burst || cfg!(test),
             q8_avx2: zen4 && !cfg!(test),
         }
@@ -548,9 +553,11 @@ impl Packed {
             && ahead.two
             && matches!(self.format, Format::Q2K | Format::Q3K | Format::Q4K);
         let spread = match self.format {
-            Format::Q8_0 => m == 1 && !resident,
-            Format::Q4_0 | Format::Q5_0 | Format::Q4_1 | Format::Q5_1 => false,
-            _ => stream && m == 1 && (ahead.spread || two),
+            Format::Q8_0 if m == 1 && !resident => Spread::Next,
+            Format::Q8_0 | Format::Q4_0 | Format::Q5_0 | Format::Q4_1 | Format::Q5_1 => Spread::Off,
+            _ if stream && m == 1 && ahead.far => Spread::Far,
+            _ if stream && m == 1 && (ahead.spread || two) => Spread::Next,
+            _ => Spread::Off,
         };
         let pairs = m == 1 && (legacy || two);
         if m == 1 && parts.len() > 1 {
@@ -627,7 +634,7 @@ impl Packed {
                     }
                     if count == 2 {
                         let ts = [t0 + t, t0 + t + 1];
-                        self.columns(ts, ops, x, m, &cols, out, level, false);
+                        self.columns(ts, ops, x, m, &cols, out, level, Spread::Off);
                     } else {
                         let ops = &ops[..per];
                         self.columns([t0 + t], ops, x, m, &cols, out, level, spread);
@@ -678,7 +685,7 @@ impl Packed {
         cols: &std::ops::Range<usize>,
         out: &SharedOut,
         level: Level,
-        spread: bool,
+        spread: Spread,
     ) {
         let tiles = t.map(|t| self.tiles(t));
         let width = cols.len();
@@ -863,8 +870,8 @@ impl<'a> Units<'a> {
 /// other, or is empty. The AVX-512 kernels read two columns together (block by block, or
 /// super-block by super-block; two columns unpacked through `avx512::q4k_pair` and its
 /// kind); the AVX2 k-quant kernels and the scalar code take them one after the other.
-/// With `spread`, the AVX-512 k-quant kernels ask for each super-block's successor while
-/// they work on it (see `Ahead`).
+/// With `spread`, the k-quant kernels ask for a super-block ahead while they work on one,
+/// and the AVX-512 q8_0 kernel for a tile a few blocks on (see `Ahead`).
 #[allow(clippy::too_many_arguments)]
 fn tile_rows<const T: usize>(
     format: Format,
@@ -875,7 +882,7 @@ fn tile_rows<const T: usize>(
     rows: usize,
     y: [&mut [[f32; TILE]; 4]; T],
     level: Level,
-    spread: bool,
+    spread: Spread,
 ) {
     #[cfg(target_arch = "x86_64")]
     if level == Level::Avx2 {
@@ -934,6 +941,8 @@ fn tile_rows<const T: usize>(
     }
     #[cfg(target_arch = "x86_64")]
     if level >= Level::Avx512Vnni {
+        // (The legacy kernels ask for q8_0's tiles a few blocks on, or for nothing.)
+        let asks = spread != Spread::Off;
         // SAFETY: `level` is at most what the CPU has (`level()`); the kernels check
         // the lengths.
         unsafe {
@@ -984,19 +993,19 @@ fn tile_rows<const T: usize>(
                     }
                 }
                 (Format::Q8_0, XRows::Blocks(x)) => {
-                    by_rows!(legacy::<R, 8, false, T>(tiles, ops, x, r, y, spread))
+                    by_rows!(legacy::<R, 8, false, T>(tiles, ops, x, r, y, asks))
                 }
                 (Format::Q4_0, XRows::Blocks(x)) => {
-                    by_rows!(legacy::<R, 4, false, T>(tiles, ops, x, r, y, spread))
+                    by_rows!(legacy::<R, 4, false, T>(tiles, ops, x, r, y, asks))
                 }
                 (Format::Q5_0, XRows::Blocks(x)) => {
-                    by_rows!(legacy::<R, 5, false, T>(tiles, ops, x, r, y, spread))
+                    by_rows!(legacy::<R, 5, false, T>(tiles, ops, x, r, y, asks))
                 }
                 (Format::Q4_1, XRows::Blocks(x)) => {
-                    by_rows!(legacy::<R, 4, true, T>(tiles, ops, x, r, y, spread))
+                    by_rows!(legacy::<R, 4, true, T>(tiles, ops, x, r, y, asks))
                 }
                 (Format::Q5_1, XRows::Blocks(x)) => {
-                    by_rows!(legacy::<R, 5, true, T>(tiles, ops, x, r, y, spread))
+                    by_rows!(legacy::<R, 5, true, T>(tiles, ops, x, r, y, asks))
                 }
                 (format, XRows::Super(x)) if T == 2 && !ops.is_empty() => {
                     // Two columns' operands, unpacked ahead one after the other (a
