@@ -1,6 +1,6 @@
-//! How fast decoding's packed products stream their weights, against a plain sum of
-//! memory read by the same threads in the same process, alternating: the read floor of
-//! `bench/gguf_compare.py` without its separate Python process. `layers` runs the products
+//! How fast decoding's packed products stream their weights, against the read floor of
+//! `gpt bench --read-floor` ([`ReadFloor`]: a sum of memory on huge pages, read by the
+//! threads the products run on) in the same process, alternating. `layers` runs the products
 //! of 28 layers of Qwen3-0.6B's width (fused gate/up, down, fused q/k/v, o), each a few
 //! megabytes, as a decoding step does; `hot` one layer of them, repeated from the last-
 //! level cache (the kernels' own rate, memory out of the way); `head` one product over a
@@ -13,19 +13,9 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Result, Tensor};
+use gpt_kernels::floor::ReadFloor;
 use gpt_kernels::quant::Packed;
 use std::time::Instant;
-
-/// Sums `v` with 64 independent lanes, so that the loads and not the additions bound it.
-fn sum(v: &[f32]) -> f32 {
-    let mut acc = [0f32; 64];
-    for c in v.chunks_exact(64) {
-        for (a, x) in acc.iter_mut().zip(c) {
-            *a += x;
-        }
-    }
-    acc.iter().sum()
-}
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
@@ -61,14 +51,10 @@ fn main() -> Result<()> {
         bytes += p.size_in_bytes();
         ws.push((p, vec![0.5f32; k]));
     }
-    // 1 GiB, far beyond the caches, read in two halves on two threads.
-    let big = vec![1f32; 1 << 28];
-    let (lo, hi) = big.split_at(big.len() / 2);
+    let reads = ReadFloor::new();
     println!("{dtype:?}, {:.0} MB of weights", bytes as f64 / 1e6);
     for round in 0..6 {
-        let t0 = Instant::now();
-        let (a, b) = rayon::join(|| sum(lo), || sum(hi));
-        let floor = (big.len() * 4) as f64 / t0.elapsed().as_secs_f64();
+        let floor = reads.bytes() as f64 / reads.read().as_secs_f64();
         let t1 = Instant::now();
         // (One layer as many times as `layers` runs its 28.)
         let reps = if hot { 6 * 28 } else { 6 };
@@ -80,11 +66,10 @@ fn main() -> Result<()> {
         }
         let rate = (bytes * reps) as f64 / t1.elapsed().as_secs_f64();
         println!(
-            "round {round}: sum {:.1} GB/s, products {:.1} GB/s: {:.3} of the sum ({})",
+            "round {round}: sum {:.1} GB/s, products {:.1} GB/s: {:.3} of the sum",
             floor / 1e9,
             rate / 1e9,
             rate / floor,
-            a + b
         );
     }
     Ok(())
@@ -110,16 +95,13 @@ fn sizes(dtype: GgmlDType) -> Result<()> {
         sets.push(ws);
     }
     let x = vec![0.5f32; 1024];
-    let big = vec![1f32; 1 << 28];
-    let (lo, hi) = big.split_at(big.len() / 2);
+    let reads = ReadFloor::new();
     println!("{dtype:?}: microseconds per product of n rows of 1,024");
     // Per size, its seconds per product in each round.
     let mut times = vec![Vec::new(); rows.len()];
     let mut floors = Vec::new();
     for round in 0..9 {
-        let t0 = Instant::now();
-        let (a, b) = rayon::join(|| sum(lo), || sum(hi));
-        floors.push((big.len() * 4) as f64 / t0.elapsed().as_secs_f64());
+        floors.push(reads.bytes() as f64 / reads.read().as_secs_f64());
         for (ws, times) in sets.iter().zip(&mut times) {
             let t1 = Instant::now();
             for w in ws {
@@ -134,11 +116,7 @@ fn sizes(dtype: GgmlDType) -> Result<()> {
             .map(|(n, t)| format!("{n}: {:.1}", t[round] * 1e6))
             .collect();
         let floor = floors[round] / 1e9;
-        println!(
-            "round {round}: sum {floor:.1} GB/s; {} ({})",
-            each.join(", "),
-            a + b
-        );
+        println!("round {round}: sum {floor:.1} GB/s; {}", each.join(", "),);
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
