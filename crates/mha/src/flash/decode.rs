@@ -20,8 +20,15 @@ use gpt_kernels::simd;
 const BLOCK: usize = 128;
 /// Key or value rows widened and multiplied together.
 const SUB: usize = 16;
-/// How many rows ahead of the one being read the keys are asked for.
+/// How many rows ahead of the one being read the keys are asked for, into the first-level
+/// cache.
 const AHEAD: usize = 3 * SUB;
+/// How many rows ahead the keys and values are asked for into the second-level cache (the
+/// range's first rows at its start). A core keeps only a few dozen requests for the first
+/// level in flight, too few for memory's latency; the second level takes more. On a Zen 4
+/// decoding Qwen3-0.6B's attention took a quarter less time so (docs/PERFORMANCE.md,
+/// "Attention and small ops").
+const FAR: usize = 128;
 /// The fewest keys a range of a split cache holds: shorter ranges cost more in merging
 /// than they gain in parallelism (docs/PERFORMANCE.md, "Attention and small ops").
 const MIN_RANGE: usize = 256;
@@ -195,17 +202,24 @@ impl Call<'_> {
         // SUB rows from it (a cache allocated past its length, or the next head's rows):
         // the scores of the rows past the range are dropped.
         let whole = k.holds(bi, hk, range.start, range.len().next_multiple_of(SUB), d);
-        prefetch_rows(kp, k_st, range.start, (AHEAD - SUB).min(range.len()), d);
+        let first = FAR.min(range.len());
+        prefetch_rows::<L2>(kp, k_st, range.start, first, d);
+        prefetch_rows::<L2>(vp, v_st, range.start, first, dv);
+        prefetch_rows::<L1>(kp, k_st, range.start, (AHEAD - SUB).min(range.len()), d);
         for j0 in range.clone().step_by(BLOCK) {
             let bc = BLOCK.min(range.end - j0);
             let s = &mut scores[..nq * bc];
             // S[nq, bc] = scale · Q[nq, d] · K[j0.., d]ᵀ
             for sb in (0..bc).step_by(SUB) {
                 let n = SUB.min(bc - sb);
-                // The values these keys weigh, and the keys after them.
-                prefetch_rows(vp, v_st, j0 + sb, n, dv);
+                // The values these keys weigh, and the keys after them; the rows FAR on
+                // into the second level.
+                prefetch_rows::<L1>(vp, v_st, j0 + sb, n, dv);
                 let next = (j0 + sb + AHEAD).min(range.end);
-                prefetch_rows(kp, k_st, next, SUB.min(range.end - next), d);
+                prefetch_rows::<L1>(kp, k_st, next, SUB.min(range.end - next), d);
+                let far = (j0 + sb + FAR).min(range.end);
+                prefetch_rows::<L2>(kp, k_st, far, SUB.min(range.end - far), d);
+                prefetch_rows::<L2>(vp, v_st, far, SUB.min(range.end - far), dv);
                 if k16 && n == SUB {
                     for (qi, x) in queries.iter().enumerate() {
                         let s = &mut s[qi * bc + sb..qi * bc + sb + SUB];
@@ -295,14 +309,26 @@ unsafe fn widen(p: KvPtr, st: usize, j: usize, n: usize, width: usize, buf: &mut
     let _ = (p, st, j, n, width); // `avx512_rows` is false there
 }
 
-/// Asks for rows `j..j + n` (`width` values each, `st` apart) at `p` to be brought into the
-/// cache. The rows of a long cache come from memory, and its short streams (one head's
-/// rows, a few kilobytes) end before the hardware's prefetchers get going: the loads of
-/// the widening pass waited on memory for most of its time.
-fn prefetch_rows(p: KvPtr, st: usize, j: usize, n: usize, width: usize) {
+/// [`prefetch_rows`] into the first-level cache.
+#[cfg(target_arch = "x86_64")]
+const L1: i32 = std::arch::x86_64::_MM_HINT_T0;
+/// [`prefetch_rows`] into the second-level cache.
+#[cfg(target_arch = "x86_64")]
+const L2: i32 = std::arch::x86_64::_MM_HINT_T1;
+#[cfg(not(target_arch = "x86_64"))]
+const L1: i32 = 0;
+#[cfg(not(target_arch = "x86_64"))]
+const L2: i32 = 0;
+
+/// Asks for rows `j..j + n` (`width` values each, `st` apart) at `p` to be brought into
+/// cache level `LEVEL` ([`L1`] or [`L2`]). The rows of a long cache come from memory, and
+/// its short streams (one head's rows, a few kilobytes) end before the hardware's
+/// prefetchers get going: the loads of the widening pass waited on memory for most of its
+/// time.
+fn prefetch_rows<const LEVEL: i32>(p: KvPtr, st: usize, j: usize, n: usize, width: usize) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        use std::arch::x86_64::_mm_prefetch;
         let (base, size) = match p {
             KvPtr::F32(p) => (p.cast::<u8>(), 4),
             KvPtr::F16(p) => (p.cast::<u8>(), 2),
@@ -312,7 +338,7 @@ fn prefetch_rows(p: KvPtr, st: usize, j: usize, n: usize, width: usize) {
             let row = base.wrapping_add(r * st * size);
             for at in (0..width * size).step_by(64) {
                 // SAFETY: a prefetch is a hint that never faults, whatever the address.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(at).cast()) };
+                unsafe { _mm_prefetch::<LEVEL>(row.wrapping_add(at).cast()) };
             }
         }
     }
