@@ -13,17 +13,24 @@ pub(super) enum Spread {
     /// The next tile, into the first-level cache.
     Next,
     /// The tile [`FAR`] on, into the second-level cache: more reads in flight where one
-    /// tile ahead is too near for the memory's latency (a Zen 4, `Ahead` in `packed.rs`).
+    /// tile ahead is too near for the memory's latency (a Zen 4, `Ahead` in `packed.rs`);
+    /// and the tile [`NEAR`] on, by then in the second level, into the first.
     Far,
 }
 
-/// How many tiles on [`Spread::Far`] asks.
+/// How many tiles on [`Spread::Far`] asks into the second-level cache.
 #[cfg(target_arch = "x86_64")]
 pub(super) const FAR: usize = 4;
 
+/// How many tiles on [`Spread::Far`] asks into the first-level cache: the kernels' loads
+/// of a tile from the second level waited too (q6_K's long head product read 4–7% faster
+/// with these requests beside the far ones on a Zen 4, docs/PERFORMANCE.md).
+#[cfg(target_arch = "x86_64")]
+const NEAR: usize = 2;
+
 /// Part `j` of 8 of a tile's `size` bytes as `spread` says: the tile after `tile` (the
-/// next super-block's, or the next column's first) or the one [`FAR`] on. A pointer past
-/// the matrix is only a hint: prefetches never fault.
+/// next super-block's, or the next column's first) or the ones [`FAR`] and [`NEAR`] on. A
+/// pointer past the matrix is only a hint: prefetches never fault.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) fn ahead(tile: *const u8, size: usize, j: usize, spread: Spread) {
@@ -38,7 +45,10 @@ pub(super) fn ahead(tile: *const u8, size: usize, j: usize, spread: Spread) {
         // SAFETY: a prefetch is a hint, never a fault, whatever the address.
         unsafe {
             match spread {
-                Spread::Far => _mm_prefetch::<_MM_HINT_T1>(p.cast()),
+                Spread::Far => {
+                    _mm_prefetch::<_MM_HINT_T1>(p.cast());
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_sub((FAR - NEAR) * size).cast());
+                }
                 _ => _mm_prefetch::<_MM_HINT_T0>(p.cast()),
             }
         }
