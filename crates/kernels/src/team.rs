@@ -122,7 +122,19 @@ pub(crate) fn follow(key: (usize, usize), bytes: usize, streams: Streams) -> Opt
         order.total += bytes;
         None
     });
+    STREAMING.store(order.total >= STREAMED, Relaxed);
     next.filter(|_| order.total >= STREAMED)
+}
+
+/// Whether the decoding products seen on several threads read more than [`STREAMED`]
+/// bytes of weights ([`follow`]'s count): each step then streams them through the caches,
+/// and what else it reads (a decoding cache's keys and values) comes from memory too.
+static STREAMING: AtomicBool = AtomicBool::new(false);
+
+/// Whether decoding streams its weights from memory ([`STREAMING`]): false with one thread,
+/// and until a step's products have run once.
+pub fn streaming() -> bool {
+    STREAMING.load(Relaxed)
 }
 
 /// A helper's progress through the latest [`hint`].

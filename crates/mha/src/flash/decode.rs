@@ -24,10 +24,12 @@ const SUB: usize = 16;
 /// cache.
 const AHEAD: usize = 3 * SUB;
 /// How many rows ahead the keys and values are asked for into the second-level cache (the
-/// range's first rows at its start). A core keeps only a few dozen requests for the first
-/// level in flight, too few for memory's latency; the second level takes more. On a Zen 4
-/// decoding Qwen3-0.6B's attention took a quarter less time so (docs/PERFORMANCE.md,
-/// "Attention and small ops").
+/// range's first rows at its start), where decoding streams its weights from memory
+/// (`gpt_kernels::team::streaming`) and the cache is read from there too. A core keeps
+/// only a few dozen requests for the first level in flight, too few for memory's latency;
+/// the second level takes more. On a Zen 4 decoding Qwen3-0.6B's attention took a quarter
+/// less time so; a model whose weights and cache sit in the caches decoded 5% slower with
+/// the requests (docs/PERFORMANCE.md, "Attention and small ops").
 const FAR: usize = 128;
 /// The fewest keys a range of a split cache holds: shorter ranges cost more in merging
 /// than they gain in parallelism (docs/PERFORMANCE.md, "Attention and small ops").
@@ -73,6 +75,8 @@ impl Dims {
 #[derive(Clone, Copy)]
 struct Call<'a> {
     op: &'a FlashAttn,
+    /// Whether to ask for the rows [`FAR`] ahead.
+    far: bool,
     q: Rows<'a>,
     k: KvRows<'a>,
     v: KvRows<'a>,
@@ -90,7 +94,14 @@ pub(crate) fn run(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let call = Call { op, q, k, v, dims };
+    let call = Call {
+        op,
+        far: gpt_kernels::team::streaming(),
+        q,
+        k,
+        v,
+        dims,
+    };
     let Dims {
         b,
         h,
@@ -170,7 +181,14 @@ impl Call<'_> {
     /// The partial softmax of key/value head `hk` of sequence `bi` with its `n_rep` query
     /// heads over the keys `range`.
     fn group_range(&self, bi: usize, hk: usize, range: std::ops::Range<usize>) -> Partial {
-        let Call { op, q, k, v, dims } = *self;
+        let Call {
+            op,
+            far,
+            q,
+            k,
+            v,
+            dims,
+        } = *self;
         let Dims { tq, tk, d, dv, .. } = dims;
         let n_rep = dims.n_rep();
         let nq = n_rep * tq;
@@ -202,9 +220,11 @@ impl Call<'_> {
         // SUB rows from it (a cache allocated past its length, or the next head's rows):
         // the scores of the rows past the range are dropped.
         let whole = k.holds(bi, hk, range.start, range.len().next_multiple_of(SUB), d);
-        let first = FAR.min(range.len());
-        prefetch_rows::<L2>(kp, k_st, range.start, first, d);
-        prefetch_rows::<L2>(vp, v_st, range.start, first, dv);
+        if far {
+            let first = FAR.min(range.len());
+            prefetch_rows::<L2>(kp, k_st, range.start, first, d);
+            prefetch_rows::<L2>(vp, v_st, range.start, first, dv);
+        }
         prefetch_rows::<L1>(kp, k_st, range.start, (AHEAD - SUB).min(range.len()), d);
         for j0 in range.clone().step_by(BLOCK) {
             let bc = BLOCK.min(range.end - j0);
@@ -217,9 +237,11 @@ impl Call<'_> {
                 prefetch_rows::<L1>(vp, v_st, j0 + sb, n, dv);
                 let next = (j0 + sb + AHEAD).min(range.end);
                 prefetch_rows::<L1>(kp, k_st, next, SUB.min(range.end - next), d);
-                let far = (j0 + sb + FAR).min(range.end);
-                prefetch_rows::<L2>(kp, k_st, far, SUB.min(range.end - far), d);
-                prefetch_rows::<L2>(vp, v_st, far, SUB.min(range.end - far), dv);
+                if far {
+                    let at = (j0 + sb + FAR).min(range.end);
+                    prefetch_rows::<L2>(kp, k_st, at, SUB.min(range.end - at), d);
+                    prefetch_rows::<L2>(vp, v_st, at, SUB.min(range.end - at), dv);
+                }
                 if k16 && n == SUB {
                     for (qi, x) in queries.iter().enumerate() {
                         let s = &mut s[qi * bc + sb..qi * bc + sb + SUB];
