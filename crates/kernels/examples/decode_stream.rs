@@ -116,7 +116,7 @@ fn sizes(dtype: GgmlDType) -> Result<()> {
             .map(|(n, t)| format!("{n}: {:.1}", t[round] * 1e6))
             .collect();
         let floor = floors[round] / 1e9;
-        println!("round {round}: sum {floor:.1} GB/s; {}", each.join(", "),);
+        println!("round {round}: sum {floor:.1} GB/s; {}", each.join(", "));
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);

@@ -23,8 +23,9 @@ pub(super) enum Spread {
 pub(super) const FAR: usize = 4;
 
 /// How many tiles on [`Spread::Far`] asks into the first-level cache: the kernels' loads
-/// of a tile from the second level waited too (q6_K's long head product read 4–7% faster
-/// with these requests beside the far ones on a Zen 4, docs/PERFORMANCE.md).
+/// of a tile from the second level waited too (on a Zen 4 q6_K's head-sized product read
+/// 0.92–0.96 of the read floor with these requests, 0.87–0.93 without; docs/PERFORMANCE.md,
+/// "Quantized products").
 #[cfg(target_arch = "x86_64")]
 const NEAR: usize = 2;
 
