@@ -126,13 +126,14 @@ pub(crate) fn follow(key: (usize, usize), bytes: usize, streams: Streams) -> Opt
     next.filter(|_| order.total >= STREAMED)
 }
 
-/// Whether the decoding products seen on several threads read more than [`STREAMED`]
-/// bytes of weights ([`follow`]'s count): each step then streams them through the caches,
-/// and what else it reads (a decoding cache's keys and values) comes from memory too.
+/// [`streaming`]'s answer, kept by [`follow`].
 static STREAMING: AtomicBool = AtomicBool::new(false);
 
-/// Whether decoding streams its weights from memory ([`STREAMING`]): false with one thread,
-/// and until a step's products have run once.
+/// Whether decoding streams its weights from memory: the decoding products seen on several
+/// threads read more than 32 MiB of weights (a last-level cache). Each step then streams
+/// them through the caches, and what else it reads (a decoding cache's keys and values)
+/// comes from memory too. False with one thread, and until a step's products have run
+/// once.
 pub fn streaming() -> bool {
     STREAMING.load(Relaxed)
 }
