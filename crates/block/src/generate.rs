@@ -247,7 +247,7 @@ pub fn generate(
     opts: &GenerateOptions,
     on_token: impl FnMut(usize, u32) -> bool,
 ) -> Result<Vec<Vec<u32>>> {
-    generate_steered(model, prompts, opts, |_, _| Ok(Steer::Sample), on_token)
+    run(model, prompts, opts, None, on_token)
 }
 
 /// As [`generate`], with `steer(row, logits)` called before each row's token is sampled:
@@ -258,6 +258,22 @@ pub fn generate_steered(
     prompts: &[Vec<u32>],
     opts: &GenerateOptions,
     mut steer: impl FnMut(usize, &mut [f32]) -> Result<Steer>,
+    on_token: impl FnMut(usize, u32) -> bool,
+) -> Result<Vec<Vec<u32>>> {
+    run(model, prompts, opts, Some(&mut steer), on_token)
+}
+
+/// A hook of [`generate_steered`].
+type SteerHook<'a> = &'a mut dyn FnMut(usize, &mut [f32]) -> Result<Steer>;
+
+/// [`generate_steered`], or without a hook [`generate`]: then each row samples from the
+/// logits where the model left them, not from a copy (a vocabulary's logits are ~1 MB,
+/// whose copy took about 1% of a decoding step of Gemma-3-270M).
+fn run(
+    model: &Gpt,
+    prompts: &[Vec<u32>],
+    opts: &GenerateOptions,
+    mut steer: Option<SteerHook>,
     mut on_token: impl FnMut(usize, u32) -> bool,
 ) -> Result<Vec<Vec<u32>>> {
     let cfg = model.config();
@@ -285,17 +301,41 @@ pub fn generate_steered(
         let keep_arg = padded.then_some(&keep_t);
         // (b, 1, vocab)
         let logits = model.infer(&input, keep_arg, Some(&mut cache), Logits::Last)?;
-        let mut logits = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let mut next = Vec::with_capacity(b);
-        for (row, row_logits) in logits.iter_mut().enumerate() {
-            if !done[row] && steer(row, row_logits)? == Steer::End {
-                done[row] = true;
+        let logits = logits.squeeze(1)?;
+        // Each live row's token; `None` for a row that has ended.
+        let tokens: Vec<Option<u32>> = match steer.as_mut() {
+            Some(steer) => {
+                let mut rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+                let mut tokens = Vec::with_capacity(b);
+                for (row, row_logits) in rows.iter_mut().enumerate() {
+                    if !done[row] && steer(row, row_logits)? == Steer::End {
+                        done[row] = true;
+                    }
+                    tokens.push(match done[row] {
+                        true => None,
+                        false => Some(samplers[row].sample(row_logits, &history[row])?),
+                    });
+                }
+                tokens
             }
-            if done[row] {
+            None => gpt_kernels::dense::with_f32_values(&logits, |all| {
+                let vocab = all.len() / b;
+                (0..b)
+                    .map(|row| match done[row] {
+                        true => Ok(None),
+                        false => samplers[row]
+                            .sample(&all[row * vocab..(row + 1) * vocab], &history[row])
+                            .map(Some),
+                    })
+                    .collect()
+            })?,
+        };
+        let mut next = Vec::with_capacity(b);
+        for (row, tok) in tokens.into_iter().enumerate() {
+            let Some(tok) = tok else {
                 next.push(0);
                 continue;
-            }
-            let tok = samplers[row].sample(row_logits, &history[row])?;
+            };
             history[row].push(tok);
             out[row].push(tok);
             let go_on = on_token(row, tok);

@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use clap::Args;
 use gpt_blocks::{argmax, Logits};
 
@@ -44,6 +44,16 @@ fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// The greedy token of each row of `logits` `[b, 1, vocab]`, read where the model left
+/// them, as `generate` reads them.
+fn greedy(logits: &Tensor) -> Result<Vec<u32>> {
+    let b = logits.dim(0)?;
+    gpt_kernels::dense::with_f32_values(logits, |all| {
+        Ok(all.chunks(all.len() / b.max(1)).map(argmax).collect())
+    })
+    .map_err(Into::into)
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -93,7 +103,7 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
         let mut cache = model.new_cache(a.prompt_len + a.new_tokens);
         let t0 = Instant::now();
         let logits = model.infer(&prompt, None, Some(&mut cache), Logits::Last)?;
-        let mut rows = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut next = greedy(&logits)?;
         // As `generate` does after its prefill (counted in the prefill's time).
         crate::alloc::release_freed_memory();
         let t1 = Instant::now();
@@ -102,10 +112,9 @@ pub fn run(a: &BenchArgs, margs: &ModelArgs) -> Result<()> {
         // The floor's reads in this run, left out of decoding's time.
         let mut reads = std::time::Duration::ZERO;
         for _ in 0..a.new_tokens {
-            let next: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
             let input = Tensor::from_vec(next, (a.batch, 1), &dev)?;
             let logits = model.infer(&input, None, Some(&mut cache), Logits::Last)?;
-            rows = logits.squeeze(1)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            next = greedy(&logits)?;
             if let Some((f, _)) = &floor {
                 reads += f.read();
             }
