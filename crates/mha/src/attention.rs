@@ -491,7 +491,11 @@ impl MultiHeadAttention {
                 qkv.dtype()
             )
         }
-        if let Some(norm) = self.qk_norm_weights()? {
+        // A per-head norm is applied to each head as the step reads it; one over the whole
+        // projection in a pass of its own, here.
+        let qk_norm = self.qk_norm_weights()?;
+        let head_norm = qk_norm.and_then(QkNormWeights::per_head);
+        if let (Some(norm), None) = (qk_norm, head_norm) {
             let shape = qkv.shape().clone();
             let mut values = qkv.flatten_all()?.to_vec1::<f32>()?;
             let widths = (cfg.q_width(), cfg.kv_width(), cfg.kv_width());
@@ -502,7 +506,10 @@ impl MultiHeadAttention {
         step::attend(
             &qkv,
             heads,
-            angles.as_ref(),
+            step::EachHead {
+                norm: head_norm,
+                angles: angles.as_ref(),
+            },
             cache,
             mask,
             cfg.softmax_scale(),

@@ -19,6 +19,7 @@ use super::decode;
 use super::tiles::{FlashAttn, KvRows, Rows, DIRECT_ROWS};
 use crate::cache::KvCache;
 use crate::mask::Mask;
+use crate::qk_norm::{normalise, HeadNorm};
 use crate::rope::rotate_pairs;
 use crate::rope::{Rope, RopeTables};
 use gpt_kernels::storage::{values, with_values};
@@ -120,20 +121,29 @@ pub(crate) fn prepare(cache: &mut KvCache, (b, t): (usize, usize), heads: Heads)
     Ok(())
 }
 
+/// What each query and key head goes through as [`attend`] reads it: a per-head q/k norm,
+/// then the rotation.
+#[derive(Clone, Copy)]
+pub(crate) struct EachHead<'a> {
+    pub norm: Option<HeadNorm<'a>>,
+    pub angles: Option<&'a Angles>,
+}
+
 /// Self-attention of the positions in `qkv` (`[b, t, (h + 2·h_kv)·d]`, contiguous f32 on
-/// the CPU) over `cache` and themselves: appends their keys (rotated by `angles`) and
-/// values to `cache` and returns the heads' outputs `[b, t, h·d]`. `mask` as the general
+/// the CPU) over `cache` and themselves: appends their keys (as `each` says) and values
+/// to `cache` and returns the heads' outputs `[b, t, h·d]`. `mask` as the general
 /// path takes it (its causal offset is the cache's length).
 pub(crate) fn attend(
     qkv: &Tensor,
     heads: Heads,
-    angles: Option<&Angles>,
+    each: EachHead,
     cache: &mut KvCache,
     mask: &Mask,
     scale: f64,
     softcap: Option<f64>,
 ) -> Result<Tensor> {
     let Heads { h, h_kv, d } = heads;
+    let EachHead { norm, angles } = each;
     let (b, t, w) = qkv.dims3()?;
     if w != (h + 2 * h_kv) * d || t == 0 || t > DIRECT_ROWS || !qkv.is_contiguous() {
         bail!("attention step: a projection of {:?} for {h} query and {h_kv} key/value heads of {d}, at most {DIRECT_ROWS} positions", qkv.dims())
@@ -146,11 +156,13 @@ pub(crate) fn attend(
         heads,
         t,
         at,
+        norm: norm.map(|n| (n.k, n.eps)),
         angles,
     };
     ck.inplace_op2(qkv, &keys)?;
     let values = Store {
         from: (h + h_kv) * d,
+        norm: None,
         angles: None,
         ..keys
     };
@@ -159,14 +171,17 @@ pub(crate) fn attend(
     let tk = k.dim(2)?;
     let op = FlashAttn::over(b, tk, qkv.device(), mask, scale)?.capped(softcap)?;
 
-    // The queries, rotated: `[b, t, h, d]`, read as `[b, h, t, d]`.
+    // The queries, normalised and rotated: `[b, t, h, d]`, read as `[b, h, t, d]`.
     let mut q = Vec::with_capacity(b * t * h * d);
     with_values(qkv, "attention step", |x| {
         for (bt, row) in x.chunks_exact(w).enumerate() {
             let first = q.len();
             q.extend_from_slice(&row[..h * d]);
-            if let Some(angles) = angles {
-                for head in q[first..].chunks_exact_mut(d) {
+            for head in q[first..].chunks_exact_mut(d) {
+                if let Some(n) = norm {
+                    normalise(head, n.q, n.eps);
+                }
+                if let Some(angles) = angles {
                     angles.rotate(head, bt);
                 }
             }
@@ -209,15 +224,16 @@ pub(crate) fn attend(
     Tensor::from_vec(out, (b, t, h * d), qkv.device())
 }
 
-/// Writes the step's keys (rotated) or values, features `from..from + h_kv·d` of each row
-/// of the projection, into a cache's storage `[b, h_kv, allocated, d]` at positions
-/// `at..at + t`, in the storage's dtype.
+/// Writes the step's keys (normalised by `norm`'s weights and epsilon, then rotated) or
+/// values, features `from..from + h_kv·d` of each row of the projection, into a cache's
+/// storage `[b, h_kv, allocated, d]` at positions `at..at + t`, in the storage's dtype.
 #[derive(Clone, Copy)]
 struct Store<'a> {
     from: usize,
     heads: Heads,
     t: usize,
     at: usize,
+    norm: Option<(&'a [f32], f32)>,
     angles: Option<&'a Angles>,
 }
 
@@ -255,6 +271,9 @@ impl InplaceOp2 for Store<'_> {
             let (bi, ti) = (bt / self.t, bt % self.t);
             for hi in 0..h_kv {
                 head.copy_from_slice(&row[self.from + hi * d..][..d]);
+                if let Some((w, eps)) = self.norm {
+                    normalise(&mut head, w, eps);
+                }
                 if let Some(angles) = self.angles {
                     angles.rotate(&mut head, bt);
                 }
