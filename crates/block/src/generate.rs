@@ -268,7 +268,7 @@ type SteerHook<'a> = &'a mut dyn FnMut(usize, &mut [f32]) -> Result<Steer>;
 
 /// [`generate_steered`], or without a hook [`generate`]: then each row samples from the
 /// logits where the model left them, not from a copy (a vocabulary's logits are ~1 MB,
-/// whose copy took about 1% of a decoding step of Gemma-3-270M).
+/// whose copy took 1–2% of a decoding step of Gemma-3-270M).
 fn run(
     model: &Gpt,
     prompts: &[Vec<u32>],
