@@ -283,10 +283,11 @@ impl Rope {
         offset: usize,
         dev: &Device,
     ) -> Result<RopeTables> {
-        if offset + t > u32::MAX as usize {
-            bail!("rope: positions beyond {} are not supported", u32::MAX)
-        }
-        let pos = Tensor::arange(offset as u32, (offset + t) as u32, dev)?
+        let end = match offset.checked_add(t) {
+            Some(end) if end <= u32::MAX as usize => end,
+            _ => bail!("rope: positions beyond {} are not supported", u32::MAX),
+        };
+        let pos = Tensor::arange(offset as u32, end as u32, dev)?
             .unsqueeze(0)?
             .broadcast_as((b, t))?
             .contiguous()?;

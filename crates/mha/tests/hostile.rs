@@ -336,3 +336,20 @@ fn rotating_no_positions_while_training_is_fine() {
     let ys = rope.apply(xs.as_tensor(), &tables).unwrap();
     assert_eq!(ys.dims(), &[1, 1, 0, 2]);
 }
+
+/// Positions past `u32::MAX`, the end included, are refused by name, never wrapped; an
+/// offset of `usize::MAX` (a hostile causal mask's) must not overflow on the way.
+#[test]
+fn rotating_positions_past_u32_is_an_error() {
+    let dev = Device::Cpu;
+    let rope = mha::Rope::new(&mha::RopeConfig::default(), 2).unwrap();
+    let last = u32::MAX as usize;
+    assert!(rope.tables_from(1, 1, last - 1, &dev).is_ok());
+    for (t, offset) in [(1, last), (2, last - 1), (1, usize::MAX), (usize::MAX, 1)] {
+        let err = rope
+            .tables_from(1, t, offset, &dev)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("positions beyond"), "{t} at {offset}: {err}");
+    }
+}
