@@ -94,6 +94,20 @@ pub(crate) fn run(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
+    partials(op, q, k, v, dims).merge(out, lse);
+}
+
+/// Each task's running softmax over its range of keys: what [`Partials::merge`] turns into
+/// the output. Holds nothing of `q`, so the queries' buffer may take the output.
+pub(crate) struct Partials {
+    parts: Vec<Partial>,
+    /// Ranges per group: `parts` holds `b · h_kv` groups of them.
+    ranges: usize,
+    dims: Dims,
+}
+
+/// The tasks of [`run`], without the merge.
+pub(crate) fn partials(op: &FlashAttn, q: Rows, k: KvRows, v: KvRows, dims: Dims) -> Partials {
     let call = Call {
         op,
         far: gpt_kernels::team::streaming(),
@@ -103,15 +117,8 @@ pub(crate) fn run(
         dims,
     };
     let Dims {
-        b,
-        h,
-        h_kv,
-        tq,
-        tk,
-        dv,
-        ..
+        b, h, h_kv, tq, tk, ..
     } = dims;
-    let (n_rep, nq) = (dims.n_rep(), dims.n_rep() * tq);
     // The keys any row may see: the same for every sequence (key padding aside, which
     // masking handles).
     let keys = op.visibility(0, tk, 0).key_range(tq);
@@ -138,41 +145,57 @@ pub(crate) fn run(
         let end = (start + span).min(keys.end);
         call.group_range(g / h_kv, g % h_kv, start..end)
     };
-    let partials: Vec<Partial> = match parallel && groups * ranges > 1 {
+    let parts = match parallel && groups * ranges > 1 {
         true => gpt_kernels::team::map(groups * ranges, task),
         false => (0..groups * ranges).map(task).collect(),
     };
-    // Merge each row's ranges: weights exp(m_r - m) bring them to the common maximum.
-    for (g, parts) in partials.chunks(ranges).enumerate() {
-        let (bi, hk) = (g / h_kv, g % h_kv);
-        for qi in 0..nq {
-            let row = (bi * h + hk * n_rep + qi / tq) * tq + qi % tq;
-            let y = &mut out[row * dv..(row + 1) * dv];
-            let m = parts.iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.m[qi]));
-            if m == f32::NEG_INFINITY {
-                // A row that saw no key keeps zeros, and its weights are all 0.
-                y.fill(0.0);
-                lse[row] = f32::INFINITY;
-                continue;
-            }
-            if let [p] = parts {
-                // One range (a short cache): its sums are the row's.
-                y.copy_from_slice(&p.acc[qi * dv..(qi + 1) * dv]);
-                simd::scale(y, 1.0 / p.l[qi]);
-                lse[row] = m + p.l[qi].ln();
-                continue;
-            }
-            y.fill(0.0);
-            let mut l = 0f32;
-            for p in parts.iter().filter(|p| p.m[qi] > f32::NEG_INFINITY) {
-                let w = (p.m[qi] - m).exp();
-                l += w * p.l[qi];
-                for (y, &a) in y.iter_mut().zip(&p.acc[qi * dv..(qi + 1) * dv]) {
-                    *y += w * a;
+    Partials {
+        parts,
+        ranges,
+        dims,
+    }
+}
+
+impl Partials {
+    /// Writes every value of `out [b, h, tq, dv]` and of `lse [b, h, tq]` (what they held
+    /// before does not matter).
+    pub(crate) fn merge(&self, out: &mut [f32], lse: &mut [f32]) {
+        let Dims {
+            h, h_kv, tq, dv, ..
+        } = self.dims;
+        let (n_rep, nq) = (self.dims.n_rep(), self.dims.n_rep() * tq);
+        // Each row's ranges: weights exp(m_r - m) bring them to the common maximum.
+        for (g, parts) in self.parts.chunks(self.ranges).enumerate() {
+            let (bi, hk) = (g / h_kv, g % h_kv);
+            for qi in 0..nq {
+                let row = (bi * h + hk * n_rep + qi / tq) * tq + qi % tq;
+                let y = &mut out[row * dv..(row + 1) * dv];
+                let m = parts.iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.m[qi]));
+                if m == f32::NEG_INFINITY {
+                    // A row that saw no key gets zeros, and its weights are all 0.
+                    y.fill(0.0);
+                    lse[row] = f32::INFINITY;
+                    continue;
                 }
+                if let [p] = parts {
+                    // One range (a short cache): its sums are the row's.
+                    y.copy_from_slice(&p.acc[qi * dv..(qi + 1) * dv]);
+                    simd::scale(y, 1.0 / p.l[qi]);
+                    lse[row] = m + p.l[qi].ln();
+                    continue;
+                }
+                y.fill(0.0);
+                let mut l = 0f32;
+                for p in parts.iter().filter(|p| p.m[qi] > f32::NEG_INFINITY) {
+                    let w = (p.m[qi] - m).exp();
+                    l += w * p.l[qi];
+                    for (y, &a) in y.iter_mut().zip(&p.acc[qi * dv..(qi + 1) * dv]) {
+                        *y += w * a;
+                    }
+                }
+                simd::scale(y, 1.0 / l);
+                lse[row] = m + l.ln();
             }
-            simd::scale(y, 1.0 / l);
-            lse[row] = m + l.ln();
         }
     }
 }

@@ -172,12 +172,12 @@ pub(crate) fn attend(
     let op = FlashAttn::over(b, tk, qkv.device(), mask, scale)?.capped(softcap)?;
 
     // The queries, normalised and rotated: `[b, t, h, d]`, read as `[b, h, t, d]`.
-    let mut q = Vec::with_capacity(b * t * h * d);
+    let mut q_values = Vec::with_capacity(b * t * h * d);
     with_values(qkv, "attention step", |x| {
         for (bt, row) in x.chunks_exact(w).enumerate() {
-            let first = q.len();
-            q.extend_from_slice(&row[..h * d]);
-            for head in q[first..].chunks_exact_mut(d) {
+            let first = q_values.len();
+            q_values.extend_from_slice(&row[..h * d]);
+            for head in q_values[first..].chunks_exact_mut(d) {
                 if let Some(n) = norm {
                     normalise(head, n.q, n.eps);
                 }
@@ -189,7 +189,7 @@ pub(crate) fn attend(
         Ok(())
     })?;
     let q_layout = Layout::new((b, h, t, d).into(), vec![t * h * d, d, h * d, 1], 0);
-    let q = Rows::of(&q, &q_layout, "q")?;
+    let q = Rows::of(&q_values, &q_layout, "q")?;
 
     let (sk, lk) = k.storage_and_layout();
     let (sv, lv) = v.storage_and_layout();
@@ -206,10 +206,13 @@ pub(crate) fn attend(
         d,
         dv: d,
     };
-    // (b, h, t, d)
-    let mut out = vec![0f32; b * h * t * d];
+    let parts = decode::partials(&op, q, k, v, dims);
+    // The queries are read: their buffer (b·t·h·d values, as many as the output's) takes
+    // the output `(b, h, t, d)`. Written a moment ago, it sits in the caches, where a new
+    // buffer's lines would be read from memory first (docs/PERFORMANCE.md).
+    let mut out = q_values;
     let mut lse = vec![0f32; b * h * t];
-    decode::run(&op, q, k, v, dims, &mut out, &mut lse);
+    parts.merge(&mut out, &mut lse);
     if t > 1 {
         // (b, h, t, d) -> (b, t, h·d)
         let mut ys = vec![0f32; out.len()];
