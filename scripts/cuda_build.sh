@@ -17,7 +17,7 @@ dir=target/cuda-toolkit
 eval "$(.ci/cuda-toolkit "$dir")"
 "$dir/bin/pip" install -q --disable-pip-version-check \
   nvidia-cublas==13.0.2.14 nvidia-curand==10.4.5.25 nvidia-cuda-nvrtc==13.0.88 >&2
-CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} RUSTFLAGS="$(.ci/cuda-link)" \
+CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90} RUSTFLAGS="-L native=$(.ci/cuda-link)" \
   CARGO_TARGET_DIR=target/cuda-release cargo build --release -p gpt-blocks-cli --features cuda
 # Packed for the GPU machine: the program (92 MB, most of it Candle's and mha's PTX) is more
 # than a lease carries (64 MiB in all); packed, about 20 MB (scripts/gpu_lease.sh unpacks it).
