@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use super::ahead::{ahead, Spread};
 use super::format::{q2k, q3k, q4k, q6k, Format, QK, QK_K, SCALES, TILE};
-use super::input::{super_rows, QRows, SuperRows};
+use super::input::{super_rows, QRows, SuperRows, XRow};
 
 /// Bit `g` of each byte of `plane` moved to bit 4, the others cleared: the fifth bits
 /// of group `g`'s operands (see `Format::operand`). (Shifts of 16-bit lanes: bit 4 of
@@ -308,8 +308,11 @@ unsafe fn lanes8<const SIGNED: bool>(p: *const u8) -> __m256i {
 
 /// [`q4k_rows`] for CPUs with AVX2 alone: per sub-block and row of `x`, a
 /// [`half_sums`] and an integer multiply by the scales; the minima times the sums of
-/// `x` per super-block in integers, then two multiply-adds. Halves of the tiles one
-/// after the other, as in [`legacy_rows_avx2`].
+/// `x` per super-block in integers, then two multiply-adds. A decoding product (one row
+/// of `x`) takes both halves of each tile in one pass over the column, as
+/// `legacy_rows_avx2` does: in two, the first pass's loads from memory overlapped only
+/// half the arithmetic. Four rows take the halves one after the other (the
+/// accumulators of both would not fit the registers).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q4k_rows_avx2<const R: usize, const FIVE: bool>(
     tiles: &[u8],
@@ -323,22 +326,46 @@ pub(super) unsafe fn q4k_rows_avx2<const R: usize, const FIVE: bool>(
     let nb = tiles.len() / size;
     let xs = super_rows::<R>(x, r, nb);
     assert!(ops.is_empty() || (FIVE && ops.len() >= nb * 8 * 512));
-    for h in 0..2 {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for b in 0..nb {
-            // SAFETY: tile b is `size` readable bytes; super-block b of each row of
-            // `x` is in bounds (checked by `super_rows`).
-            unsafe {
-                let tile = tiles.as_ptr().add(b * size);
-                let mut sums = [_mm256_setzero_si256(); R];
-                let mut mins = [_mm256_setzero_si256(); R];
-                for j in 0..8 {
-                    // The first half's pass streams the column from memory; the
-                    // second reads it again from L1.
-                    if h == 0 {
-                        ahead(tile, size, j, spread);
-                    }
-                    let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
+    // SAFETY: as this function's; `nb` tiles of `size` bytes, `xs` checked for `nb`.
+    unsafe {
+        if R == 1 {
+            q4k_halves::<R, FIVE, 0, 2>(tiles, ops, xs, nb, y, spread);
+        } else {
+            q4k_halves::<R, FIVE, 0, 1>(tiles, ops, xs, nb, y, spread);
+            q4k_halves::<R, FIVE, 1, 1>(tiles, ops, xs, nb, y, spread);
+        }
+    }
+}
+
+/// Halves `H0..H0 + NH` of one column of [`q4k_rows_avx2`]'s tiles, per sub-block
+/// each in turn (the pass with the first half streams the column; a second finds it in
+/// the cache).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4k_halves<const R: usize, const FIVE: bool, const H0: usize, const NH: usize>(
+    tiles: &[u8],
+    ops: &[u8],
+    xs: [XRow; R],
+    nb: usize,
+    y: &mut [[f32; TILE]; 4],
+    spread: Spread,
+) {
+    let size = if FIVE { q4k::Q5_BYTES } else { q4k::BYTES };
+    let mut acc = [[_mm256_setzero_ps(); R]; NH];
+    for b in 0..nb {
+        // SAFETY (caller): tile b is `size` readable bytes; super-block b of each row of
+        // `x` is in bounds.
+        unsafe {
+            let tile = tiles.as_ptr().add(b * size);
+            let mut sums = [[_mm256_setzero_si256(); R]; NH];
+            let mut mins = [[_mm256_setzero_si256(); R]; NH];
+            for j in 0..8 {
+                if H0 == 0 {
+                    ahead(tile, size, j, spread);
+                }
+                let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
+                for k in 0..NH {
+                    let h = H0 + k;
                     let q = tile.add(q4k::QS + 256 * j + 32 * h);
                     let pre = match ops.is_empty() {
                         true => std::ptr::null(),
@@ -352,27 +379,43 @@ pub(super) unsafe fn q4k_rows_avx2<const R: usize, const FIVE: bool>(
                     let sc = lanes8::<false>(tile.add(q4k::SC + 16 * j + 8 * h));
                     let m = lanes8::<false>(tile.add(q4k::MIN + 16 * j + 8 * h));
                     for i in 0..R {
-                        sums[i] = _mm256_add_epi32(sums[i], _mm256_mullo_epi32(s[i], sc));
+                        let sum = _mm256_mullo_epi32(s[i], sc);
+                        sums[k][i] = _mm256_add_epi32(sums[k][i], sum);
                         let x = xs[i];
                         let xsum = *x.s.add(16 * b + 2 * j) + *x.s.add(16 * b + 2 * j + 1);
-                        let xsum = _mm256_set1_epi32(xsum);
-                        mins[i] = _mm256_add_epi32(mins[i], _mm256_mullo_epi32(m, xsum));
+                        let min = _mm256_mullo_epi32(m, _mm256_set1_epi32(xsum));
+                        mins[k][i] = _mm256_add_epi32(mins[k][i], min);
                     }
                 }
+            }
+            for k in 0..NH {
+                let h = H0 + k;
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
                 let dmin = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(q4k::DMIN + 16 * h).cast()));
                 for i in 0..R {
                     let dx = _mm256_set1_ps(*xs[i].d.add(b));
-                    let s = _mm256_cvtepi32_ps(sums[i]);
-                    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), s, acc[i]);
-                    let m = _mm256_cvtepi32_ps(mins[i]);
-                    acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), m, acc[i]);
+                    let s = _mm256_cvtepi32_ps(sums[k][i]);
+                    acc[k][i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), s, acc[k][i]);
+                    let m = _mm256_cvtepi32_ps(mins[k][i]);
+                    acc[k][i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), m, acc[k][i]);
                 }
             }
         }
+    }
+    store_halves::<R, H0, NH>(y, acc);
+}
+
+/// The accumulators of halves `H0..H0 + NH` into their places in `y`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn store_halves<const R: usize, const H0: usize, const NH: usize>(
+    y: &mut [[f32; TILE]; 4],
+    acc: [[__m256; R]; NH],
+) {
+    for (k, acc) in acc.into_iter().enumerate() {
         for (y, acc) in y.iter_mut().zip(acc) {
             // SAFETY: 8 floats to the half of a [f32; 16].
-            unsafe { _mm256_storeu_ps(y[8 * h..].as_mut_ptr(), acc) };
+            unsafe { _mm256_storeu_ps(y[8 * (H0 + k)..].as_mut_ptr(), acc) };
         }
     }
 }
@@ -380,7 +423,7 @@ pub(super) unsafe fn q4k_rows_avx2<const R: usize, const FIVE: bool>(
 /// [`q6k_rows`] for CPUs with AVX2 alone, q6_K (or, `Q3`, q3_K): per block of 32 and
 /// row of `x`, the [`half_sums`] of its two halves of 16 values, each less the offset
 /// (32, 4) times the half's sum of `x` and multiplied by its scales as integers; per
-/// super-block one multiply-add.
+/// super-block one multiply-add. Halves in one pass or two, as in [`q4k_rows_avx2`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q6k_rows_avx2<const R: usize, const Q3: bool>(
     tiles: &[u8],
@@ -390,29 +433,53 @@ pub(super) unsafe fn q6k_rows_avx2<const R: usize, const Q3: bool>(
     y: &mut [[f32; TILE]; 4],
     spread: Spread,
 ) {
+    let size = if Q3 { q3k::BYTES } else { q6k::BYTES };
+    let nb = tiles.len() / size;
+    let xs = super_rows::<R>(x, r, nb);
+    assert!(ops.is_empty() || ops.len() >= nb * 8 * 512);
+    // SAFETY: as this function's; `nb` tiles of `size` bytes, `xs` checked for `nb`.
+    unsafe {
+        if R == 1 {
+            q6k_halves::<R, Q3, 0, 2>(tiles, ops, xs, nb, y, spread);
+        } else {
+            q6k_halves::<R, Q3, 0, 1>(tiles, ops, xs, nb, y, spread);
+            q6k_halves::<R, Q3, 1, 1>(tiles, ops, xs, nb, y, spread);
+        }
+    }
+}
+
+/// Halves `H0..H0 + NH` of one column of [`q6k_rows_avx2`]'s tiles (as
+/// [`q4k_halves`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q6k_halves<const R: usize, const Q3: bool, const H0: usize, const NH: usize>(
+    tiles: &[u8],
+    ops: &[u8],
+    xs: [XRow; R],
+    nb: usize,
+    y: &mut [[f32; TILE]; 4],
+    spread: Spread,
+) {
     // (The scales lie at the same place in both tiles: q6k::SC == q3k::SC.)
     let (size, offset) = if Q3 {
         (q3k::BYTES, 4)
     } else {
         (q6k::BYTES, 32)
     };
-    let nb = tiles.len() / size;
-    let xs = super_rows::<R>(x, r, nb);
-    assert!(ops.is_empty() || ops.len() >= nb * 8 * 512);
-    for h in 0..2 {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for b in 0..nb {
-            // SAFETY: tile b is `size` readable bytes; super-block b of each row of `x`
-            // is in bounds (checked by `super_rows`).
-            unsafe {
-                let tile = tiles.as_ptr().add(b * size);
-                let mut sums = [_mm256_setzero_si256(); R];
-                for j in 0..8 {
-                    // (As in `q4k_rows_avx2`.)
-                    if h == 0 {
-                        ahead(tile, size, j, spread);
-                    }
-                    let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
+    let mut acc = [[_mm256_setzero_ps(); R]; NH];
+    for b in 0..nb {
+        // SAFETY (caller): tile b is `size` readable bytes; super-block b of each row of
+        // `x` is in bounds.
+        unsafe {
+            let tile = tiles.as_ptr().add(b * size);
+            let mut sums = [[_mm256_setzero_si256(); R]; NH];
+            for j in 0..8 {
+                if H0 == 0 {
+                    ahead(tile, size, j, spread);
+                }
+                let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
+                for (k, sums) in sums.iter_mut().enumerate() {
+                    let h = H0 + k;
                     let pre = match ops.is_empty() {
                         true => std::ptr::null(),
                         false => ops.as_ptr().add(512 * (8 * b + j) + 256 * h),
@@ -444,25 +511,24 @@ pub(super) unsafe fn q6k_rows_avx2<const R: usize, const Q3: bool>(
                         sums[i] = _mm256_add_epi32(sums[i], sum);
                     }
                 }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
+            }
+            for (k, sums) in sums.iter().enumerate() {
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * (H0 + k)).cast()));
                 for i in 0..R {
                     let dx = _mm256_set1_ps(*xs[i].d.add(b));
                     let s = _mm256_cvtepi32_ps(sums[i]);
-                    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), s, acc[i]);
+                    acc[k][i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), s, acc[k][i]);
                 }
             }
         }
-        for (y, acc) in y.iter_mut().zip(acc) {
-            // SAFETY: 8 floats to the half of a [f32; 16].
-            unsafe { _mm256_storeu_ps(y[8 * h..].as_mut_ptr(), acc) };
-        }
     }
+    store_halves::<R, H0, NH>(y, acc);
 }
 
 /// [`q2k_rows`] for CPUs with AVX2 alone: per block of 32 and row of `x`, the
 /// [`half_sums`] of its two halves of 16 values, each multiplied by its 4-bit scale as
 /// an integer, and the halves' sums of `x` by their minima; per super-block two
-/// multiply-adds.
+/// multiply-adds. Halves in one pass or two, as in [`q4k_rows_avx2`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q2k_rows_avx2<const R: usize>(
     tiles: &[u8],
@@ -473,22 +539,44 @@ pub(super) unsafe fn q2k_rows_avx2<const R: usize>(
 ) {
     let nb = tiles.len() / q2k::BYTES;
     let xs = super_rows::<R>(x, r, nb);
+    // SAFETY: as this function's; `nb` tiles, `xs` checked for `nb`.
+    unsafe {
+        if R == 1 {
+            q2k_halves::<R, 0, 2>(tiles, xs, nb, y, spread);
+        } else {
+            q2k_halves::<R, 0, 1>(tiles, xs, nb, y, spread);
+            q2k_halves::<R, 1, 1>(tiles, xs, nb, y, spread);
+        }
+    }
+}
+
+/// Halves `H0..H0 + NH` of one column of [`q2k_rows_avx2`]'s tiles (as
+/// [`q4k_halves`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q2k_halves<const R: usize, const H0: usize, const NH: usize>(
+    tiles: &[u8],
+    xs: [XRow; R],
+    nb: usize,
+    y: &mut [[f32; TILE]; 4],
+    spread: Spread,
+) {
     let low = _mm256_set1_epi32(15);
-    for h in 0..2 {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for b in 0..nb {
-            // SAFETY: tile b is `q2k::BYTES` readable bytes; super-block b of each row
-            // of `x` is in bounds (checked by `super_rows`).
-            unsafe {
-                let tile = tiles.as_ptr().add(b * q2k::BYTES);
-                let mut sums = [_mm256_setzero_si256(); R];
-                let mut mins = [_mm256_setzero_si256(); R];
-                for j in 0..8 {
-                    // (As in `q4k_rows_avx2`.)
-                    if h == 0 {
-                        ahead(tile, q2k::BYTES, j, spread);
-                    }
-                    let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
+    let mut acc = [[_mm256_setzero_ps(); R]; NH];
+    for b in 0..nb {
+        // SAFETY (caller): tile b is `q2k::BYTES` readable bytes; super-block b of each
+        // row of `x` is in bounds.
+        unsafe {
+            let tile = tiles.as_ptr().add(b * q2k::BYTES);
+            let mut sums = [[_mm256_setzero_si256(); R]; NH];
+            let mut mins = [[_mm256_setzero_si256(); R]; NH];
+            for j in 0..8 {
+                if H0 == 0 {
+                    ahead(tile, q2k::BYTES, j, spread);
+                }
+                let xp = xs.map(|x| x.q.add(b * QK_K + QK * j));
+                for k in 0..NH {
+                    let h = H0 + k;
                     let q = tile.add(q2k::QL + 128 * j + 32 * h);
                     let [lo, hi] = half_sums::<R, 2>(q, std::ptr::null(), std::ptr::null(), xp);
                     // Scale in the low nibble, minimum in the high one, a lane per row.
@@ -502,30 +590,30 @@ pub(super) unsafe fn q2k_rows_avx2<const R: usize>(
                             _mm256_mullo_epi32(lo[i], sc_lo),
                             _mm256_mullo_epi32(hi[i], sc_hi),
                         );
-                        sums[i] = _mm256_add_epi32(sums[i], sum);
+                        sums[k][i] = _mm256_add_epi32(sums[k][i], sum);
                         let m = _mm256_add_epi32(
                             _mm256_mullo_epi32(m_lo, _mm256_set1_epi32(*s)),
                             _mm256_mullo_epi32(m_hi, _mm256_set1_epi32(*s.add(1))),
                         );
-                        mins[i] = _mm256_add_epi32(mins[i], m);
+                        mins[k][i] = _mm256_add_epi32(mins[k][i], m);
                     }
                 }
+            }
+            for k in 0..NH {
+                let h = H0 + k;
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(16 * h).cast()));
                 let dmin = _mm256_cvtph_ps(_mm_loadu_si128(tile.add(q2k::DMIN + 16 * h).cast()));
                 for i in 0..R {
                     let dx = _mm256_set1_ps(*xs[i].d.add(b));
-                    let s = _mm256_cvtepi32_ps(sums[i]);
-                    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), s, acc[i]);
-                    let m = _mm256_cvtepi32_ps(mins[i]);
-                    acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), m, acc[i]);
+                    let s = _mm256_cvtepi32_ps(sums[k][i]);
+                    acc[k][i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), s, acc[k][i]);
+                    let m = _mm256_cvtepi32_ps(mins[k][i]);
+                    acc[k][i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), m, acc[k][i]);
                 }
             }
         }
-        for (y, acc) in y.iter_mut().zip(acc) {
-            // SAFETY: 8 floats to the half of a [f32; 16].
-            unsafe { _mm256_storeu_ps(y[8 * h..].as_mut_ptr(), acc) };
-        }
     }
+    store_halves::<R, H0, NH>(y, acc);
 }
 
 /// [`legacy_rows`] for CPUs with AVX2 alone, q8_0, q4_0 and q5_0 (or, `MIN`, q4_1 and
