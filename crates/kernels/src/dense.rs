@@ -315,10 +315,15 @@ struct Epilogue<'a> {
     act: Option<OutputAct>,
 }
 
-/// A weight element [`prefill_matmul`] reads: f32 in place, f16 and bf16 widened.
+/// A weight element [`prefill_matmul`] reads: f32 in place, f16 and bf16 widened (f16 stored
+/// by columns, on CPUs with AVX2 but not AVX-512, by [`simd::avx2_gemm`] as it packs).
 trait SpanElem: Sync + Sized {
     /// The weights themselves when they are f32 already.
     fn as_f32(data: &[Self]) -> Option<&[f32]>;
+    /// The weights themselves when they are f16.
+    fn as_f16(_: &[Self]) -> Option<&[f16]> {
+        None
+    }
     fn widen(src: &[Self], dst: &mut [f32]);
 }
 
@@ -334,6 +339,9 @@ impl SpanElem for f32 {
 impl SpanElem for f16 {
     fn as_f32(_: &[f16]) -> Option<&[f32]> {
         None
+    }
+    fn as_f16(data: &[f16]) -> Option<&[f16]> {
+        Some(data)
     }
     fn widen(src: &[f16], dst: &mut [f32]) {
         simd::widen_f16(src, dst)
@@ -405,6 +413,14 @@ fn span_products<E: SpanElem>(
             return match by_columns {
                 true => product(dst, ds, n, &w[start + c * s1..], 1, s1),
                 false => product(dst, ds, n, &w[start + c..], s0, 1),
+            };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let (true, Some(h)) = (by_columns && avx2_f16_gemm(), E::as_f16(data)) {
+            // SAFETY: as `product`'s; the span's n columns of d_in values lie in `data`
+            // (`fits`), and the CPU has AVX2, FMA and F16C.
+            return unsafe {
+                simd::avx2_gemm::gemm_f16(x, m, d_in, dst, ds, n, &h[start + c * s1..], s1)
             };
         }
         if buf.len() < d_in * n {
@@ -563,6 +579,16 @@ unsafe fn gemm_span(
             gemm::Parallelism::None,
         )
     }
+}
+
+/// Whether f16 spans stored by columns take [`simd::avx2_gemm`]: AVX2, FMA and F16C without
+/// AVX-512F (which takes [`simd::avx512_gemm`] over the widened span).
+#[cfg(target_arch = "x86_64")]
+fn avx2_f16_gemm() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+        && !std::arch::is_x86_feature_detected!("avx512f")
 }
 
 /// `x [m, in] · wᵀ` (`[m, out]`) for a weight `[out, in]` whose rows `row(o, dst)` writes

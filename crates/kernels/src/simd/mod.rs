@@ -26,6 +26,10 @@ pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_gemm;
 
+/// The GEMM of a prefill product's tasks over f16 weights on AVX2 alone.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2_gemm;
+
 /// Whether this CPU has the f16 product kernels below (AVX-512F, or AVX2 with FMA and
 /// F16C).
 pub fn f16_kernels() -> bool {

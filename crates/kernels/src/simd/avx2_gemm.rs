@@ -1,0 +1,425 @@
+//! The f32 GEMM of one prefill task over f16 weights on CPUs with AVX2, FMA and F16C but
+//! not AVX-512: `dst [m, n] = x [m, k] · w [k, n]` on the calling thread, for the spans of
+//! [`crate::dense`]'s prefill products whose weights are f16 `[out, in]` (an `nn.Linear`'s
+//! rows, as GGUF and safetensors store them). The arrangement of [`super::avx512_gemm`] over
+//! eight lanes.
+//!
+//! Why not the `gemm` crate here, as for every other span on these CPUs: each task would
+//! widen its span to f32 first (a copy of `n × k` values: 384 KiB of a 512 KiB L2 for 96
+//! columns of 1024), and the crate then packs `x` (all `m × k` of it) again for every task.
+//! Here no copy is made: each block of `KC` inputs of the span is widened as it is packed,
+//! panel by panel of 16 columns `[KC][16]` (the span's `n × KC` values, in L2), and `x` is
+//! read where it lies, six rows at a time, each value broadcast to a 6 × 16 tile of 12
+//! accumulators (12 FMAs per 2 weight loads and 6 broadcasts: every register but three)
+//! against each panel in turn, so that the six rows' `KC` values stay in L1 while the panels
+//! stream from L2. docs/PERFORMANCE.md ("Dense products") has what this gained and what else
+//! was tried.
+//!
+//! Sums run over `k` in blocks of `KC`, each block's partial sums added to `dst` in order;
+//! the result differs from a single running sum by rounding only (the tests hold it to
+//! the sums in f64).
+
+use half::f16;
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+/// Rows of `x` per tile.
+const MR: usize = 6;
+/// Columns per panel (two vectors of 8).
+const PANEL: usize = 16;
+/// Inputs per packed block: a panel is 32 KiB, a 96-column span's block 192 KiB.
+const KC: usize = 512;
+
+thread_local! {
+    /// A task's packed block, `KC × 16` values per panel.
+    static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `dst[r·ds + j] = Σ_k x[r·d_in + k] · w[j·cs + k]` for `r < m`, `j < n`, `k < d_in`:
+/// f16 weights stored by columns (`[n, in]`, column `j` at `w[j·cs..]`).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `dst` has `m` rows of stride `ds` with `n` writable
+/// columns that no other thread touches; `x` holds `m × d_in` values and `w` at least
+/// `(n − 1)·cs + d_in`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn gemm_f16(
+    x: &[f32],
+    m: usize,
+    d_in: usize,
+    dst: *mut f32,
+    ds: usize,
+    n: usize,
+    w: &[f16],
+    cs: usize,
+) {
+    // SAFETY: the caller's; `pack` reads only (k, j) of the span.
+    unsafe {
+        blocks(x, m, d_in, dst, ds, n, |k0, kc, j0, cols, buf| {
+            pack(w, cs, k0, kc, j0, cols, buf)
+        })
+    }
+}
+
+/// The loops of [`gemm_f16`]: for each block of `KC` inputs, the block's panels packed by
+/// `pack(k0, kc, j0, cols, panel)`, then every 6 rows of `x` against each panel in turn.
+///
+/// # Safety
+/// AVX2 and FMA; `dst` and `x` as for [`gemm_f16`]; `pack` fills `[kc][cols to 8]`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn blocks(
+    x: &[f32],
+    m: usize,
+    d_in: usize,
+    dst: *mut f32,
+    ds: usize,
+    n: usize,
+    pack: impl Fn(usize, usize, usize, usize, &mut [f32]),
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if d_in == 0 {
+        for r in 0..m {
+            // SAFETY: row r's n columns are the caller's to write.
+            unsafe { std::ptr::write_bytes(dst.add(r * ds), 0, n) };
+        }
+        return;
+    }
+    // Panels of 16 columns (the last 8 or 16 wide), panel p at `p × 16 × kc` in `buf`.
+    let panels = n.div_ceil(PANEL);
+    PACKED.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        if buf.len() < panels * PANEL * KC {
+            buf.resize(panels * PANEL * KC, 0.0);
+        }
+        let mut k0 = 0;
+        while k0 < d_in {
+            let kc = KC.min(d_in - k0);
+            // The block's weights, every panel `[kc][cols to 8]` one after another (in L2).
+            for p in 0..panels {
+                let j0 = p * PANEL;
+                pack(k0, kc, j0, PANEL.min(n - j0), &mut buf[p * PANEL * kc..]);
+            }
+            let mut r0 = 0;
+            while r0 < m {
+                let rows = MR.min(m - r0);
+                // Rows r0.. of `x` (kc values each, in L1) against every panel in turn.
+                for p in 0..panels {
+                    let j0 = p * PANEL;
+                    let cols = PANEL.min(n - j0);
+                    let b = buf[p * PANEL * kc..].as_ptr();
+                    // SAFETY: rows r0.. of `x` from column k0 (kc values each), the panel,
+                    // and rows r0.. of `dst` from column j0 (`cols` of them), all within
+                    // the caller's bounds.
+                    unsafe {
+                        tile(
+                            rows,
+                            cols,
+                            x.as_ptr().add(r0 * d_in + k0),
+                            d_in,
+                            b,
+                            cols.next_multiple_of(8),
+                            kc,
+                            dst.add(r0 * ds + j0),
+                            ds,
+                            k0 > 0,
+                        )
+                    };
+                }
+                r0 += rows;
+            }
+            k0 += kc;
+        }
+    })
+}
+
+/// One tile of `rows ≤ 6` rows and `cols ≤ 16` columns: the kernel for its shape.
+///
+/// # Safety
+/// As [`micro`]'s.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile(
+    rows: usize,
+    cols: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+) {
+    let vectors = cols.div_ceil(8);
+    // The last vector's lanes within the span: lane i is on where its sign bit is set.
+    let on = (cols - 1) % 8 + 1;
+    let last = _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(on as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    );
+    macro_rules! by_vectors {
+        ($r:literal) => {
+            // SAFETY (each): the caller's.
+            match vectors {
+                1 => unsafe { micro::<$r, 1>(a, lda, b, ldb, kc, c, ldc, last, add) },
+                _ => unsafe { micro::<$r, 2>(a, lda, b, ldb, kc, c, ldc, last, add) },
+            }
+        };
+    }
+    match rows {
+        1 => by_vectors!(1),
+        2 => by_vectors!(2),
+        3 => by_vectors!(3),
+        4 => by_vectors!(4),
+        5 => by_vectors!(5),
+        _ => by_vectors!(6),
+    }
+}
+
+/// `c[i][..] (+)= Σ_k a[i·lda + k] · b[k·ldb + ..]` for `R` rows and `V` vectors of 8
+/// columns, the last read and stored under `last`.
+///
+/// # Safety
+/// AVX2 and FMA; `a` has `R` rows of `kc` readable values at stride `lda`, `b` has `kc`
+/// rows at stride `ldb` of `8·(V − 1)` values plus the lanes of `last`, and `c` has `R`
+/// rows at stride `ldc` with as many writable columns.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn micro<const R: usize, const V: usize>(
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    last: __m256i,
+    add: bool,
+) {
+    let mut acc = [[_mm256_setzero_ps(); V]; R];
+    for k in 0..kc {
+        // SAFETY (the loads): row k of `b` (the last vector under `last`) and column k of
+        // the R rows of `a`.
+        let bp = unsafe { b.add(k * ldb) };
+        let mut bv = [_mm256_setzero_ps(); V];
+        for (v, bv) in bv.iter_mut().enumerate() {
+            *bv = match v + 1 == V {
+                true => unsafe { _mm256_maskload_ps(bp.add(8 * v), last) },
+                false => unsafe { _mm256_loadu_ps(bp.add(8 * v)) },
+            };
+        }
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let av = _mm256_set1_ps(unsafe { *a.add(i * lda + k) });
+            for (acc, bv) in acc.iter_mut().zip(&bv) {
+                *acc = _mm256_fmadd_ps(av, *bv, *acc);
+            }
+        }
+    }
+    let all = _mm256_set1_epi32(-1);
+    for (i, acc) in acc.iter().enumerate() {
+        for (v, acc) in acc.iter().enumerate() {
+            let mask = if v + 1 == V { last } else { all };
+            // SAFETY: row i's vector v of `c`, under the lanes the caller allows.
+            unsafe {
+                let p = c.add(i * ldc + 8 * v);
+                let sum = match add {
+                    true => _mm256_add_ps(*acc, _mm256_maskload_ps(p, mask)),
+                    false => *acc,
+                };
+                _mm256_maskstore_ps(p, mask, sum);
+            }
+        }
+    }
+}
+
+/// Packs inputs `k0..k0 + kc` of columns `j0..j0 + cols` (`cols ≤ 16`, column `j` at
+/// `w[j·cs..]`) into `buf` as `[kc][width]` f32, `width` the columns rounded up to 8, lanes
+/// past `cols` zero: 8 × 8 blocks widened and transposed in registers, the edges one value
+/// at a time.
+///
+/// # Safety
+/// AVX2 and F16C; `w` holds every column of the block; `buf` holds kc × 16 values.
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn pack(
+    w: &[f16],
+    cs: usize,
+    k0: usize,
+    kc: usize,
+    j0: usize,
+    cols: usize,
+    buf: &mut [f32],
+) {
+    let width = cols.next_multiple_of(8);
+    let panel = &mut buf[..kc * width];
+    let mut jb = 0;
+    while jb < width {
+        let mut kb = 0;
+        while kb < kc {
+            if jb + 8 <= cols && kb + 8 <= kc {
+                let mut r = [_mm256_setzero_ps(); 8];
+                for (jj, r) in r.iter_mut().enumerate() {
+                    let row = &w[(j0 + jb + jj) * cs + k0 + kb..][..8];
+                    // SAFETY: 8 values of `row`.
+                    *r = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(row.as_ptr().cast())) };
+                }
+                let t = transpose8(r);
+                for (kk, t) in t.iter().enumerate() {
+                    let out = &mut panel[(kb + kk) * width + jb..][..8];
+                    // SAFETY: 8 values of `out`.
+                    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), *t) };
+                }
+            } else {
+                for kk in kb..(kb + 8).min(kc) {
+                    for jj in jb..jb + 8 {
+                        panel[kk * width + jj] = match jj < cols {
+                            true => w[(j0 + jj) * cs + k0 + kk].to_f32(),
+                            false => 0.0,
+                        };
+                    }
+                }
+            }
+            kb += 8;
+        }
+        jb += 8;
+    }
+}
+
+/// The transpose of 8 vectors of 8: lane `j` of output `k` is lane `k` of input `j`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    // Pairs of rows interleaved: in each 128-bit half H, t[2i] holds elements 4H and 4H + 1
+    // of rows 2i and 2i + 1, t[2i + 1] elements 4H + 2 and 4H + 3.
+    let mut t = [_mm256_setzero_ps(); 8];
+    for i in 0..4 {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // Then by 64-bit pairs: u[4i + e], in half H, holds element 4H + e of rows 4i..4i + 4.
+    let mut u = [_mm256_setzero_ps(); 8];
+    for i in 0..2 {
+        let (a, b, c, d) = (t[4 * i], t[4 * i + 2], t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i] = _mm256_shuffle_ps::<0x44>(a, b);
+        u[4 * i + 1] = _mm256_shuffle_ps::<0xee>(a, b);
+        u[4 * i + 2] = _mm256_shuffle_ps::<0x44>(c, d);
+        u[4 * i + 3] = _mm256_shuffle_ps::<0xee>(c, d);
+    }
+    // Output e takes half 0 of u[e] and u[4 + e]; output 4 + e their halves 1.
+    let mut out = [_mm256_setzero_ps(); 8];
+    for e in 0..4 {
+        out[e] = _mm256_permute2f128_ps::<0x20>(u[e], u[4 + e]);
+        out[4 + e] = _mm256_permute2f128_ps::<0x31>(u[e], u[4 + e]);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sums in f64 over the f16 weights' exact values.
+    fn reference(x: &[f32], m: usize, k: usize, w: &[f16], cs: usize, n: usize) -> Vec<f64> {
+        let mut out = vec![0f64; m * n];
+        for r in 0..m {
+            for j in 0..n {
+                out[r * n + j] = (0..k)
+                    .map(|i| x[r * k + i] as f64 * w[j * cs + i].to_f64())
+                    .sum();
+            }
+        }
+        out
+    }
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn here() -> bool {
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    }
+
+    #[test]
+    fn transpose_of_eight_vectors() {
+        if !here() {
+            return;
+        }
+        let v: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        // SAFETY: AVX2 was just seen; every load and store is 8 values of 64.
+        let got = unsafe {
+            let r: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(v[j * 8..].as_ptr()));
+            let t = transpose8(r);
+            let mut out = vec![0f32; 64];
+            for (k, t) in t.iter().enumerate() {
+                _mm256_storeu_ps(out[k * 8..].as_mut_ptr(), *t);
+            }
+            out
+        };
+        for k in 0..8 {
+            for j in 0..8 {
+                assert_eq!(got[k * 8 + j], v[j * 8 + k], "({k}, {j})");
+            }
+        }
+    }
+
+    /// Every tile shape (rows 1..6 past multiples of 6, 1..2 vectors and masked lanes), `k`
+    /// across block boundaries and past multiples of 8, columns packed and strided, into a
+    /// wider `dst`.
+    #[test]
+    fn products_equal_the_sums() {
+        if !here() {
+            return;
+        }
+        for (m, k, n) in [
+            (1, 1, 1),
+            (7, 16, 16),
+            (13, 130, 64),
+            (6, 1030, 70),
+            (17, 300, 131),
+            (12, 520, 200),
+            (5, 17, 33),
+            (8, 600, 9),
+        ] {
+            let x = values(m * k, (m * 31 + k) as u32);
+            for cs in [k, k + 3] {
+                let w: Vec<f16> = values((n - 1) * cs + k, (n * 7 + cs) as u32)
+                    .into_iter()
+                    .map(f16::from_f32)
+                    .collect();
+                let ds = n + 5;
+                let mut dst = vec![f32::NAN; m * ds];
+                // SAFETY: AVX2, FMA and F16C were just seen; dst holds m rows of ds ≥ n, x
+                // m × k, and w (n − 1)·cs + k.
+                unsafe { gemm_f16(&x, m, k, dst.as_mut_ptr(), ds, n, &w, cs) };
+                let want = reference(&x, m, k, &w, cs, n);
+                for r in 0..m {
+                    for j in 0..n {
+                        let (g, e) = (dst[r * ds + j] as f64, want[r * n + j]);
+                        assert!(
+                            (g - e).abs() <= 1e-5 * (1.0 + e.abs()) * (k as f64).sqrt(),
+                            "m {m} k {k} n {n} cs {cs} ({r}, {j}): {g} vs {e}"
+                        );
+                    }
+                    assert!(
+                        dst[r * ds + n..(r + 1) * ds].iter().all(|v| v.is_nan()),
+                        "wrote past n"
+                    );
+                }
+            }
+        }
+    }
+}
