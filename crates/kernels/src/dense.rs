@@ -315,14 +315,29 @@ struct Epilogue<'a> {
     act: Option<OutputAct>,
 }
 
-/// A weight element [`prefill_matmul`] reads: f32 in place, f16 and bf16 widened (f16 stored
-/// by columns, on CPUs with AVX2 but not AVX-512, by [`simd::avx2_gemm`] as it packs).
+/// A weight element [`prefill_matmul`] reads: f32 in place, f16 and bf16 widened (stored by
+/// columns, on CPUs with AVX2 but not AVX-512, by [`simd::avx2_gemm`] as it packs).
 trait SpanElem: Sync + Sized {
     /// The weights themselves when they are f32 already.
     fn as_f32(data: &[Self]) -> Option<&[f32]>;
-    /// The weights themselves when they are f16.
-    fn as_f16(_: &[Self]) -> Option<&[f16]> {
-        None
+    /// `dst = x · w` for the span `w` of `n` columns stored at stride `cs` (`[n, in]`) by
+    /// [`simd::avx2_gemm`], widened as it packs; false (nothing done) for f32.
+    ///
+    /// # Safety
+    /// As [`simd::avx2_gemm::gemm_half`]'s.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn avx2_columns(
+        _x: &[f32],
+        _m: usize,
+        _d_in: usize,
+        _dst: *mut f32,
+        _ds: usize,
+        _n: usize,
+        _w: &[Self],
+        _cs: usize,
+    ) -> bool {
+        false
     }
     fn widen(src: &[Self], dst: &mut [f32]);
 }
@@ -340,11 +355,23 @@ impl SpanElem for f16 {
     fn as_f32(_: &[f16]) -> Option<&[f32]> {
         None
     }
-    fn as_f16(data: &[f16]) -> Option<&[f16]> {
-        Some(data)
-    }
     fn widen(src: &[f16], dst: &mut [f32]) {
         simd::widen_f16(src, dst)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn avx2_columns(
+        x: &[f32],
+        m: usize,
+        d_in: usize,
+        dst: *mut f32,
+        ds: usize,
+        n: usize,
+        w: &[f16],
+        cs: usize,
+    ) -> bool {
+        // SAFETY: the caller's.
+        unsafe { simd::avx2_gemm::gemm_half(x, m, d_in, dst, ds, n, w, cs) };
+        true
     }
 }
 
@@ -354,6 +381,21 @@ impl SpanElem for bf16 {
     }
     fn widen(src: &[bf16], dst: &mut [f32]) {
         simd::widen_bf16(src, dst)
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn avx2_columns(
+        x: &[f32],
+        m: usize,
+        d_in: usize,
+        dst: *mut f32,
+        ds: usize,
+        n: usize,
+        w: &[bf16],
+        cs: usize,
+    ) -> bool {
+        // SAFETY: the caller's.
+        unsafe { simd::avx2_gemm::gemm_half(x, m, d_in, dst, ds, n, w, cs) };
+        true
     }
 }
 
@@ -416,12 +458,13 @@ fn span_products<E: SpanElem>(
             };
         }
         #[cfg(target_arch = "x86_64")]
-        if let (true, Some(h)) = (by_columns && avx2_f16_gemm(), E::as_f16(data)) {
-            // SAFETY: as `product`'s; the span's n columns of d_in values lie in `data`
-            // (`fits`), and the CPU has AVX2, FMA and F16C.
-            return unsafe {
-                simd::avx2_gemm::gemm_f16(x, m, d_in, dst, ds, n, &h[start + c * s1..], s1)
-            };
+        // SAFETY: as `product`'s; the span's n columns of d_in values lie in `data` (`fits`),
+        // and the CPU has AVX2, FMA and F16C.
+        if by_columns
+            && avx2_half_gemm()
+            && unsafe { E::avx2_columns(x, m, d_in, dst, ds, n, &data[start + c * s1..], s1) }
+        {
+            return;
         }
         if buf.len() < d_in * n {
             buf.resize(d_in * n, 0.0);
@@ -581,10 +624,10 @@ unsafe fn gemm_span(
     }
 }
 
-/// Whether f16 spans stored by columns take [`simd::avx2_gemm`]: AVX2, FMA and F16C without
-/// AVX-512F (which takes [`simd::avx512_gemm`] over the widened span).
+/// Whether half-precision spans stored by columns take [`simd::avx2_gemm`]: AVX2, FMA and
+/// F16C without AVX-512F (which takes [`simd::avx512_gemm`] over the widened span).
 #[cfg(target_arch = "x86_64")]
-fn avx2_f16_gemm() -> bool {
+fn avx2_half_gemm() -> bool {
     std::arch::is_x86_feature_detected!("avx2")
         && std::arch::is_x86_feature_detected!("fma")
         && std::arch::is_x86_feature_detected!("f16c")

@@ -1,8 +1,8 @@
-//! The f32 GEMM of one prefill task over f16 weights on CPUs with AVX2, FMA and F16C but
-//! not AVX-512: `dst [m, n] = x [m, k] · w [k, n]` on the calling thread, for the spans of
-//! [`crate::dense`]'s prefill products whose weights are f16 `[out, in]` (an `nn.Linear`'s
-//! rows, as GGUF and safetensors store them). The arrangement of [`super::avx512_gemm`] over
-//! eight lanes.
+//! The f32 GEMM of one prefill task over f16 or bf16 weights on CPUs with AVX2, FMA and F16C
+//! but not AVX-512: `dst [m, n] = x [m, k] · w [k, n]` on the calling thread, for the spans of
+//! [`crate::dense`]'s prefill products whose weights are half precision `[out, in]` (an
+//! `nn.Linear`'s rows, as GGUF and safetensors store them). The arrangement of
+//! [`super::avx512_gemm`] over eight lanes.
 //!
 //! Why not the `gemm` crate here, as for every other span on these CPUs: each task would
 //! widen its span to f32 first (a copy of `n × k` values: 384 KiB of a 512 KiB L2 for 96
@@ -19,7 +19,7 @@
 //! the result differs from a single running sum by rounding only (the tests hold it to
 //! the sums in f64).
 
-use half::f16;
+use half::{bf16, f16};
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
@@ -35,8 +35,46 @@ thread_local! {
     static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// A half-precision weight that [`gemm_half`] widens as it packs.
+pub trait Half: Copy {
+    /// Eight values from `p`, widened.
+    ///
+    /// # Safety
+    /// AVX2 and F16C; `p` addresses 8 readable values.
+    unsafe fn widen8(p: *const Self) -> __m256;
+    /// One value, widened.
+    fn value(self) -> f32;
+}
+
+impl Half for f16 {
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn widen8(p: *const f16) -> __m256 {
+        // SAFETY: the caller's: 8 values (16 bytes) at `p`.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+    fn value(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Half for bf16 {
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn widen8(p: *const bf16) -> __m256 {
+        // SAFETY: the caller's: 8 values (16 bytes) at `p`. A bf16 is an f32's upper half.
+        unsafe {
+            let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v))
+        }
+    }
+    fn value(self) -> f32 {
+        self.to_f32()
+    }
+}
+
 /// `dst[r·ds + j] = Σ_k x[r·d_in + k] · w[j·cs + k]` for `r < m`, `j < n`, `k < d_in`:
-/// f16 weights stored by columns (`[n, in]`, column `j` at `w[j·cs..]`).
+/// half-precision weights stored by columns (`[n, in]`, column `j` at `w[j·cs..]`).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `dst` has `m` rows of stride `ds` with `n` writable
@@ -44,14 +82,14 @@ thread_local! {
 /// `(n − 1)·cs + d_in`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn gemm_f16(
+pub unsafe fn gemm_half<H: Half>(
     x: &[f32],
     m: usize,
     d_in: usize,
     dst: *mut f32,
     ds: usize,
     n: usize,
-    w: &[f16],
+    w: &[H],
     cs: usize,
 ) {
     // SAFETY: the caller's; `pack` reads only (k, j) of the span.
@@ -62,11 +100,11 @@ pub unsafe fn gemm_f16(
     }
 }
 
-/// The loops of [`gemm_f16`]: for each block of `KC` inputs, the block's panels packed by
+/// The loops of [`gemm_half`]: for each block of `KC` inputs, the block's panels packed by
 /// `pack(k0, kc, j0, cols, panel)`, then every 6 rows of `x` against each panel in turn.
 ///
 /// # Safety
-/// AVX2 and FMA; `dst` and `x` as for [`gemm_f16`]; `pack` fills `[kc][cols to 8]`.
+/// AVX2 and FMA; `dst` and `x` as for [`gemm_half`]; `pack` fills `[kc][cols to 8]`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn blocks(
@@ -245,8 +283,8 @@ unsafe fn micro<const R: usize, const V: usize>(
 /// # Safety
 /// AVX2 and F16C; `w` holds every column of the block; `buf` holds kc × 16 values.
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn pack(
-    w: &[f16],
+unsafe fn pack<H: Half>(
+    w: &[H],
     cs: usize,
     k0: usize,
     kc: usize,
@@ -265,7 +303,7 @@ unsafe fn pack(
                 for (jj, r) in r.iter_mut().enumerate() {
                     let row = &w[(j0 + jb + jj) * cs + k0 + kb..][..8];
                     // SAFETY: 8 values of `row`.
-                    *r = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(row.as_ptr().cast())) };
+                    *r = unsafe { H::widen8(row.as_ptr()) };
                 }
                 let t = transpose8(r);
                 for (kk, t) in t.iter().enumerate() {
@@ -277,7 +315,7 @@ unsafe fn pack(
                 for kk in kb..(kb + 8).min(kc) {
                     for jj in jb..jb + 8 {
                         panel[kk * width + jj] = match jj < cols {
-                            true => w[(j0 + jj) * cs + k0 + kk].to_f32(),
+                            true => w[(j0 + jj) * cs + k0 + kk].value(),
                             false => 0.0,
                         };
                     }
@@ -322,13 +360,13 @@ fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
 mod tests {
     use super::*;
 
-    /// The sums in f64 over the f16 weights' exact values.
-    fn reference(x: &[f32], m: usize, k: usize, w: &[f16], cs: usize, n: usize) -> Vec<f64> {
+    /// The sums in f64 over the half-precision weights' exact values.
+    fn reference<H: Half>(x: &[f32], m: usize, k: usize, w: &[H], cs: usize, n: usize) -> Vec<f64> {
         let mut out = vec![0f64; m * n];
         for r in 0..m {
             for j in 0..n {
                 out[r * n + j] = (0..k)
-                    .map(|i| x[r * k + i] as f64 * w[j * cs + i].to_f64())
+                    .map(|i| x[r * k + i] as f64 * w[j * cs + i].value() as f64)
                     .sum();
             }
         }
@@ -378,12 +416,8 @@ mod tests {
 
     /// Every tile shape (rows 1..6 past multiples of 6, 1..2 vectors and masked lanes), `k`
     /// across block boundaries and past multiples of 8, columns packed and strided, into a
-    /// wider `dst`.
-    #[test]
-    fn products_equal_the_sums() {
-        if !here() {
-            return;
-        }
+    /// wider `dst`, for weights of type `H` made by `from`.
+    fn products_of<H: Half>(from: fn(f32) -> H) {
         for (m, k, n) in [
             (1, 1, 1),
             (7, 16, 16),
@@ -396,15 +430,15 @@ mod tests {
         ] {
             let x = values(m * k, (m * 31 + k) as u32);
             for cs in [k, k + 3] {
-                let w: Vec<f16> = values((n - 1) * cs + k, (n * 7 + cs) as u32)
+                let w: Vec<H> = values((n - 1) * cs + k, (n * 7 + cs) as u32)
                     .into_iter()
-                    .map(f16::from_f32)
+                    .map(from)
                     .collect();
                 let ds = n + 5;
                 let mut dst = vec![f32::NAN; m * ds];
-                // SAFETY: AVX2, FMA and F16C were just seen; dst holds m rows of ds ≥ n, x
-                // m × k, and w (n − 1)·cs + k.
-                unsafe { gemm_f16(&x, m, k, dst.as_mut_ptr(), ds, n, &w, cs) };
+                // SAFETY: AVX2, FMA and F16C were seen by the caller; dst holds m rows of
+                // ds ≥ n, x m × k, and w (n − 1)·cs + k.
+                unsafe { gemm_half(&x, m, k, dst.as_mut_ptr(), ds, n, &w, cs) };
                 let want = reference(&x, m, k, &w, cs, n);
                 for r in 0..m {
                     for j in 0..n {
@@ -421,5 +455,14 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn products_equal_the_sums() {
+        if !here() {
+            return;
+        }
+        products_of(f16::from_f32);
+        products_of(bf16::from_f32);
     }
 }

@@ -26,7 +26,7 @@ pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_gemm;
 
-/// The GEMM of a prefill product's tasks over f16 weights on AVX2 alone.
+/// The GEMM of a prefill product's tasks over half-precision weights on AVX2 alone.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2_gemm;
 
