@@ -628,10 +628,7 @@ unsafe fn gemm_span(
 /// F16C without AVX-512F (which takes [`simd::avx512_gemm`] over the widened span).
 #[cfg(target_arch = "x86_64")]
 fn avx2_half_gemm() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
-        && !std::arch::is_x86_feature_detected!("avx512f")
+    simd::avx2_kernels() && !std::arch::is_x86_feature_detected!("avx512f")
 }
 
 /// `x [m, in] · wᵀ` (`[m, out]`) for a weight `[out, in]` whose rows `row(o, dst)` writes

@@ -64,7 +64,7 @@ macro_rules! wide_dispatch {
 
 /// Whether this CPU runs the [`avx2`] kernels (when it has no AVX-512).
 #[cfg(target_arch = "x86_64")]
-fn avx2_kernels() -> bool {
+pub(crate) fn avx2_kernels() -> bool {
     use std::arch::is_x86_feature_detected as has;
     has!("avx2") && has!("fma") && has!("f16c")
 }
