@@ -7,8 +7,9 @@
 //! `inv_freq[i] = theta^(-2i / rotary_dim)`, then scaled ([`RopeScaling`]: linear, or Llama
 //! 3.1's bands).
 
-use candle_core::{bail, DType, Device, Result, Tensor, D};
+use candle_core::{bail, DType, Device, Layout, Result, Tensor, D};
 use serde::{Deserialize, Serialize};
+use std::mem::MaybeUninit;
 
 use gpt_kernels::storage::with_values;
 
@@ -295,7 +296,9 @@ impl Rope {
     }
 
     /// Rotates the first `rotary_dim` features of every head of `xs` (`[b, h, t, head_dim]`).
-    /// Differentiable when `xs` needs a gradient; otherwise Candle's fused kernel.
+    /// Differentiable when `xs` needs a gradient. f32 on the CPU takes our own rotation
+    /// either way (Candle's fused CPU kernel divides for every element's index); other
+    /// devices and dtypes take Candle's fused kernel outside training.
     pub fn apply(&self, xs: &Tensor, tables: &RopeTables) -> Result<Tensor> {
         let (b, _, t, d) = xs.dims4()?;
         let half = self.rotary_dim / 2;
@@ -315,9 +318,9 @@ impl Rope {
             false => (xs.clone(), None),
         };
         let cpu_f32 = gpt_kernels::cpu_kernels(xs.device()) && dtype == DType::F32;
-        let rotated = if xs.track_op() && cpu_f32 {
+        let rotated = if cpu_f32 {
             // One op each way: the backward pass is the rotation by the opposite angles.
-            rot.contiguous()?.apply_op1(RopeTrain {
+            rot.apply_op1(CpuRope {
                 cos: cos.contiguous()?,
                 sin: sin.contiguous()?,
             })?
@@ -339,73 +342,122 @@ impl Rope {
     }
 }
 
-/// The differentiable rotation of a contiguous f32 CPU `[b, h, t, rot]` tensor by the angles
-/// of `cos`/`sin` (`[b, t, rot/2]`, contiguous): Candle's `rope` has no backward pass, and
-/// the rotation built from tensor ops costs a dozen passes over q and k each way.
-struct RopeTrain {
+/// The differentiable rotation of an f32 CPU `[b, h, t, rot]` tensor by the angles of
+/// `cos`/`sin` (`[b, t, rot/2]`, contiguous): Candle's `rope` has no backward pass, and
+/// the rotation built from tensor ops costs a dozen passes over q and k each way. Its
+/// values are Candle's fused kernel's to the bit (the same products, summed in the same
+/// pairs), so inference takes it too. The input may be strided (attention's heads are a
+/// transposed view of the projection's output): it is read where it lies and the rotated
+/// copy written once, where a contiguous copy and then a rotated copy of it took two
+/// passes over q and k.
+struct CpuRope {
     cos: Tensor,
     sin: Tensor,
 }
 
-impl RopeTrain {
-    /// Rotates each `[t, rot]` plane of `xs` by the angles, or by their opposites
-    /// (`inverse`: the transpose of the rotation, i.e. its backward pass). The tables are
-    /// read in place, not copied per call.
-    fn rotate(&self, xs: &[f32], shape: &candle_core::Shape, inverse: bool) -> Result<Vec<f32>> {
+impl CpuRope {
+    /// Each `[t, rot]` plane of `xs` (the view `layout` describes, features at unit stride)
+    /// rotated by the angles, or by their opposites (`inverse`: the transpose of the
+    /// rotation, i.e. its backward pass), as a contiguous `[b, h, t, rot]` vector. The
+    /// tables are read in place, not copied per call.
+    fn rotate(&self, xs: &[f32], layout: &Layout, inverse: bool) -> Result<Vec<f32>> {
         use rayon::prelude::*;
-        let (b, h, t, rot) = shape.dims4()?;
+        let (b, h, t, rot) = layout.shape().dims4()?;
         let half = rot / 2;
         if self.cos.dims() != [b, t, half] || self.sin.dims() != [b, t, half] || rot % 2 != 0 {
             bail!(
                 "rope: tables {:?} do not fit {:?}",
                 self.cos.dims(),
-                shape.dims()
+                layout.dims()
             )
         }
-        let mut ys = xs.to_vec();
-        if ys.is_empty() {
+        let len = b * h * t * rot;
+        if len == 0 {
             // No positions (or no rotated features): nothing to rotate, and no chunk size.
-            return Ok(ys);
+            return Ok(Vec::new());
         }
+        let (at, st) = (layout.start_offset(), layout.stride());
+        let end = at + (b - 1) * st[0] + (h - 1) * st[1] + (t - 1) * st[2] + rot;
+        if st[3] != 1 || end > xs.len() {
+            bail!("rope: expected each head's features in a row of the storage")
+        }
+        let mut ys = Vec::with_capacity(len);
         let plane = t * rot;
         with_values(&self.cos, "rope cos", |cos| {
             with_values(&self.sin, "rope sin", |sin| {
-                ys.par_chunks_mut(plane).enumerate().for_each(|(bh, y)| {
-                    let angles = (bh / h.max(1)) * t * half;
+                let out = &mut ys.spare_capacity_mut()[..len];
+                out.par_chunks_mut(plane).enumerate().for_each(|(bh, y)| {
+                    let (bi, hi) = (bh / h, bh % h);
+                    let angles = bi * t * half;
                     let (cos, sin) = (&cos[angles..][..t * half], &sin[angles..][..t * half]);
-                    for (y, (c, s)) in y
+                    for (ti, (y, (c, s))) in y
                         .chunks_mut(rot)
                         .zip(cos.chunks(half).zip(sin.chunks(half)))
+                        .enumerate()
                     {
-                        rotate_pairs(y, c, s, inverse);
+                        let x = &xs[at + bi * st[0] + hi * st[1] + ti * st[2]..][..rot];
+                        rotate_pairs_into(x, y, c, s, inverse);
                     }
                 });
                 Ok(())
             })
         })?;
+        // SAFETY: every row of every plane was written by `rotate_pairs_into` (rot = 2·half).
+        unsafe { ys.set_len(len) };
         Ok(ys)
     }
 }
 
-impl candle_core::CustomOp1 for RopeTrain {
+impl candle_core::CustomOp1 for CpuRope {
     fn name(&self) -> &'static str {
-        "rope-train"
+        "rope-cpu"
     }
 
     fn cpu_fwd(
         &self,
         storage: &candle_core::CpuStorage,
-        layout: &candle_core::Layout,
+        layout: &Layout,
     ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let xs = gpt_kernels::storage::values(storage, layout, "rope")?;
-        let ys = self.rotate(xs, layout.shape(), false)?;
+        let candle_core::CpuStorage::F32(xs) = storage else {
+            bail!("rope: expected an f32 CPU tensor")
+        };
+        let ys = self.rotate(xs, layout, false)?;
         Ok((candle_core::CpuStorage::F32(ys), layout.shape().clone()))
     }
 
     fn bwd(&self, xs: &Tensor, _ys: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let grad = grad.contiguous()?.to_dtype(DType::F32)?;
-        let gx = with_values(&grad, "rope gradient", |g| self.rotate(g, xs.shape(), true))?;
+        let layout = Layout::contiguous(xs.shape());
+        let gx = with_values(&grad, "rope gradient", |g| self.rotate(g, &layout, true))?;
         Ok(Some(Tensor::from_vec(gx, xs.shape(), xs.device())?))
+    }
+}
+
+/// One pair of features `(a, b)` rotated by an angle of cosine `c` and sine `s`: the one
+/// formula of every path ([`rotate_pairs`], [`rotate_pairs_into`]), so that they agree to
+/// the last bit.
+#[inline(always)]
+fn rotated(a: f32, b: f32, c: f32, s: f32) -> (f32, f32) {
+    (a * c - b * s, b * c + a * s)
+}
+
+/// [`rotate_pairs`] from `x` into `y` (`[x1, x2]`, `2 · half` features each), which need
+/// not be initialised and is written whole.
+fn rotate_pairs_into(
+    x: &[f32],
+    y: &mut [MaybeUninit<f32>],
+    cos: &[f32],
+    sin: &[f32],
+    inverse: bool,
+) {
+    let half = cos.len();
+    let sign = if inverse { -1f32 } else { 1f32 };
+    let (x1, x2) = x[..2 * half].split_at(half);
+    let (y1, y2) = y[..2 * half].split_at_mut(half);
+    for i in 0..half {
+        let (r1, r2) = rotated(x1[i], x2[i], cos[i], sign * sin[i]);
+        y1[i].write(r1);
+        y2[i].write(r2);
     }
 }
 
@@ -418,9 +470,55 @@ pub(crate) fn rotate_pairs(x: &mut [f32], cos: &[f32], sin: &[f32], inverse: boo
     let sign = if inverse { -1f32 } else { 1f32 };
     let (x1, x2) = x[..2 * half].split_at_mut(half);
     for i in 0..half {
-        let s = sign * sin[i];
-        let (a, b) = (x1[i], x2[i]);
-        x1[i] = a * cos[i] - b * s;
-        x2[i] = b * cos[i] + a * s;
+        (x1[i], x2[i]) = rotated(x1[i], x2[i], cos[i], sign * sin[i]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Inference on the CPU in f32 rotates through `CpuRope`; its values must be Candle's
+    /// fused kernel's to the bit, for whole and partial rotation, from a strided view as
+    /// attention hands it over (`[b, t, h, d]` transposed), at positions that differ by row.
+    #[test]
+    fn cpu_rotation_is_candles_fused_kernel_to_the_bit() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h, t, d) = (2, 3, 5, 16);
+        let xs = Tensor::randn(0f32, 1.0, (b, t, h, d), &dev)?.transpose(1, 2)?;
+        let pos = Tensor::from_vec(vec![0u32, 1, 2, 3, 4, 7, 8, 9, 10, 11], (b, t), &dev)?;
+        for rotary_dim in [None, Some(10)] {
+            let cfg = RopeConfig {
+                rotary_dim,
+                ..RopeConfig::default()
+            };
+            let rope = Rope::new(&cfg, d)?;
+            let tables = rope.tables(&pos)?;
+            let ours = rope.apply(&xs, &tables)?;
+            let rot = rotary_dim.unwrap_or(d);
+            let candle = candle_nn::rotary_emb::rope(
+                &xs.narrow(D::Minus1, 0, rot)?.contiguous()?,
+                &tables.cos,
+                &tables.sin,
+            )?;
+            let candle = match rot < d {
+                true => Tensor::cat(&[&candle, &xs.narrow(D::Minus1, rot, d - rot)?], D::Minus1)?,
+                false => candle,
+            };
+            let (ours, candle) = (
+                ours.flatten_all()?.to_vec1::<f32>()?,
+                candle.flatten_all()?.to_vec1::<f32>()?,
+            );
+            assert_eq!(ours.len(), b * h * t * d);
+            for (i, (a, c)) in ours.iter().zip(&candle).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    c.to_bits(),
+                    "element {i}, rotary_dim {rotary_dim:?}"
+                );
+            }
+        }
+        Ok(())
     }
 }
