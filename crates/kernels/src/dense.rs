@@ -22,6 +22,7 @@
 use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 use crate::shared::SharedOut;
 use crate::simd::{self, Widen};
@@ -293,18 +294,24 @@ pub fn prefill_fused(
         bias: bias.as_deref(),
         act,
     };
-    let mut ys = vec![0f32; m * width];
+    // Not zeroed first: the tasks write every element, and zeroing a prefill's outputs
+    // cost as much as its rotary embeddings.
+    let mut ys = Vec::with_capacity(m * width);
+    let out = &mut ys.spare_capacity_mut()[..m * width];
     let done = match &*w_storage {
-        Storage::Cpu(CpuStorage::F32(w)) => span_products(x, m, w, view, epilogue, &mut ys),
-        Storage::Cpu(CpuStorage::F16(w)) => span_products(x, m, w, view, epilogue, &mut ys),
-        Storage::Cpu(CpuStorage::BF16(w)) => span_products(x, m, w, view, epilogue, &mut ys),
+        Storage::Cpu(CpuStorage::F32(w)) => span_products(x, m, w, view, epilogue, out),
+        Storage::Cpu(CpuStorage::F16(w)) => span_products(x, m, w, view, epilogue, out),
+        Storage::Cpu(CpuStorage::BF16(w)) => span_products(x, m, w, view, epilogue, out),
         _ => false,
     };
     drop((x_storage, w_storage));
-    match done {
-        true => Tensor::from_vec(ys, (m, width), xs.device()).map(Some),
-        false => Ok(None),
+    if !done {
+        return Ok(None);
     }
+    // SAFETY: `span_products` returned true, so its tasks wrote all m × width elements
+    // (each every row of its span of columns; the spans cover the width).
+    unsafe { ys.set_len(m * width) };
+    Tensor::from_vec(ys, (m, width), xs.device()).map(Some)
 }
 
 /// What [`span_products`] does to each span after its product: the bias (`[out]` of the
@@ -412,14 +419,15 @@ struct View {
 /// `ys = epilogue(x [m, in] · w)` span by span; false (nothing done) when the view has
 /// neither unit-stride rows nor columns or does not lie in `data`. `ys` is `[m, out]`, or
 /// `[m, out / 2]` for SwiGLU, whose task for output columns `c0..c0 + n` multiplies the
-/// gate's columns `c0..` and the up projection's `out / 2 + c0..`.
+/// gate's columns `c0..` and the up projection's `out / 2 + c0..`. It need not be
+/// initialised: when this returns true, every element has been written.
 fn span_products<E: SpanElem>(
     x: &[f32],
     m: usize,
     data: &[E],
     v: View,
     epilogue: Epilogue,
-    ys: &mut [f32],
+    ys: &mut [MaybeUninit<f32>],
 ) -> bool {
     let View {
         start,
@@ -442,7 +450,7 @@ fn span_products<E: SpanElem>(
     // (A SwiGLU task runs two products of its width, the gate's and the up projection's,
     // each of about TASK_SLAB weights.)
     let (spans, parallel) = spans(d_in, width, d_in * d_out);
-    let out = SharedOut(ys.as_mut_ptr());
+    let out = SharedOut(ys.as_mut_ptr().cast::<f32>());
     // SAFETY (each call): `dst` has m rows of stride `ds` with n writable columns, which no
     // other task writes (each owns its columns of `ys`, or its thread's gate buffer); `x`
     // holds m × in, and `w` the span (`fits` above, or the widened copy).
@@ -571,7 +579,8 @@ pub(crate) fn spans(d_in: usize, width: usize, weights: usize) -> (Vec<(usize, u
 }
 
 /// `dst[r·ds + j] = (x · w)[r, j]` for `x` `[m, in]` and the `[in, n]` span `w` whose
-/// element (k, j) is `w[k·rs + j·cs]`, on this thread: by [`simd::avx512_gemm`] where the
+/// element (k, j) is `w[k·rs + j·cs]` (`dst` is written before it is read, so it may start
+/// uninitialised), on this thread: by [`simd::avx512_gemm`] where the
 /// CPU has AVX-512F and the span is stored by columns (`rs == 1`: an `nn.Linear`'s rows,
 /// every half-precision or dequantized span widened), else by the `gemm` crate's f32 GEMM.
 /// Spans stored by rows (GPT-2's f32 Conv1D weights) stay on the crate: ours, reading them
@@ -646,10 +655,11 @@ pub fn prefill_rows(
         x.len() >= m * d_in,
         "prefill_rows: x holds fewer than m rows"
     );
-    let mut ys = vec![0f32; m * d_out];
     if m == 0 || d_in == 0 || d_out == 0 {
-        return ys;
+        return vec![0f32; m * d_out];
     }
+    // Not zeroed first: the tasks write every element.
+    let mut ys = Vec::<f32>::with_capacity(m * d_out);
     let (spans, parallel) = spans(d_in, d_out, d_in * d_out);
     let out = SharedOut(ys.as_mut_ptr());
     let task = |&(c0, c1): &(usize, usize)| {
@@ -673,6 +683,9 @@ pub fn prefill_rows(
         true => spans.par_iter().for_each(task),
         false => spans.iter().for_each(task),
     }
+    // SAFETY: the tasks have written all m × out elements (each every row of its span of
+    // columns; the spans cover the width).
+    unsafe { ys.set_len(m * d_out) };
     ys
 }
 

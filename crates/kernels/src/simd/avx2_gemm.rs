@@ -74,7 +74,8 @@ impl Half for bf16 {
 }
 
 /// `dst[r·ds + j] = Σ_k x[r·d_in + k] · w[j·cs + k]` for `r < m`, `j < n`, `k < d_in`:
-/// half-precision weights stored by columns (`[n, in]`, column `j` at `w[j·cs..]`).
+/// half-precision weights stored by columns (`[n, in]`, column `j` at `w[j·cs..]`). Each
+/// element of `dst` is written before it is read, so `dst` may start uninitialised.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `dst` has `m` rows of stride `ds` with `n` writable

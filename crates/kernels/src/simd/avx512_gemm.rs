@@ -36,6 +36,7 @@ thread_local! {
 }
 
 /// `dst[r·ds + j] = Σ_k x[r·d_in + k] · w[k·rs + j·cs]` for `r < m`, `j < n`, `k < d_in`.
+/// Each element of `dst` is written before it is read, so `dst` may start uninitialised.
 ///
 /// # Safety
 /// The CPU has AVX-512F; `dst` has `m` rows of stride `ds` with `n` writable columns that
