@@ -294,8 +294,8 @@ pub fn prefill_fused(
         bias: bias.as_deref(),
         act,
     };
-    // Not zeroed first: the tasks write every element, and zeroing a prefill's outputs
-    // cost as much as its rotary embeddings.
+    // Not zeroed first: the tasks write every element, and zeroing took a pass over every
+    // product's output in a prefill.
     let mut ys = Vec::with_capacity(m * width);
     let out = &mut ys.spare_capacity_mut()[..m * width];
     let done = match &*w_storage {
