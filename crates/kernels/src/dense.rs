@@ -449,7 +449,16 @@ fn span_products<E: SpanElem>(
     let width = if swiglu { d_out / 2 } else { d_out };
     // (A SwiGLU task runs two products of its width, the gate's and the up projection's,
     // each of about TASK_SLAB weights.)
-    let (spans, parallel) = spans(d_in, width, d_in * d_out);
+    // Half-precision columns on AVX2 without AVX-512 take our GEMM as they are packed, in
+    // spans of its whole panels; every other span the GEMM of `gemm_span`.
+    #[cfg(target_arch = "x86_64")]
+    let (avx2_half, unit) = match E::as_f32(data).is_none() && by_columns && avx2_half_gemm() {
+        true => (true, simd::avx2_gemm::PANEL),
+        false => (false, 16),
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let unit = 16;
+    let (spans, parallel) = spans(d_in, width, d_in * d_out, unit);
     let out = SharedOut(ys.as_mut_ptr().cast::<f32>());
     // SAFETY (each call): `dst` has m rows of stride `ds` with n writable columns, which no
     // other task writes (each owns its columns of `ys`, or its thread's gate buffer); `x`
@@ -468,8 +477,7 @@ fn span_products<E: SpanElem>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as `product`'s; the span's n columns of d_in values lie in `data` (`fits`),
         // and the CPU has AVX2, FMA and F16C.
-        if by_columns
-            && avx2_half_gemm()
+        if avx2_half
             && unsafe { E::avx2_columns(x, m, d_in, dst, ds, n, &data[start + c * s1..], s1) }
         {
             return;
@@ -542,13 +550,18 @@ fn span_products<E: SpanElem>(
     true
 }
 
-/// Column spans of a prefill product's tasks (in whole groups of 16 columns) for an
-/// `[in, width]` product, and whether they run on the pool (a weight of `weights` values
+/// Column spans of a prefill product's tasks (in whole groups of `unit` columns: the
+/// panel of the GEMM that runs them) for an `[in, width]` product, and whether they run on the pool (a weight of `weights` values
 /// at least `PARALLEL_MIN`): tasks of about `TASK_SLAB` weights, as many as a multiple of
 /// the threads (a GQA model's k and v projections are small: one task would leave a thread
 /// idle), of at least `MIN_COLS` columns (the `gemm` crate, where it runs, packs `x` again
 /// for every task).
-pub(crate) fn spans(d_in: usize, width: usize, weights: usize) -> (Vec<(usize, usize)>, bool) {
+pub(crate) fn spans(
+    d_in: usize,
+    width: usize,
+    weights: usize,
+    unit: usize,
+) -> (Vec<(usize, usize)>, bool) {
     let parallel = weights >= PARALLEL_MIN;
     let threads = if parallel {
         rayon::current_num_threads().max(1)
@@ -564,14 +577,14 @@ pub(crate) fn spans(d_in: usize, width: usize, weights: usize) -> (Vec<(usize, u
             most
         };
     }
-    // As even as whole groups of 16 allow.
-    let units = width.div_ceil(16);
+    // As even as whole groups allow.
+    let units = width.div_ceil(unit);
     let tasks = tasks.min(units);
     let spans = (0..tasks)
         .map(|t| {
             (
-                units * t / tasks * 16,
-                (units * (t + 1) / tasks * 16).min(width),
+                units * t / tasks * unit,
+                (units * (t + 1) / tasks * unit).min(width),
             )
         })
         .collect();
@@ -660,7 +673,7 @@ pub fn prefill_rows(
     }
     // Not zeroed first: the tasks write every element.
     let mut ys = Vec::<f32>::with_capacity(m * d_out);
-    let (spans, parallel) = spans(d_in, d_out, d_in * d_out);
+    let (spans, parallel) = spans(d_in, d_out, d_in * d_out, 16);
     let out = SharedOut(ys.as_mut_ptr());
     let task = |&(c0, c1): &(usize, usize)| {
         let n = c1 - c0;

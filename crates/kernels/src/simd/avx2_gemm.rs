@@ -8,12 +8,15 @@
 //! widen its span to f32 first (a copy of `n × k` values: 384 KiB of a 512 KiB L2 for 96
 //! columns of 1024), and the crate then packs `x` (all `m × k` of it) again for every task.
 //! Here no copy is made: each block of `KC` inputs of the span is widened as it is packed,
-//! panel by panel of 16 columns `[KC][16]` (the span's `n × KC` values, in L2), and `x` is
-//! read where it lies, six rows at a time, each value broadcast to a 6 × 16 tile of 12
-//! accumulators (12 FMAs per 2 weight loads and 6 broadcasts: every register but three)
-//! against each panel in turn, so that the six rows' `KC` values stay in L1 while the panels
-//! stream from L2. docs/PERFORMANCE.md ("Dense products") has what this gained and what else
-//! was tried.
+//! panel by panel of 24 columns `[KC][24]` (the span's `n × KC` values, in L2), and `x` is
+//! read where it lies, four rows at a time, each value broadcast to a 4 × 24 tile of 12
+//! accumulators against each panel in turn, so that the four rows' `KC` values stay in L1
+//! while the panels stream from L2. The tile takes 7 loads (3 of weights, 4 broadcasts) for
+//! its 12 FMAs, where a 6 × 16 one takes 8: on a core whose loads the host shares that is
+//! the difference that shows. All 16 registers hold the tile's values, so its loop is
+//! written out in assembly: LLVM's own schedule keeps a second broadcast in flight and
+//! spills an accumulator. docs/PERFORMANCE.md ("Dense products") has what this gained and
+//! what else was tried.
 //!
 //! Sums run over `k` in blocks of `KC`, each block's partial sums added to `dst` in order;
 //! the result differs from a single running sum by rounding only (the tests hold it to
@@ -24,14 +27,14 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 /// Rows of `x` per tile.
-const MR: usize = 6;
-/// Columns per panel (two vectors of 8).
-const PANEL: usize = 16;
-/// Inputs per packed block: a panel is 32 KiB, a 96-column span's block 192 KiB.
+const MR: usize = 4;
+/// Columns per panel (three vectors of 8).
+pub(crate) const PANEL: usize = 24;
+/// Inputs per packed block: a panel is 48 KiB, a 96-column span's block 192 KiB.
 const KC: usize = 512;
 
 thread_local! {
-    /// A task's packed block, `KC × 16` values per panel.
+    /// A task's packed block, `KC × 24` values per panel.
     static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -175,7 +178,7 @@ unsafe fn blocks(
     })
 }
 
-/// One tile of `rows ≤ 6` rows and `cols ≤ 16` columns: the kernel for its shape.
+/// One tile of `rows ≤ 4` rows and `cols ≤ 24` columns: the kernel for its shape.
 ///
 /// # Safety
 /// As [`micro`]'s.
@@ -205,7 +208,8 @@ unsafe fn tile(
             // SAFETY (each): the caller's.
             match vectors {
                 1 => unsafe { micro::<$r, 1>(a, lda, b, ldb, kc, c, ldc, last, add) },
-                _ => unsafe { micro::<$r, 2>(a, lda, b, ldb, kc, c, ldc, last, add) },
+                2 => unsafe { micro::<$r, 2>(a, lda, b, ldb, kc, c, ldc, last, add) },
+                _ => unsafe { micro::<$r, 3>(a, lda, b, ldb, kc, c, ldc, last, add) },
             }
         };
     }
@@ -213,19 +217,17 @@ unsafe fn tile(
         1 => by_vectors!(1),
         2 => by_vectors!(2),
         3 => by_vectors!(3),
-        4 => by_vectors!(4),
-        5 => by_vectors!(5),
-        _ => by_vectors!(6),
+        _ => by_vectors!(4),
     }
 }
 
 /// `c[i][..] (+)= Σ_k a[i·lda + k] · b[k·ldb + ..]` for `R` rows and `V` vectors of 8
-/// columns, the last read and stored under `last`.
+/// columns, the last stored under `last` (a panel's columns past the span are zeros).
 ///
 /// # Safety
-/// AVX2 and FMA; `a` has `R` rows of `kc` readable values at stride `lda`, `b` has `kc`
-/// rows at stride `ldb` of `8·(V − 1)` values plus the lanes of `last`, and `c` has `R`
-/// rows at stride `ldc` with as many writable columns.
+/// AVX2 and FMA; `a` has `R` rows of `kc ≥ 1` readable values at stride `lda`, `b` has
+/// `kc` rows at stride `ldb` of `8·V` readable values, and `c` has `R` rows at stride `ldc`
+/// with `8·(V − 1)` writable columns plus the lanes of `last`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -241,21 +243,25 @@ unsafe fn micro<const R: usize, const V: usize>(
     add: bool,
 ) {
     let mut acc = [[_mm256_setzero_ps(); V]; R];
-    for k in 0..kc {
-        // SAFETY (the loads): row k of `b` (the last vector under `last`) and column k of
-        // the R rows of `a`.
-        let bp = unsafe { b.add(k * ldb) };
-        let mut bv = [_mm256_setzero_ps(); V];
-        for (v, bv) in bv.iter_mut().enumerate() {
-            *bv = match v + 1 == V {
-                true => unsafe { _mm256_maskload_ps(bp.add(8 * v), last) },
-                false => unsafe { _mm256_loadu_ps(bp.add(8 * v)) },
-            };
-        }
+    if R == 4 && V == 3 {
+        // SAFETY: the caller's, for the whole tile.
+        let sums = unsafe { full_tile(a, lda, b, ldb, kc) };
         for (i, acc) in acc.iter_mut().enumerate() {
-            let av = _mm256_set1_ps(unsafe { *a.add(i * lda + k) });
-            for (acc, bv) in acc.iter_mut().zip(&bv) {
-                *acc = _mm256_fmadd_ps(av, *bv, *acc);
+            acc.copy_from_slice(&sums[i * V..(i + 1) * V]);
+        }
+    } else {
+        for k in 0..kc {
+            // SAFETY (the loads): row k of `b` and column k of the R rows of `a`.
+            let bp = unsafe { b.add(k * ldb) };
+            let mut bv = [_mm256_setzero_ps(); V];
+            for (v, bv) in bv.iter_mut().enumerate() {
+                *bv = unsafe { _mm256_loadu_ps(bp.add(8 * v)) };
+            }
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let av = _mm256_set1_ps(unsafe { *a.add(i * lda + k) });
+                for (acc, bv) in acc.iter_mut().zip(&bv) {
+                    *acc = _mm256_fmadd_ps(av, *bv, *acc);
+                }
             }
         }
     }
@@ -274,6 +280,84 @@ unsafe fn micro<const R: usize, const V: usize>(
             }
         }
     }
+}
+
+/// The sums of a whole 4 × 24 tile, `[row][vector]` row-major: `Σ_k a[i·lda + k] ·
+/// b[k·ldb + 8·v..][..8]`. Every register is in use (12 sums, 3 weight vectors, 1
+/// broadcast), in the order FMA after broadcast, one broadcast register.
+///
+/// # Safety
+/// AVX2 and FMA; `kc ≥ 1`; `a` has 4 rows of `kc` readable values at stride `lda`, and `b`
+/// `kc` rows of 24 at stride `ldb`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn full_tile(
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    kc: usize,
+) -> [__m256; 12] {
+    debug_assert!(kc >= 1, "full_tile: the loop runs at least once");
+    let z = _mm256_setzero_ps();
+    let [mut c0, mut c1, mut c2, mut c3, mut c4, mut c5] = [z; 6];
+    let [mut c6, mut c7, mut c8, mut c9, mut c10, mut c11] = [z; 6];
+    // SAFETY: the caller's: rows 0 and 1 of `a` from `p0`, 2 and 3 from `p1` (`lda · 4`
+    // bytes apart), `kc` values each; `kc` rows of 24 values of `b`, `ldb · 4` bytes
+    // apart. Only registers are written; the loop counts `kc` down to 0 from at least 1.
+    unsafe {
+        std::arch::asm!(
+            "2:",
+            "vmovups ymm12, [{b}]",
+            "vmovups ymm13, [{b} + 32]",
+            "vmovups ymm14, [{b} + 64]",
+            "vbroadcastss ymm15, dword ptr [{p0}]",
+            "vfmadd231ps {c0}, ymm12, ymm15",
+            "vfmadd231ps {c1}, ymm13, ymm15",
+            "vfmadd231ps {c2}, ymm14, ymm15",
+            "vbroadcastss ymm15, dword ptr [{p0} + {lda}]",
+            "vfmadd231ps {c3}, ymm12, ymm15",
+            "vfmadd231ps {c4}, ymm13, ymm15",
+            "vfmadd231ps {c5}, ymm14, ymm15",
+            "vbroadcastss ymm15, dword ptr [{p1}]",
+            "vfmadd231ps {c6}, ymm12, ymm15",
+            "vfmadd231ps {c7}, ymm13, ymm15",
+            "vfmadd231ps {c8}, ymm14, ymm15",
+            "vbroadcastss ymm15, dword ptr [{p1} + {lda}]",
+            "vfmadd231ps {c9}, ymm12, ymm15",
+            "vfmadd231ps {c10}, ymm13, ymm15",
+            "vfmadd231ps {c11}, ymm14, ymm15",
+            "add {p0}, 4",
+            "add {p1}, 4",
+            "add {b}, {ldb}",
+            "dec {k}",
+            "jnz 2b",
+            b = inout(reg) b => _,
+            p0 = inout(reg) a => _,
+            p1 = inout(reg) a.add(2 * lda) => _,
+            lda = in(reg) lda * 4,
+            ldb = in(reg) ldb * 4,
+            k = inout(reg) kc => _,
+            c0 = inout(ymm_reg) c0,
+            c1 = inout(ymm_reg) c1,
+            c2 = inout(ymm_reg) c2,
+            c3 = inout(ymm_reg) c3,
+            c4 = inout(ymm_reg) c4,
+            c5 = inout(ymm_reg) c5,
+            c6 = inout(ymm_reg) c6,
+            c7 = inout(ymm_reg) c7,
+            c8 = inout(ymm_reg) c8,
+            c9 = inout(ymm_reg) c9,
+            c10 = inout(ymm_reg) c10,
+            c11 = inout(ymm_reg) c11,
+            out("ymm12") _,
+            out("ymm13") _,
+            out("ymm14") _,
+            out("ymm15") _,
+            options(nostack, readonly),
+        );
+    }
+    [c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11]
 }
 
 /// Packs inputs `k0..k0 + kc` of columns `j0..j0 + cols` (`cols ≤ 16`, column `j` at
@@ -415,7 +499,7 @@ mod tests {
         }
     }
 
-    /// Every tile shape (rows 1..6 past multiples of 6, 1..2 vectors and masked lanes), `k`
+    /// Every tile shape (rows 1..4 past multiples of 4, 1..3 vectors and masked lanes), `k`
     /// across block boundaries and past multiples of 8, columns packed and strided, into a
     /// wider `dst`, for weights of type `H` made by `from`.
     fn products_of<H: Half>(from: fn(f32) -> H) {
