@@ -130,7 +130,7 @@ unsafe fn blocks(
         }
         return;
     }
-    // Panels of 16 columns (the last 8 or 16 wide), panel p at `p × 16 × kc` in `buf`.
+    // Panels of 24 columns (the last 8, 16 or 24 wide), panel p at `p × 24 × kc` in `buf`.
     let panels = n.div_ceil(PANEL);
     PACKED.with(|buf| {
         let mut buf = buf.borrow_mut();
