@@ -323,12 +323,13 @@ struct Epilogue<'a> {
 }
 
 /// A weight element [`prefill_matmul`] reads: f32 in place, f16 and bf16 widened (stored by
-/// columns, on CPUs with AVX2 but not AVX-512, by [`simd::avx2_gemm`] as it packs).
+/// columns, on CPUs with AVX2 but not AVX-512, by [`simd::avx2_gemm`]: bf16 as it packs,
+/// f16 as its tiles load).
 trait SpanElem: Sync + Sized {
     /// The weights themselves when they are f32 already.
     fn as_f32(data: &[Self]) -> Option<&[f32]>;
     /// `dst = x · w` for the span `w` of `n` columns stored at stride `cs` (`[n, in]`) by
-    /// [`simd::avx2_gemm`], widened as it packs; false (nothing done) for f32.
+    /// [`simd::avx2_gemm`]; false (nothing done) for f32.
     ///
     /// # Safety
     /// As [`simd::avx2_gemm::gemm_half`]'s.

@@ -7,16 +7,17 @@
 //! Why not the `gemm` crate here, as for every other span on these CPUs: each task would
 //! widen its span to f32 first (a copy of `n × k` values: 384 KiB of a 512 KiB L2 for 96
 //! columns of 1024), and the crate then packs `x` (all `m × k` of it) again for every task.
-//! Here no copy is made: each block of `KC` inputs of the span is widened as it is packed,
-//! panel by panel of 24 columns `[KC][24]` (the span's `n × KC` values, in L2), and `x` is
-//! read where it lies, four rows at a time, each value broadcast to a 4 × 24 tile of 12
-//! accumulators against each panel in turn, so that the four rows' `KC` values stay in L1
-//! while the panels stream from L2. The tile takes 7 loads (3 of weights, 4 broadcasts) for
-//! its 12 FMAs, where a 6 × 16 one takes 8: on a core whose loads the host shares that is
-//! the difference that shows. All 16 registers hold the tile's values, so its loop is
-//! written out in assembly: LLVM's own schedule keeps a second broadcast in flight and
-//! spills an accumulator. docs/PERFORMANCE.md ("Dense products") has what this gained and
-//! what else was tried.
+//! Here no copy is made: each block of [`Half::KC`] inputs of the span is packed panel by
+//! panel of 24 columns `[KC][24]` (the span's `n × KC` values, in L2), and `x` is read where
+//! it lies, four rows at a time, each value broadcast to a 4 × 24 tile of 12 accumulators
+//! against each panel in turn, so that the four rows' `KC` values stay in L1 while the
+//! panels stream from L2. f16 panels keep their f16 values, widened by the tile as it
+//! loads them; bf16 is widened as it is packed ([`Half`] says why). The tile takes 7 loads
+//! (3 of weights, 4 broadcasts) for its 12 FMAs, where a 6 × 16 one takes 8: on a core
+//! whose loads the host shares that is the difference that shows. All 16 registers hold
+//! the tile's values, so its loop is written out in assembly: LLVM's own schedule keeps a
+//! second broadcast in flight and spills an accumulator. docs/PERFORMANCE.md ("Dense
+//! products") has what this gained and what else was tried.
 //!
 //! Sums run over `k` in blocks of `KC`, each block's partial sums added to `dst` in order;
 //! the result differs from a single running sum by rounding only (the tests hold it to
@@ -30,49 +31,136 @@ use std::cell::RefCell;
 const MR: usize = 4;
 /// Columns per panel (three vectors of 8).
 pub(crate) const PANEL: usize = 24;
-/// Inputs per packed block: a panel is 48 KiB, a 96-column span's block 192 KiB.
-const KC: usize = 512;
 
 thread_local! {
-    /// A task's packed block, `KC × 24` values per panel.
-    static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A task's packed block of f32 panels, `KC × 24` values per panel.
+    static PACKED_F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The same of f16 panels.
+    static PACKED_F16: RefCell<Vec<f16>> = const { RefCell::new(Vec::new()) };
 }
 
-/// A half-precision weight that [`gemm_half`] widens as it packs.
+/// A half-precision weight that [`gemm_half`] packs into panels of [`Half::Panel`].
+///
+/// f16 panels stay f16 and the tile widens each vector as it loads it: F16C's conversion
+/// from memory does not compete with the FMAs, and panels of half the bytes halve what
+/// the tile reads from L2. bf16 is widened as it is packed: its widening is two integer
+/// operations per vector, which the tile cannot spare.
 pub trait Half: Copy {
-    /// Eight values from `p`, widened.
+    /// What a packed panel holds.
+    type Panel: Copy + Default + 'static;
+    /// Inputs per packed block: 1024 f16 values or 512 f32 ones, so that a panel is 48 KiB
+    /// and a 96-column span's block 192 KiB (in L2) either way.
+    const KC: usize;
+    /// Runs `f` on this thread's buffer of panels.
+    fn with_panels<R>(f: impl FnOnce(&mut Vec<Self::Panel>) -> R) -> R;
+    /// Packs inputs `k0..k0 + kc` of columns `j0..j0 + cols` (`cols ≤ 24`, column `j` at
+    /// `w[j·cs..]`) into `panel` as `[kc][width]`, `width` the columns rounded up to 8,
+    /// lanes past `cols` zero.
+    ///
+    /// # Safety
+    /// AVX2 and F16C; `w` holds every column of the block; `panel` holds `kc × width`.
+    unsafe fn pack(
+        w: &[Self],
+        cs: usize,
+        k0: usize,
+        kc: usize,
+        j0: usize,
+        cols: usize,
+        panel: &mut [Self::Panel],
+    );
+    /// Eight panel values from `p`, as f32.
     ///
     /// # Safety
     /// AVX2 and F16C; `p` addresses 8 readable values.
-    unsafe fn widen8(p: *const Self) -> __m256;
-    /// One value, widened.
-    fn value(self) -> f32;
+    unsafe fn load8(p: *const Self::Panel) -> __m256;
+    /// The sums of a whole 4 × 24 tile over panels of this kind (see [`full_tile_f32`]).
+    ///
+    /// # Safety
+    /// As [`full_tile_f32`]'s.
+    unsafe fn full_tile(
+        a: *const f32,
+        lda: usize,
+        b: *const Self::Panel,
+        ldb: usize,
+        kc: usize,
+    ) -> [__m256; 12];
 }
 
 impl Half for f16 {
+    type Panel = f16;
+    const KC: usize = 1024;
+    fn with_panels<R>(f: impl FnOnce(&mut Vec<f16>) -> R) -> R {
+        PACKED_F16.with(|buf| f(&mut buf.borrow_mut()))
+    }
+    #[inline]
+    unsafe fn pack(
+        w: &[f16],
+        cs: usize,
+        k0: usize,
+        kc: usize,
+        j0: usize,
+        cols: usize,
+        panel: &mut [f16],
+    ) {
+        // SAFETY: the caller's.
+        unsafe { pack_f16(w, cs, k0, kc, j0, cols, panel) }
+    }
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn widen8(p: *const f16) -> __m256 {
+    unsafe fn load8(p: *const f16) -> __m256 {
         // SAFETY: the caller's: 8 values (16 bytes) at `p`.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
-    fn value(self) -> f32 {
-        self.to_f32()
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn full_tile(
+        a: *const f32,
+        lda: usize,
+        b: *const f16,
+        ldb: usize,
+        kc: usize,
+    ) -> [__m256; 12] {
+        // SAFETY: the caller's.
+        unsafe { full_tile_f16(a, lda, b, ldb, kc) }
     }
 }
 
 impl Half for bf16 {
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn widen8(p: *const bf16) -> __m256 {
-        // SAFETY: the caller's: 8 values (16 bytes) at `p`. A bf16 is an f32's upper half.
-        unsafe {
-            let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v))
-        }
+    type Panel = f32;
+    const KC: usize = 512;
+    fn with_panels<R>(f: impl FnOnce(&mut Vec<f32>) -> R) -> R {
+        PACKED_F32.with(|buf| f(&mut buf.borrow_mut()))
     }
-    fn value(self) -> f32 {
-        self.to_f32()
+    #[inline]
+    unsafe fn pack(
+        w: &[bf16],
+        cs: usize,
+        k0: usize,
+        kc: usize,
+        j0: usize,
+        cols: usize,
+        panel: &mut [f32],
+    ) {
+        // SAFETY: the caller's.
+        unsafe { pack_bf16(w, cs, k0, kc, j0, cols, panel) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: the caller's.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn full_tile(
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        ldb: usize,
+        kc: usize,
+    ) -> [__m256; 12] {
+        // SAFETY: the caller's.
+        unsafe { full_tile_f32(a, lda, b, ldb, kc) }
     }
 }
 
@@ -96,30 +184,6 @@ pub unsafe fn gemm_half<H: Half>(
     w: &[H],
     cs: usize,
 ) {
-    // SAFETY: the caller's; `pack` reads only (k, j) of the span.
-    unsafe {
-        blocks(x, m, d_in, dst, ds, n, |k0, kc, j0, cols, buf| {
-            pack(w, cs, k0, kc, j0, cols, buf)
-        })
-    }
-}
-
-/// The loops of [`gemm_half`]: for each block of `KC` inputs, the block's panels packed by
-/// `pack(k0, kc, j0, cols, panel)`, then every 6 rows of `x` against each panel in turn.
-///
-/// # Safety
-/// AVX2 and FMA; `dst` and `x` as for [`gemm_half`]; `pack` fills `[kc][cols to 8]`.
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn blocks(
-    x: &[f32],
-    m: usize,
-    d_in: usize,
-    dst: *mut f32,
-    ds: usize,
-    n: usize,
-    pack: impl Fn(usize, usize, usize, usize, &mut [f32]),
-) {
     if m == 0 || n == 0 {
         return;
     }
@@ -132,18 +196,28 @@ unsafe fn blocks(
     }
     // Panels of 24 columns (the last 8, 16 or 24 wide), panel p at `p × 24 × kc` in `buf`.
     let panels = n.div_ceil(PANEL);
-    PACKED.with(|buf| {
-        let mut buf = buf.borrow_mut();
-        if buf.len() < panels * PANEL * KC {
-            buf.resize(panels * PANEL * KC, 0.0);
+    H::with_panels(|buf| {
+        if buf.len() < panels * PANEL * H::KC {
+            buf.resize(panels * PANEL * H::KC, H::Panel::default());
         }
         let mut k0 = 0;
         while k0 < d_in {
-            let kc = KC.min(d_in - k0);
+            let kc = H::KC.min(d_in - k0);
             // The block's weights, every panel `[kc][cols to 8]` one after another (in L2).
             for p in 0..panels {
                 let j0 = p * PANEL;
-                pack(k0, kc, j0, PANEL.min(n - j0), &mut buf[p * PANEL * kc..]);
+                // SAFETY: the caller's `w` holds the span; the buffer holds every panel.
+                unsafe {
+                    H::pack(
+                        w,
+                        cs,
+                        k0,
+                        kc,
+                        j0,
+                        PANEL.min(n - j0),
+                        &mut buf[p * PANEL * kc..],
+                    )
+                };
             }
             let mut r0 = 0;
             while r0 < m {
@@ -157,7 +231,7 @@ unsafe fn blocks(
                     // and rows r0.. of `dst` from column j0 (`cols` of them), all within
                     // the caller's bounds.
                     unsafe {
-                        tile(
+                        tile::<H>(
                             rows,
                             cols,
                             x.as_ptr().add(r0 * d_in + k0),
@@ -183,13 +257,13 @@ unsafe fn blocks(
 /// # Safety
 /// As [`micro`]'s.
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn tile(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<H: Half>(
     rows: usize,
     cols: usize,
     a: *const f32,
     lda: usize,
-    b: *const f32,
+    b: *const H::Panel,
     ldb: usize,
     kc: usize,
     c: *mut f32,
@@ -207,9 +281,9 @@ unsafe fn tile(
         ($r:literal) => {
             // SAFETY (each): the caller's.
             match vectors {
-                1 => unsafe { micro::<$r, 1>(a, lda, b, ldb, kc, c, ldc, last, add) },
-                2 => unsafe { micro::<$r, 2>(a, lda, b, ldb, kc, c, ldc, last, add) },
-                _ => unsafe { micro::<$r, 3>(a, lda, b, ldb, kc, c, ldc, last, add) },
+                1 => unsafe { micro::<H, $r, 1>(a, lda, b, ldb, kc, c, ldc, last, add) },
+                2 => unsafe { micro::<H, $r, 2>(a, lda, b, ldb, kc, c, ldc, last, add) },
+                _ => unsafe { micro::<H, $r, 3>(a, lda, b, ldb, kc, c, ldc, last, add) },
             }
         };
     }
@@ -225,16 +299,16 @@ unsafe fn tile(
 /// columns, the last stored under `last` (a panel's columns past the span are zeros).
 ///
 /// # Safety
-/// AVX2 and FMA; `a` has `R` rows of `kc ≥ 1` readable values at stride `lda`, `b` has
-/// `kc` rows at stride `ldb` of `8·V` readable values, and `c` has `R` rows at stride `ldc`
-/// with `8·(V − 1)` writable columns plus the lanes of `last`.
+/// AVX2, FMA and F16C; `a` has `R` rows of `kc ≥ 1` readable values at stride `lda`, `b`
+/// has `kc` rows at stride `ldb` of `8·V` readable values, and `c` has `R` rows at stride
+/// `ldc` with `8·(V − 1)` writable columns plus the lanes of `last`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn micro<const R: usize, const V: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn micro<H: Half, const R: usize, const V: usize>(
     a: *const f32,
     lda: usize,
-    b: *const f32,
+    b: *const H::Panel,
     ldb: usize,
     kc: usize,
     c: *mut f32,
@@ -245,7 +319,7 @@ unsafe fn micro<const R: usize, const V: usize>(
     let mut acc = [[_mm256_setzero_ps(); V]; R];
     if R == 4 && V == 3 {
         // SAFETY: the caller's, for the whole tile.
-        let sums = unsafe { full_tile(a, lda, b, ldb, kc) };
+        let sums = unsafe { H::full_tile(a, lda, b, ldb, kc) };
         for (i, acc) in acc.iter_mut().enumerate() {
             acc.copy_from_slice(&sums[i * V..(i + 1) * V]);
         }
@@ -255,7 +329,7 @@ unsafe fn micro<const R: usize, const V: usize>(
             let bp = unsafe { b.add(k * ldb) };
             let mut bv = [_mm256_setzero_ps(); V];
             for (v, bv) in bv.iter_mut().enumerate() {
-                *bv = unsafe { _mm256_loadu_ps(bp.add(8 * v)) };
+                *bv = unsafe { H::load8(bp.add(8 * v)) };
             }
             for (i, acc) in acc.iter_mut().enumerate() {
                 let av = _mm256_set1_ps(unsafe { *a.add(i * lda + k) });
@@ -282,94 +356,119 @@ unsafe fn micro<const R: usize, const V: usize>(
     }
 }
 
-/// The sums of a whole 4 × 24 tile, `[row][vector]` row-major: `Σ_k a[i·lda + k] ·
-/// b[k·ldb + 8·v..][..8]`. Every register is in use (12 sums, 3 weight vectors, 1
-/// broadcast), in the order FMA after broadcast, one broadcast register.
-///
-/// # Safety
-/// AVX2 and FMA; `kc ≥ 1`; `a` has 4 rows of `kc` readable values at stride `lda`, and `b`
-/// `kc` rows of 24 at stride `ldb`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn full_tile(
-    a: *const f32,
-    lda: usize,
-    b: *const f32,
-    ldb: usize,
-    kc: usize,
-) -> [__m256; 12] {
-    debug_assert!(kc >= 1, "full_tile: the loop runs at least once");
-    let z = _mm256_setzero_ps();
-    let [mut c0, mut c1, mut c2, mut c3, mut c4, mut c5] = [z; 6];
-    let [mut c6, mut c7, mut c8, mut c9, mut c10, mut c11] = [z; 6];
-    // SAFETY: the caller's: rows 0 and 1 of `a` from `p0`, 2 and 3 from `p1` (`lda · 4`
-    // bytes apart), `kc` values each; `kc` rows of 24 values of `b`, `ldb · 4` bytes
-    // apart. Only registers are written; the loop counts `kc` down to 0 from at least 1.
-    unsafe {
-        std::arch::asm!(
-            "2:",
-            "vmovups ymm12, [{b}]",
-            "vmovups ymm13, [{b} + 32]",
-            "vmovups ymm14, [{b} + 64]",
-            "vbroadcastss ymm15, dword ptr [{p0}]",
-            "vfmadd231ps {c0}, ymm12, ymm15",
-            "vfmadd231ps {c1}, ymm13, ymm15",
-            "vfmadd231ps {c2}, ymm14, ymm15",
-            "vbroadcastss ymm15, dword ptr [{p0} + {lda}]",
-            "vfmadd231ps {c3}, ymm12, ymm15",
-            "vfmadd231ps {c4}, ymm13, ymm15",
-            "vfmadd231ps {c5}, ymm14, ymm15",
-            "vbroadcastss ymm15, dword ptr [{p1}]",
-            "vfmadd231ps {c6}, ymm12, ymm15",
-            "vfmadd231ps {c7}, ymm13, ymm15",
-            "vfmadd231ps {c8}, ymm14, ymm15",
-            "vbroadcastss ymm15, dword ptr [{p1} + {lda}]",
-            "vfmadd231ps {c9}, ymm12, ymm15",
-            "vfmadd231ps {c10}, ymm13, ymm15",
-            "vfmadd231ps {c11}, ymm14, ymm15",
-            "add {p0}, 4",
-            "add {p1}, 4",
-            "add {b}, {ldb}",
-            "dec {k}",
-            "jnz 2b",
-            b = inout(reg) b => _,
-            p0 = inout(reg) a => _,
-            p1 = inout(reg) a.add(2 * lda) => _,
-            lda = in(reg) lda * 4,
-            ldb = in(reg) ldb * 4,
-            k = inout(reg) kc => _,
-            c0 = inout(ymm_reg) c0,
-            c1 = inout(ymm_reg) c1,
-            c2 = inout(ymm_reg) c2,
-            c3 = inout(ymm_reg) c3,
-            c4 = inout(ymm_reg) c4,
-            c5 = inout(ymm_reg) c5,
-            c6 = inout(ymm_reg) c6,
-            c7 = inout(ymm_reg) c7,
-            c8 = inout(ymm_reg) c8,
-            c9 = inout(ymm_reg) c9,
-            c10 = inout(ymm_reg) c10,
-            c11 = inout(ymm_reg) c11,
-            out("ymm12") _,
-            out("ymm13") _,
-            out("ymm14") _,
-            out("ymm15") _,
-            options(nostack, readonly),
-        );
-    }
-    [c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11]
+/// Defines a whole 4 × 24 tile's sums over panels of `$elem` (`$bytes` bytes), whose
+/// vectors 0, 1 and 2 of a row at `{b}` the instructions `$load0..2` load into ymm12..14.
+macro_rules! full_tile {
+    ($(#[$doc:meta])* $name:ident, $elem:ty, $bytes:literal, $load0:literal, $load1:literal, $load2:literal) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// AVX2, FMA and F16C; `kc ≥ 1`; `a` has 4 rows of `kc` readable values at stride
+        /// `lda`, and `b` `kc` rows of 24 at stride `ldb`.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $name(
+            a: *const f32,
+            lda: usize,
+            b: *const $elem,
+            ldb: usize,
+            kc: usize,
+        ) -> [__m256; 12] {
+            debug_assert!(kc >= 1, "full_tile: the loop runs at least once");
+            let z = _mm256_setzero_ps();
+            let [mut c0, mut c1, mut c2, mut c3, mut c4, mut c5] = [z; 6];
+            let [mut c6, mut c7, mut c8, mut c9, mut c10, mut c11] = [z; 6];
+            // SAFETY: the caller's: rows 0 and 1 of `a` from `p0`, 2 and 3 from `p1`
+            // (`lda · 4` bytes apart), `kc` values each; `kc` rows of 24 values of `b`,
+            // `ldb · $bytes` bytes apart. Only registers are written; the loop counts `kc`
+            // down to 0 from at least 1.
+            unsafe {
+                std::arch::asm!(
+                    "2:",
+                    $load0,
+                    $load1,
+                    $load2,
+                    "vbroadcastss ymm15, dword ptr [{p0}]",
+                    "vfmadd231ps {c0}, ymm12, ymm15",
+                    "vfmadd231ps {c1}, ymm13, ymm15",
+                    "vfmadd231ps {c2}, ymm14, ymm15",
+                    "vbroadcastss ymm15, dword ptr [{p0} + {lda}]",
+                    "vfmadd231ps {c3}, ymm12, ymm15",
+                    "vfmadd231ps {c4}, ymm13, ymm15",
+                    "vfmadd231ps {c5}, ymm14, ymm15",
+                    "vbroadcastss ymm15, dword ptr [{p1}]",
+                    "vfmadd231ps {c6}, ymm12, ymm15",
+                    "vfmadd231ps {c7}, ymm13, ymm15",
+                    "vfmadd231ps {c8}, ymm14, ymm15",
+                    "vbroadcastss ymm15, dword ptr [{p1} + {lda}]",
+                    "vfmadd231ps {c9}, ymm12, ymm15",
+                    "vfmadd231ps {c10}, ymm13, ymm15",
+                    "vfmadd231ps {c11}, ymm14, ymm15",
+                    "add {p0}, 4",
+                    "add {p1}, 4",
+                    "add {b}, {ldb}",
+                    "dec {k}",
+                    "jnz 2b",
+                    b = inout(reg) b => _,
+                    p0 = inout(reg) a => _,
+                    p1 = inout(reg) a.add(2 * lda) => _,
+                    lda = in(reg) lda * 4,
+                    ldb = in(reg) ldb * $bytes,
+                    k = inout(reg) kc => _,
+                    c0 = inout(ymm_reg) c0,
+                    c1 = inout(ymm_reg) c1,
+                    c2 = inout(ymm_reg) c2,
+                    c3 = inout(ymm_reg) c3,
+                    c4 = inout(ymm_reg) c4,
+                    c5 = inout(ymm_reg) c5,
+                    c6 = inout(ymm_reg) c6,
+                    c7 = inout(ymm_reg) c7,
+                    c8 = inout(ymm_reg) c8,
+                    c9 = inout(ymm_reg) c9,
+                    c10 = inout(ymm_reg) c10,
+                    c11 = inout(ymm_reg) c11,
+                    out("ymm12") _,
+                    out("ymm13") _,
+                    out("ymm14") _,
+                    out("ymm15") _,
+                    options(nostack, readonly),
+                );
+            }
+            [c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11]
+        }
+    };
 }
 
-/// Packs inputs `k0..k0 + kc` of columns `j0..j0 + cols` (`cols ≤ 16`, column `j` at
-/// `w[j·cs..]`) into `buf` as `[kc][width]` f32, `width` the columns rounded up to 8, lanes
-/// past `cols` zero: 8 × 8 blocks widened and transposed in registers, the edges one value
-/// at a time.
+full_tile!(
+    /// The sums of a whole 4 × 24 tile over f32 panels, `[row][vector]` row-major: `Σ_k
+    /// a[i·lda + k] · b[k·ldb + 8·v..][..8]`. Every register is in use (12 sums, 3 weight
+    /// vectors, 1 broadcast), in the order FMA after broadcast, one broadcast register.
+    full_tile_f32,
+    f32,
+    4,
+    "vmovups ymm12, [{b}]",
+    "vmovups ymm13, [{b} + 32]",
+    "vmovups ymm14, [{b} + 64]"
+);
+
+full_tile!(
+    /// [`full_tile_f32`] over f16 panels, each weight vector widened as it is loaded.
+    full_tile_f16,
+    f16,
+    2,
+    "vcvtph2ps ymm12, xmmword ptr [{b}]",
+    "vcvtph2ps ymm13, xmmword ptr [{b} + 16]",
+    "vcvtph2ps ymm14, xmmword ptr [{b} + 32]"
+);
+
+/// [`Half::pack`] of bf16 into f32 panels: 8 × 8 blocks widened and transposed in
+/// registers, the edges one value at a time.
 ///
 /// # Safety
-/// AVX2 and F16C; `w` holds every column of the block; `buf` holds kc × 16 values.
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn pack<H: Half>(
-    w: &[H],
+/// As [`Half::pack`]'s.
+#[target_feature(enable = "avx2")]
+unsafe fn pack_bf16(
+    w: &[bf16],
     cs: usize,
     k0: usize,
     kc: usize,
@@ -387,8 +486,11 @@ unsafe fn pack<H: Half>(
                 let mut r = [_mm256_setzero_ps(); 8];
                 for (jj, r) in r.iter_mut().enumerate() {
                     let row = &w[(j0 + jb + jj) * cs + k0 + kb..][..8];
-                    // SAFETY: 8 values of `row`.
-                    *r = unsafe { H::widen8(row.as_ptr()) };
+                    // SAFETY: 8 values (16 bytes) of `row`. A bf16 is an f32's upper half.
+                    *r = unsafe {
+                        let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(row.as_ptr().cast()));
+                        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v))
+                    };
                 }
                 let t = transpose8(r);
                 for (kk, t) in t.iter().enumerate() {
@@ -400,7 +502,7 @@ unsafe fn pack<H: Half>(
                 for kk in kb..(kb + 8).min(kc) {
                     for jj in jb..jb + 8 {
                         panel[kk * width + jj] = match jj < cols {
-                            true => w[(j0 + jj) * cs + k0 + kk].value(),
+                            true => w[(j0 + jj) * cs + k0 + kk].to_f32(),
                             false => 0.0,
                         };
                     }
@@ -410,6 +512,85 @@ unsafe fn pack<H: Half>(
         }
         jb += 8;
     }
+}
+
+/// [`Half::pack`] of f16 into f16 panels, the values as they are: 8 × 8 blocks transposed
+/// in registers, the edges one value at a time.
+///
+/// # Safety
+/// As [`Half::pack`]'s.
+#[target_feature(enable = "avx2")]
+unsafe fn pack_f16(
+    w: &[f16],
+    cs: usize,
+    k0: usize,
+    kc: usize,
+    j0: usize,
+    cols: usize,
+    buf: &mut [f16],
+) {
+    let width = cols.next_multiple_of(8);
+    let panel = &mut buf[..kc * width];
+    let mut jb = 0;
+    while jb < width {
+        let mut kb = 0;
+        while kb < kc {
+            if jb + 8 <= cols && kb + 8 <= kc {
+                let mut r = [_mm_setzero_si128(); 8];
+                for (jj, r) in r.iter_mut().enumerate() {
+                    let row = &w[(j0 + jb + jj) * cs + k0 + kb..][..8];
+                    // SAFETY: 8 values (16 bytes) of `row`.
+                    *r = unsafe { _mm_loadu_si128(row.as_ptr().cast()) };
+                }
+                let t = transpose8x16(r);
+                for (kk, t) in t.iter().enumerate() {
+                    let out = &mut panel[(kb + kk) * width + jb..][..8];
+                    // SAFETY: 8 values (16 bytes) of `out`.
+                    unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), *t) };
+                }
+            } else {
+                for kk in kb..(kb + 8).min(kc) {
+                    for jj in jb..jb + 8 {
+                        panel[kk * width + jj] = match jj < cols {
+                            true => w[(j0 + jj) * cs + k0 + kk],
+                            false => f16::ZERO,
+                        };
+                    }
+                }
+            }
+            kb += 8;
+        }
+        jb += 8;
+    }
+}
+
+/// The transpose of 8 vectors of 8 16-bit values: lane `j` of output `k` is lane `k` of
+/// input `j`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn transpose8x16(r: [__m128i; 8]) -> [__m128i; 8] {
+    // t[2i] holds elements 0..4 of rows 2i and 2i + 1 interleaved, t[2i + 1] elements 4..8.
+    let mut t = [_mm_setzero_si128(); 8];
+    for i in 0..4 {
+        t[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+    }
+    // Then by 32-bit pairs: u[4h + e] holds elements 2e and 2e + 1 of rows 4h..4h + 4.
+    let mut u = [_mm_setzero_si128(); 8];
+    for h in 0..2 {
+        let (a, b, c, d) = (t[4 * h], t[4 * h + 2], t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h] = _mm_unpacklo_epi32(a, b);
+        u[4 * h + 1] = _mm_unpackhi_epi32(a, b);
+        u[4 * h + 2] = _mm_unpacklo_epi32(c, d);
+        u[4 * h + 3] = _mm_unpackhi_epi32(c, d);
+    }
+    // Output 2e takes the low halves of u[e] and u[4 + e], output 2e + 1 their high halves.
+    let mut out = [_mm_setzero_si128(); 8];
+    for e in 0..4 {
+        out[2 * e] = _mm_unpacklo_epi64(u[e], u[4 + e]);
+        out[2 * e + 1] = _mm_unpackhi_epi64(u[e], u[4 + e]);
+    }
+    out
 }
 
 /// The transpose of 8 vectors of 8: lane `j` of output `k` is lane `k` of input `j`.
@@ -446,12 +627,19 @@ mod tests {
     use super::*;
 
     /// The sums in f64 over the half-precision weights' exact values.
-    fn reference<H: Half>(x: &[f32], m: usize, k: usize, w: &[H], cs: usize, n: usize) -> Vec<f64> {
+    fn reference<H: Half + Into<f32>>(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        w: &[H],
+        cs: usize,
+        n: usize,
+    ) -> Vec<f64> {
         let mut out = vec![0f64; m * n];
         for r in 0..m {
             for j in 0..n {
                 out[r * n + j] = (0..k)
-                    .map(|i| x[r * k + i] as f64 * w[j * cs + i].value() as f64)
+                    .map(|i| x[r * k + i] as f64 * w[j * cs + i].into() as f64)
                     .sum();
             }
         }
@@ -499,10 +687,34 @@ mod tests {
         }
     }
 
+    #[test]
+    fn transpose_of_eight_half_vectors() {
+        if !here() {
+            return;
+        }
+        let v: Vec<u16> = (0..64).collect();
+        // SAFETY: AVX2 was just seen; every load and store is 8 values of 64.
+        let got = unsafe {
+            let r: [__m128i; 8] =
+                std::array::from_fn(|j| _mm_loadu_si128(v[j * 8..].as_ptr().cast()));
+            let t = transpose8x16(r);
+            let mut out = vec![0u16; 64];
+            for (k, t) in t.iter().enumerate() {
+                _mm_storeu_si128(out[k * 8..].as_mut_ptr().cast(), *t);
+            }
+            out
+        };
+        for k in 0..8 {
+            for j in 0..8 {
+                assert_eq!(got[k * 8 + j], v[j * 8 + k], "({k}, {j})");
+            }
+        }
+    }
+
     /// Every tile shape (rows 1..4 past multiples of 4, 1..3 vectors and masked lanes), `k`
     /// across block boundaries and past multiples of 8, columns packed and strided, into a
     /// wider `dst`, for weights of type `H` made by `from`.
-    fn products_of<H: Half>(from: fn(f32) -> H) {
+    fn products_of<H: Half + Into<f32>>(from: fn(f32) -> H) {
         for (m, k, n) in [
             (1, 1, 1),
             (7, 16, 16),
