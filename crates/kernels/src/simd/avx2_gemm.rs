@@ -53,30 +53,27 @@ pub trait Half: Copy {
     const KC: usize;
     /// Runs `f` on this thread's buffer of panels.
     fn with_panels<R>(f: impl FnOnce(&mut Vec<Self::Panel>) -> R) -> R;
-    /// Packs inputs `k0..k0 + kc` of columns `j0..j0 + cols` (`cols ≤ 24`, column `j` at
-    /// `w[j·cs..]`) into `panel` as `[kc][width]`, `width` the columns rounded up to 8,
-    /// lanes past `cols` zero.
+    /// One value as a panel holds it.
+    fn to_panel(self) -> Self::Panel;
+    /// One 8 × 8 block of a panel: input `k` of `rows[j]` (a column's 8 inputs) into lane
+    /// `j` of `out[k·width..]`.
     ///
     /// # Safety
-    /// AVX2 and F16C; `w` holds every column of the block; `panel` holds `kc × width`.
-    unsafe fn pack(
-        w: &[Self],
-        cs: usize,
-        k0: usize,
-        kc: usize,
-        j0: usize,
-        cols: usize,
-        panel: &mut [Self::Panel],
-    );
+    /// AVX2 and F16C; each of `rows` addresses 8 readable values, `out` 8 rows of `width`
+    /// with 8 writable values each.
+    unsafe fn pack8(rows: [*const Self; 8], out: *mut Self::Panel, width: usize);
     /// Eight panel values from `p`, as f32.
     ///
     /// # Safety
     /// AVX2 and F16C; `p` addresses 8 readable values.
     unsafe fn load8(p: *const Self::Panel) -> __m256;
-    /// The sums of a whole 4 × 24 tile over panels of this kind (see [`full_tile_f32`]).
+    /// The sums of a whole 4 × 24 tile, `[row][vector]` row-major: `Σ_k a[i·lda + k] ·
+    /// b[k·ldb + 8·v..][..8]`. Every register is in use (12 sums, 3 weight vectors, 1
+    /// broadcast), in the order FMA after broadcast, one broadcast register.
     ///
     /// # Safety
-    /// As [`full_tile_f32`]'s.
+    /// AVX2, FMA and F16C; `kc ≥ 1`; `a` has 4 rows of `kc` readable values at stride
+    /// `lda`, and `b` `kc` rows of 24 at stride `ldb`.
     unsafe fn full_tile(
         a: *const f32,
         lda: usize,
@@ -86,24 +83,97 @@ pub trait Half: Copy {
     ) -> [__m256; 12];
 }
 
+/// The sums of a whole 4 × 24 tile (`Half::full_tile`'s body) over panels whose values are
+/// `$bytes` bytes, vectors 0, 1 and 2 of a row at `{b}` loaded into ymm12..14 by `$load0..2`.
+macro_rules! full_tile {
+    ($a:expr, $lda:expr, $b:expr, $ldb:expr, $kc:expr, $bytes:literal, $load0:literal, $load1:literal, $load2:literal) => {{
+        debug_assert!($kc >= 1, "full_tile: the loop runs at least once");
+        let z = _mm256_setzero_ps();
+        let [mut c0, mut c1, mut c2, mut c3, mut c4, mut c5] = [z; 6];
+        let [mut c6, mut c7, mut c8, mut c9, mut c10, mut c11] = [z; 6];
+        // SAFETY: the caller's: rows 0 and 1 of `a` from `p0`, 2 and 3 from `p1`
+        // (`lda` values apart), `kc` values each; `kc` rows of 24 values of `b`, `ldb`
+        // values apart. Only registers are written; the loop counts `kc` down to 0 from at
+        // least 1.
+        unsafe {
+            std::arch::asm!(
+                "2:",
+                $load0,
+                $load1,
+                $load2,
+                "vbroadcastss ymm15, dword ptr [{p0}]",
+                "vfmadd231ps {c0}, ymm12, ymm15",
+                "vfmadd231ps {c1}, ymm13, ymm15",
+                "vfmadd231ps {c2}, ymm14, ymm15",
+                "vbroadcastss ymm15, dword ptr [{p0} + {lda}]",
+                "vfmadd231ps {c3}, ymm12, ymm15",
+                "vfmadd231ps {c4}, ymm13, ymm15",
+                "vfmadd231ps {c5}, ymm14, ymm15",
+                "vbroadcastss ymm15, dword ptr [{p1}]",
+                "vfmadd231ps {c6}, ymm12, ymm15",
+                "vfmadd231ps {c7}, ymm13, ymm15",
+                "vfmadd231ps {c8}, ymm14, ymm15",
+                "vbroadcastss ymm15, dword ptr [{p1} + {lda}]",
+                "vfmadd231ps {c9}, ymm12, ymm15",
+                "vfmadd231ps {c10}, ymm13, ymm15",
+                "vfmadd231ps {c11}, ymm14, ymm15",
+                "add {p0}, 4",
+                "add {p1}, 4",
+                "add {b}, {ldb}",
+                "dec {k}",
+                "jnz 2b",
+                b = inout(reg) $b => _,
+                p0 = inout(reg) $a => _,
+                p1 = inout(reg) $a.add(2 * $lda) => _,
+                lda = in(reg) $lda * 4,
+                ldb = in(reg) $ldb * $bytes,
+                k = inout(reg) $kc => _,
+                c0 = inout(ymm_reg) c0,
+                c1 = inout(ymm_reg) c1,
+                c2 = inout(ymm_reg) c2,
+                c3 = inout(ymm_reg) c3,
+                c4 = inout(ymm_reg) c4,
+                c5 = inout(ymm_reg) c5,
+                c6 = inout(ymm_reg) c6,
+                c7 = inout(ymm_reg) c7,
+                c8 = inout(ymm_reg) c8,
+                c9 = inout(ymm_reg) c9,
+                c10 = inout(ymm_reg) c10,
+                c11 = inout(ymm_reg) c11,
+                out("ymm12") _,
+                out("ymm13") _,
+                out("ymm14") _,
+                out("ymm15") _,
+                options(nostack, readonly),
+            );
+        }
+                [c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11]
+    }};
+}
+
 impl Half for f16 {
     type Panel = f16;
     const KC: usize = 1024;
     fn with_panels<R>(f: impl FnOnce(&mut Vec<f16>) -> R) -> R {
         PACKED_F16.with(|buf| f(&mut buf.borrow_mut()))
     }
+    fn to_panel(self) -> f16 {
+        self
+    }
     #[inline]
-    unsafe fn pack(
-        w: &[f16],
-        cs: usize,
-        k0: usize,
-        kc: usize,
-        j0: usize,
-        cols: usize,
-        panel: &mut [f16],
-    ) {
-        // SAFETY: the caller's.
-        unsafe { pack_f16(w, cs, k0, kc, j0, cols, panel) }
+    #[target_feature(enable = "avx2")]
+    unsafe fn pack8(rows: [*const f16; 8], out: *mut f16, width: usize) {
+        // SAFETY: the caller's: 8 values (16 bytes) at each row and each row of `out`.
+        unsafe {
+            let mut r = [_mm_setzero_si128(); 8];
+            for (r, row) in r.iter_mut().zip(rows) {
+                *r = _mm_loadu_si128(row.cast());
+            }
+            let t = transpose8x16(r);
+            for (k, t) in t.iter().enumerate() {
+                _mm_storeu_si128(out.add(k * width).cast(), *t);
+            }
+        }
     }
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
@@ -120,8 +190,18 @@ impl Half for f16 {
         ldb: usize,
         kc: usize,
     ) -> [__m256; 12] {
-        // SAFETY: the caller's.
-        unsafe { full_tile_f16(a, lda, b, ldb, kc) }
+        // Each weight vector widened as it is loaded.
+        full_tile!(
+            a,
+            lda,
+            b,
+            ldb,
+            kc,
+            2,
+            "vcvtph2ps ymm12, xmmword ptr [{b}]",
+            "vcvtph2ps ymm13, xmmword ptr [{b} + 16]",
+            "vcvtph2ps ymm14, xmmword ptr [{b} + 32]"
+        )
     }
 }
 
@@ -131,18 +211,25 @@ impl Half for bf16 {
     fn with_panels<R>(f: impl FnOnce(&mut Vec<f32>) -> R) -> R {
         PACKED_F32.with(|buf| f(&mut buf.borrow_mut()))
     }
+    fn to_panel(self) -> f32 {
+        self.to_f32()
+    }
     #[inline]
-    unsafe fn pack(
-        w: &[bf16],
-        cs: usize,
-        k0: usize,
-        kc: usize,
-        j0: usize,
-        cols: usize,
-        panel: &mut [f32],
-    ) {
-        // SAFETY: the caller's.
-        unsafe { pack_bf16(w, cs, k0, kc, j0, cols, panel) }
+    #[target_feature(enable = "avx2")]
+    unsafe fn pack8(rows: [*const bf16; 8], out: *mut f32, width: usize) {
+        // SAFETY: the caller's: 8 values (16 bytes) at each row and each row of `out`. A
+        // bf16 is an f32's upper half.
+        unsafe {
+            let mut r = [_mm256_setzero_ps(); 8];
+            for (r, row) in r.iter_mut().zip(rows) {
+                let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(row.cast()));
+                *r = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+            }
+            let t = transpose8(r);
+            for (k, t) in t.iter().enumerate() {
+                _mm256_storeu_ps(out.add(k * width), *t);
+            }
+        }
     }
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -159,8 +246,17 @@ impl Half for bf16 {
         ldb: usize,
         kc: usize,
     ) -> [__m256; 12] {
-        // SAFETY: the caller's.
-        unsafe { full_tile_f32(a, lda, b, ldb, kc) }
+        full_tile!(
+            a,
+            lda,
+            b,
+            ldb,
+            kc,
+            4,
+            "vmovups ymm12, [{b}]",
+            "vmovups ymm13, [{b} + 32]",
+            "vmovups ymm14, [{b} + 64]"
+        )
     }
 }
 
@@ -208,7 +304,7 @@ pub unsafe fn gemm_half<H: Half>(
                 let j0 = p * PANEL;
                 // SAFETY: the caller's `w` holds the span; the buffer holds every panel.
                 unsafe {
-                    H::pack(
+                    pack::<H>(
                         w,
                         cs,
                         k0,
@@ -250,6 +346,53 @@ pub unsafe fn gemm_half<H: Half>(
             k0 += kc;
         }
     })
+}
+
+/// Packs inputs `k0..k0 + kc` of columns `j0..j0 + cols` (`cols ≤ 24`, column `j` at
+/// `w[j·cs..]`) into `buf` as `[kc][width]`, `width` the columns rounded up to 8, lanes past
+/// `cols` zero: 8 × 8 blocks transposed in registers ([`Half::pack8`]), the edges one value
+/// at a time.
+///
+/// # Safety
+/// AVX2 and F16C; `w` holds every column of the block; `buf` holds `kc × width` values.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn pack<H: Half>(
+    w: &[H],
+    cs: usize,
+    k0: usize,
+    kc: usize,
+    j0: usize,
+    cols: usize,
+    buf: &mut [H::Panel],
+) {
+    let width = cols.next_multiple_of(8);
+    let panel = &mut buf[..kc * width];
+    let mut jb = 0;
+    while jb < width {
+        let mut kb = 0;
+        while kb < kc {
+            if jb + 8 <= cols && kb + 8 <= kc {
+                let rows: [*const H; 8] =
+                    std::array::from_fn(|jj| w[(j0 + jb + jj) * cs + k0 + kb..][..8].as_ptr());
+                let out = panel[kb * width + jb..][..7 * width + 8].as_mut_ptr();
+                // SAFETY: each row's 8 values were just sliced, and `out`'s 8 rows of
+                // `width` (8 values each).
+                unsafe { H::pack8(rows, out, width) };
+            } else {
+                for kk in kb..(kb + 8).min(kc) {
+                    for jj in jb..jb + 8 {
+                        panel[kk * width + jj] = match jj < cols {
+                            true => w[(j0 + jj) * cs + k0 + kk].to_panel(),
+                            false => H::Panel::default(),
+                        };
+                    }
+                }
+            }
+            kb += 8;
+        }
+        jb += 8;
+    }
 }
 
 /// One tile of `rows ≤ 4` rows and `cols ≤ 24` columns: the kernel for its shape.
@@ -353,214 +496,6 @@ unsafe fn micro<H: Half, const R: usize, const V: usize>(
                 _mm256_maskstore_ps(p, mask, sum);
             }
         }
-    }
-}
-
-/// Defines a whole 4 × 24 tile's sums over panels of `$elem` (`$bytes` bytes), whose
-/// vectors 0, 1 and 2 of a row at `{b}` the instructions `$load0..2` load into ymm12..14.
-macro_rules! full_tile {
-    ($(#[$doc:meta])* $name:ident, $elem:ty, $bytes:literal, $load0:literal, $load1:literal, $load2:literal) => {
-        $(#[$doc])*
-        ///
-        /// # Safety
-        /// AVX2, FMA and F16C; `kc ≥ 1`; `a` has 4 rows of `kc` readable values at stride
-        /// `lda`, and `b` `kc` rows of 24 at stride `ldb`.
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn $name(
-            a: *const f32,
-            lda: usize,
-            b: *const $elem,
-            ldb: usize,
-            kc: usize,
-        ) -> [__m256; 12] {
-            debug_assert!(kc >= 1, "full_tile: the loop runs at least once");
-            let z = _mm256_setzero_ps();
-            let [mut c0, mut c1, mut c2, mut c3, mut c4, mut c5] = [z; 6];
-            let [mut c6, mut c7, mut c8, mut c9, mut c10, mut c11] = [z; 6];
-            // SAFETY: the caller's: rows 0 and 1 of `a` from `p0`, 2 and 3 from `p1`
-            // (`lda · 4` bytes apart), `kc` values each; `kc` rows of 24 values of `b`,
-            // `ldb · $bytes` bytes apart. Only registers are written; the loop counts `kc`
-            // down to 0 from at least 1.
-            unsafe {
-                std::arch::asm!(
-                    "2:",
-                    $load0,
-                    $load1,
-                    $load2,
-                    "vbroadcastss ymm15, dword ptr [{p0}]",
-                    "vfmadd231ps {c0}, ymm12, ymm15",
-                    "vfmadd231ps {c1}, ymm13, ymm15",
-                    "vfmadd231ps {c2}, ymm14, ymm15",
-                    "vbroadcastss ymm15, dword ptr [{p0} + {lda}]",
-                    "vfmadd231ps {c3}, ymm12, ymm15",
-                    "vfmadd231ps {c4}, ymm13, ymm15",
-                    "vfmadd231ps {c5}, ymm14, ymm15",
-                    "vbroadcastss ymm15, dword ptr [{p1}]",
-                    "vfmadd231ps {c6}, ymm12, ymm15",
-                    "vfmadd231ps {c7}, ymm13, ymm15",
-                    "vfmadd231ps {c8}, ymm14, ymm15",
-                    "vbroadcastss ymm15, dword ptr [{p1} + {lda}]",
-                    "vfmadd231ps {c9}, ymm12, ymm15",
-                    "vfmadd231ps {c10}, ymm13, ymm15",
-                    "vfmadd231ps {c11}, ymm14, ymm15",
-                    "add {p0}, 4",
-                    "add {p1}, 4",
-                    "add {b}, {ldb}",
-                    "dec {k}",
-                    "jnz 2b",
-                    b = inout(reg) b => _,
-                    p0 = inout(reg) a => _,
-                    p1 = inout(reg) a.add(2 * lda) => _,
-                    lda = in(reg) lda * 4,
-                    ldb = in(reg) ldb * $bytes,
-                    k = inout(reg) kc => _,
-                    c0 = inout(ymm_reg) c0,
-                    c1 = inout(ymm_reg) c1,
-                    c2 = inout(ymm_reg) c2,
-                    c3 = inout(ymm_reg) c3,
-                    c4 = inout(ymm_reg) c4,
-                    c5 = inout(ymm_reg) c5,
-                    c6 = inout(ymm_reg) c6,
-                    c7 = inout(ymm_reg) c7,
-                    c8 = inout(ymm_reg) c8,
-                    c9 = inout(ymm_reg) c9,
-                    c10 = inout(ymm_reg) c10,
-                    c11 = inout(ymm_reg) c11,
-                    out("ymm12") _,
-                    out("ymm13") _,
-                    out("ymm14") _,
-                    out("ymm15") _,
-                    options(nostack, readonly),
-                );
-            }
-            [c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11]
-        }
-    };
-}
-
-full_tile!(
-    /// The sums of a whole 4 × 24 tile over f32 panels, `[row][vector]` row-major: `Σ_k
-    /// a[i·lda + k] · b[k·ldb + 8·v..][..8]`. Every register is in use (12 sums, 3 weight
-    /// vectors, 1 broadcast), in the order FMA after broadcast, one broadcast register.
-    full_tile_f32,
-    f32,
-    4,
-    "vmovups ymm12, [{b}]",
-    "vmovups ymm13, [{b} + 32]",
-    "vmovups ymm14, [{b} + 64]"
-);
-
-full_tile!(
-    /// [`full_tile_f32`] over f16 panels, each weight vector widened as it is loaded.
-    full_tile_f16,
-    f16,
-    2,
-    "vcvtph2ps ymm12, xmmword ptr [{b}]",
-    "vcvtph2ps ymm13, xmmword ptr [{b} + 16]",
-    "vcvtph2ps ymm14, xmmword ptr [{b} + 32]"
-);
-
-/// [`Half::pack`] of bf16 into f32 panels: 8 × 8 blocks widened and transposed in
-/// registers, the edges one value at a time.
-///
-/// # Safety
-/// As [`Half::pack`]'s.
-#[target_feature(enable = "avx2")]
-unsafe fn pack_bf16(
-    w: &[bf16],
-    cs: usize,
-    k0: usize,
-    kc: usize,
-    j0: usize,
-    cols: usize,
-    buf: &mut [f32],
-) {
-    let width = cols.next_multiple_of(8);
-    let panel = &mut buf[..kc * width];
-    let mut jb = 0;
-    while jb < width {
-        let mut kb = 0;
-        while kb < kc {
-            if jb + 8 <= cols && kb + 8 <= kc {
-                let mut r = [_mm256_setzero_ps(); 8];
-                for (jj, r) in r.iter_mut().enumerate() {
-                    let row = &w[(j0 + jb + jj) * cs + k0 + kb..][..8];
-                    // SAFETY: 8 values (16 bytes) of `row`. A bf16 is an f32's upper half.
-                    *r = unsafe {
-                        let v = _mm256_cvtepu16_epi32(_mm_loadu_si128(row.as_ptr().cast()));
-                        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v))
-                    };
-                }
-                let t = transpose8(r);
-                for (kk, t) in t.iter().enumerate() {
-                    let out = &mut panel[(kb + kk) * width + jb..][..8];
-                    // SAFETY: 8 values of `out`.
-                    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), *t) };
-                }
-            } else {
-                for kk in kb..(kb + 8).min(kc) {
-                    for jj in jb..jb + 8 {
-                        panel[kk * width + jj] = match jj < cols {
-                            true => w[(j0 + jj) * cs + k0 + kk].to_f32(),
-                            false => 0.0,
-                        };
-                    }
-                }
-            }
-            kb += 8;
-        }
-        jb += 8;
-    }
-}
-
-/// [`Half::pack`] of f16 into f16 panels, the values as they are: 8 × 8 blocks transposed
-/// in registers, the edges one value at a time.
-///
-/// # Safety
-/// As [`Half::pack`]'s.
-#[target_feature(enable = "avx2")]
-unsafe fn pack_f16(
-    w: &[f16],
-    cs: usize,
-    k0: usize,
-    kc: usize,
-    j0: usize,
-    cols: usize,
-    buf: &mut [f16],
-) {
-    let width = cols.next_multiple_of(8);
-    let panel = &mut buf[..kc * width];
-    let mut jb = 0;
-    while jb < width {
-        let mut kb = 0;
-        while kb < kc {
-            if jb + 8 <= cols && kb + 8 <= kc {
-                let mut r = [_mm_setzero_si128(); 8];
-                for (jj, r) in r.iter_mut().enumerate() {
-                    let row = &w[(j0 + jb + jj) * cs + k0 + kb..][..8];
-                    // SAFETY: 8 values (16 bytes) of `row`.
-                    *r = unsafe { _mm_loadu_si128(row.as_ptr().cast()) };
-                }
-                let t = transpose8x16(r);
-                for (kk, t) in t.iter().enumerate() {
-                    let out = &mut panel[(kb + kk) * width + jb..][..8];
-                    // SAFETY: 8 values (16 bytes) of `out`.
-                    unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), *t) };
-                }
-            } else {
-                for kk in kb..(kb + 8).min(kc) {
-                    for jj in jb..jb + 8 {
-                        panel[kk * width + jj] = match jj < cols {
-                            true => w[(j0 + jj) * cs + k0 + kk],
-                            false => f16::ZERO,
-                        };
-                    }
-                }
-            }
-            kb += 8;
-        }
-        jb += 8;
     }
 }
 
