@@ -273,8 +273,8 @@ impl MultiHeadAttention {
     /// matrices concatenated into a new one, the checkpoint's left as they are) where they
     /// can share a matrix: for inference, one product per self-attention step instead of
     /// three. The same outputs up to the summation order of the products. A layer that
-    /// already has a fused projection, or whose projections differ in kind, comes back as
-    /// it is.
+    /// already has a fused projection comes back as it is; one whose projections differ in
+    /// kind keeps them apart, and its decoding steps take them side by side.
     pub fn fused(&self) -> Result<Self> {
         Ok(Self {
             proj: self.proj.fused()?,
@@ -431,8 +431,9 @@ impl MultiHeadAttention {
     }
 
     /// Whether a cached call takes [`Self::step`]: f32 self-attention decoding on the CPU
-    /// (at most [`flash::DIRECT_ROWS`] new positions) through a fused q/k/v projection,
-    /// nothing appended to the keys, no weights or dropout asked for.
+    /// (at most [`flash::DIRECT_ROWS`] new positions) through a fused q/k/v projection or
+    /// three prepared for inference ([`Self::fused`]), nothing appended to the keys, no
+    /// weights or dropout asked for.
     fn steps(
         &self,
         query: &Tensor,
@@ -443,7 +444,7 @@ impl MultiHeadAttention {
         train: bool,
     ) -> bool {
         let cfg = &self.cfg;
-        self.proj.qkv.is_some()
+        (self.proj.qkv.is_some() || self.proj.apart)
             && query.id() == key.id()
             && key.id() == value.id()
             && (1..=flash::DIRECT_ROWS).contains(&query.dim(1).unwrap_or(0))
@@ -457,8 +458,8 @@ impl MultiHeadAttention {
             && mask.is_structural()
     }
 
-    /// A decoding step of self-attention ([`step`]): the fused projection's output
-    /// rotated (after the q/k norm, when the layer has one), its keys and values written
+    /// A decoding step of self-attention ([`step`]): the fused projection's output (or
+    /// the three projections' side by side) rotated (after the q/k norm, when the layer has one), its keys and values written
     /// into `cache` in place, the heads' outputs `[b, t, q_width]` before the output
     /// projection.
     fn step(
@@ -470,9 +471,6 @@ impl MultiHeadAttention {
         mask: &Mask,
     ) -> Result<Tensor> {
         let cfg = &self.cfg;
-        let Some(proj) = &self.proj.qkv else {
-            bail!("attention: a decoding step needs a fused q/k/v projection")
-        };
         let (b, t, _) = xs.dims3()?;
         let angles = match &self.rope {
             Some(r) => Some(step::Angles::of(r, rope, (b, t), offset)?),
@@ -484,7 +482,16 @@ impl MultiHeadAttention {
             d: cfg.head_dim(),
         };
         step::prepare(cache, (b, t), heads)?;
-        let mut qkv = proj.forward(xs)?.contiguous()?;
+        // (b, t, q_width + 2·kv_width)
+        let qkv = match &self.proj.qkv {
+            Some(proj) => proj.forward(xs)?,
+            None if self.proj.apart => {
+                let p = &self.proj;
+                Tensor::cat(&[p.q.forward(xs)?, p.k.forward(xs)?, p.v.forward(xs)?], 2)?
+            }
+            None => bail!("attention: a decoding step needs q, k and v prepared for inference (MultiHeadAttention::fused)"),
+        };
+        let mut qkv = qkv.contiguous()?;
         if qkv.dtype() != DType::F32 {
             bail!(
                 "attention: the fused projection gives {:?} for f32 inputs",
@@ -783,6 +790,21 @@ mod tests {
         let mask = Mask::causal(3);
         assert!(fused.steps(&x, &x, &x, &mask, false, false));
         assert!(!general.steps(&x, &x, &x, &mask, false, false));
+        // Projections that cannot share a matrix (q8_0 beside q4_0): apart, and stepped.
+        use candle_core::quantized::GgmlDType;
+        let q8 = Proj::from_linear(&Tensor::ones((32, 32), DType::F32, &Device::Cpu)?, None)?;
+        let q4 = Proj::from_linear(&Tensor::ones((16, 32), DType::F32, &Device::Cpu)?, None)?;
+        let (q8, q4) = (q8.quantize(GgmlDType::Q8_0)?, q4.quantize(GgmlDType::Q4_0)?);
+        let qkv = QkvProj::Separate([q8.clone(), q4.clone(), q4]);
+        let plain = MhaConfig {
+            bias: false,
+            ..cfg.clone()
+        };
+        let mixed = MultiHeadAttention::from_projections(&plain, qkv, q8)?;
+        assert!(!mixed.steps(&x, &x, &x, &mask, false, false));
+        let apart = mixed.fused()?;
+        assert!(apart.fused_qkv().is_none());
+        assert!(apart.steps(&x, &x, &x, &mask, false, false));
         // Weights asked for, a prefill, cross-attention: the general path.
         assert!(!fused.steps(&x, &x, &x, &mask, true, false));
         assert!(!fused.steps(&five, &five, &five, &mask, false, false));

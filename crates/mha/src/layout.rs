@@ -81,13 +81,17 @@ pub(crate) struct Projections {
     pub o: Proj,
     /// q, k and v side by side, when the checkpoint stores them fused.
     pub qkv: Option<Proj>,
+    /// Prepared for inference ([`Self::fused`]) where q, k and v cannot share a matrix (a
+    /// GGUF file's q/k/v in different formats: q4_K_M's q6_K values beside q4_K queries
+    /// and keys): a decoding step then takes their three products side by side.
+    pub apart: bool,
 }
 
 impl Projections {
     /// q, k and v computed by one projection where they can share a matrix (see
     /// [`Proj::concat`]), each then a view into it as for a checkpoint that stores them
-    /// fused, and every packed matrix side by side with the model's others in shared
-    /// slabs ([`Proj::settled`]).
+    /// fused, else marked [`Self::apart`]; every packed matrix side by side with the
+    /// model's others in shared slabs ([`Proj::settled`]).
     pub(crate) fn fused(&self) -> Result<Self> {
         let qkv = match &self.qkv {
             Some(qkv) => Some(qkv.settled()),
@@ -100,6 +104,7 @@ impl Projections {
                 v: self.v.settled(),
                 o: self.o.settled(),
                 qkv: None,
+                apart: true,
             });
         };
         let (q_len, k_len) = (self.q.dims()?.1, self.k.dims()?.1);
@@ -110,6 +115,7 @@ impl Projections {
             v: qkv.narrow(q_len + k_len, v_len)?,
             o: self.o.settled(),
             qkv: Some(qkv),
+            apart: false,
         })
     }
 
@@ -128,6 +134,7 @@ impl Projections {
                     v: qkv.narrow(q_len + kv_len, kv_len)?,
                     o,
                     qkv: Some(qkv),
+                    apart: false,
                 })
             }
             None => Ok(Projections {
@@ -136,6 +143,7 @@ impl Projections {
                 v: self.v.quantize_or_keep(dtype)?,
                 o,
                 qkv: None,
+                apart: self.apart,
             }),
         }
     }
@@ -180,6 +188,7 @@ pub(crate) fn from_projections(cfg: &MhaConfig, qkv: QkvProj, o: Proj) -> Result
                 v,
                 o,
                 qkv: None,
+                apart: false,
             })
         }
         QkvProj::Fused(qkv) => {
@@ -249,6 +258,7 @@ fn split_fused(qkv: Proj, o: Proj, cfg: &MhaConfig) -> Result<Projections> {
         v: qkv.narrow(qw + kv, kv)?,
         o,
         qkv: Some(qkv),
+        apart: false,
     })
 }
 
@@ -370,6 +380,7 @@ fn load_layout(cfg: &MhaConfig, layout: &WeightLayout, vb: &VarBuilder) -> Resul
             v: linear(vb.pp(v), vdim, kv, cfg.bias)?,
             o: linear(vb.pp(o), cfg.q_width(), d, cfg.o_bias())?,
             qkv: None,
+            apart: false,
         }),
         WeightLayout::HeadInterleavedQkv { qkv, o } => {
             if !same_width || kv != d {
@@ -431,6 +442,7 @@ fn load_layout(cfg: &MhaConfig, layout: &WeightLayout, vb: &VarBuilder) -> Resul
                 v: Proj::from_linear(&vw, part(d + kv, kv)?)?,
                 o,
                 qkv: None,
+                apart: false,
             })
         }
     }

@@ -196,6 +196,74 @@ fn decoding_steps_equal_the_general_path() -> Result<()> {
     Ok(())
 }
 
+/// A layer whose q/k/v projections cannot share a matrix (a GGUF file's q4_K_M keeps some
+/// layers' values in another format than their queries and keys; here q8_0 queries beside
+/// q4_0 keys and values) keeps them apart when prepared for inference, and its decoding
+/// steps still take the step, with the three products side by side: the same outputs and
+/// cached keys and values as the general path over the same projections, for f32 and f16
+/// caches, with grouped-query heads, rotary embeddings and a q/k norm per head.
+#[test]
+fn decoding_steps_of_projections_apart_equal_the_general_path() -> Result<()> {
+    use candle_core::quantized::GgmlDType;
+    use mha::{Proj, QkNorm, QkvProj};
+    let cfg = MhaConfig {
+        n_kv_heads: Some(2),
+        rope: Some(RopeConfig::default()),
+        qk_norm: Some(QkNorm {
+            per_head: true,
+            eps: 1e-6,
+        }),
+        bias: false,
+        ..MhaConfig::new(32, 4)
+    };
+    let (qw, kv, d) = (cfg.q_width(), cfg.kv_width(), cfg.head_dim());
+    let linear = |out: usize, dtype: Option<GgmlDType>| -> Result<Proj> {
+        let p = Proj::from_linear(&randn(&[out, 32]), None)?;
+        match dtype {
+            Some(t) => p.quantize(t),
+            None => Ok(p),
+        }
+    };
+    let qkv = QkvProj::Separate([
+        linear(qw, Some(GgmlDType::Q8_0))?,
+        linear(kv, Some(GgmlDType::Q4_0))?,
+        linear(kv, Some(GgmlDType::Q4_0))?,
+    ]);
+    let general = MultiHeadAttention::from_projections(&cfg, qkv, linear(32, None)?)?
+        .with_qk_norm(randn(&[d]).affine(0.2, 1.0)?, randn(&[d]).affine(0.2, 1.0)?)?;
+    let apart = general.fused()?;
+    assert!(
+        apart.fused_qkv().is_none(),
+        "q8_0 and q4_0 cannot share a matrix"
+    );
+    let steps = [1usize, 1, 3, 1];
+    let t = 4 + steps.iter().sum::<usize>();
+    let xs = randn(&[2, t, 32]);
+    // Tolerances as in `decoding_steps_equal_the_general_path`: the projections are the
+    // same; the attention's sums differ in order, and f16 keys may round apart.
+    for (dtype, tol) in [(None, 1e-5), (Some(DType::F16), 2e-4)] {
+        let mut caches = [KvCache::with_dtype(4, dtype), KvCache::with_dtype(4, dtype)];
+        let mut at = 0;
+        for n in std::iter::once(4).chain(steps) {
+            let x = xs.narrow(1, at, n)?;
+            let mask = Mask::causal(at);
+            let [a, b] = &mut caches;
+            let want = general.forward_cached(&x, &x, &x, &mask, a)?;
+            let got = apart.forward_cached(&x, &x, &x, &mask, b)?;
+            assert_close(&got, &want, tol, tol, &format!("{dtype:?}, {n} at {at}"));
+            at += n;
+        }
+        let [a, b] = &caches;
+        let (Some((ka, va)), Some((kb, vb))) = (a.current()?, b.current()?) else {
+            panic!("empty caches")
+        };
+        let f32s = |x: &Tensor| x.to_dtype(DType::F32);
+        assert_close(&f32s(&kb)?, &f32s(&ka)?, 1e-5, 1e-2, "cached keys");
+        assert_close(&f32s(&vb)?, &f32s(&va)?, 1e-5, 1e-2, "cached values");
+    }
+    Ok(())
+}
+
 /// `forward_rows`: rows that are separate sequences, each with its own cache of a different
 /// length, give each row what `forward_cached` gives it alone (GQA, rotary, a window).
 #[test]
