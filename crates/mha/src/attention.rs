@@ -459,9 +459,9 @@ impl MultiHeadAttention {
     }
 
     /// A decoding step of self-attention ([`step`]): the fused projection's output (or
-    /// the three projections' side by side) rotated (after the q/k norm, when the layer has one), its keys and values written
-    /// into `cache` in place, the heads' outputs `[b, t, q_width]` before the output
-    /// projection.
+    /// the three projections' side by side) rotated (after the q/k norm, when the layer
+    /// has one), its keys and values written into `cache` in place, the heads' outputs
+    /// `[b, t, q_width]` before the output projection.
     fn step(
         &self,
         xs: &Tensor,
