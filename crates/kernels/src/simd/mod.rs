@@ -17,6 +17,11 @@ use scalar::*;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 
+/// [`avx2`]'s loads of eight values as f32 lanes (f16 by `vcvtph2ps`, bf16 by a shift), for
+/// the decoding attention of `mha` on CPUs with AVX2 alone.
+#[cfg(target_arch = "x86_64")]
+pub use avx2::Load as Load8;
+
 /// The AVX-512 kernels, for the fused attention of `mha` as well (its decoding step widens
 /// half-precision caches with [`avx512::Load`]).
 #[cfg(target_arch = "x86_64")]

@@ -239,6 +239,10 @@ impl Call<'_> {
         // reading them again from the first-level cache. Elsewhere the row kernels of
         // `gpt_kernels::simd` read them in place, four at a time.
         let (k16, v16) = (avx512_rows(d), avx512_rows(dv));
+        // Without AVX-512, eight keys a call and register tiles of the weighted values as
+        // AVX-512's kernels do over 16 lanes: `simd`'s row kernels, four rows a call,
+        // spent more time in calls and spills than in products.
+        let (k8, v8) = (!k16 && avx2_rows(d), !v16 && avx2_rows(dv));
         // A last block of fewer than SUB keys is read in place too where the storage holds
         // SUB rows from it (a cache allocated past its length, or the next head's rows):
         // the scores of the rows past the range are dropped.
@@ -286,6 +290,19 @@ impl Call<'_> {
                         // `buf` (`widen`); `k16` held.
                         unsafe { scores16(p, st, j, x, op.scale, s) };
                     }
+                } else if k8 {
+                    // Whole eights of keys by `avx2::scores8`, the rest four at a time.
+                    let eights = n / 8 * 8;
+                    for (qi, x) in queries.iter().enumerate() {
+                        let s = &mut s[qi * bc + sb..qi * bc + sb + n];
+                        // SAFETY: key rows j0 + sb.. + n lie in the storage; `k8` held.
+                        unsafe {
+                            for e in (0..eights).step_by(8) {
+                                scores8(kp, k_st, j0 + sb + e, x, op.scale, &mut s[e..e + 8]);
+                            }
+                            scores_rows(kp, k_st, j0 + sb + eights, x, op.scale, &mut s[eights..]);
+                        }
+                    }
                 } else {
                     for (qi, x) in queries.iter().enumerate() {
                         let s = &mut s[qi * bc + sb..qi * bc + sb + n];
@@ -318,10 +335,13 @@ impl Call<'_> {
                 let n = SUB.min(bc - sb);
                 let acc = &mut part.acc;
                 // SAFETY: value rows j0 + sb.. + n lie in the storage; `s` holds nq rows of
-                // bc weights and `acc` nq rows of dv; `v16` held for the first.
+                // bc weights and `acc` nq rows of dv; `v16` held for the first, `v8` for
+                // the second.
                 unsafe {
                     if v16 {
                         add_weighted(vp, v_st, j0 + sb, n, s, bc, sb, acc, dv);
+                    } else if v8 {
+                        add_weighted8(vp, v_st, j0 + sb, n, s, bc, sb, acc, dv);
                     } else {
                         add_rows(vp, v_st, j0 + sb, n, s, bc, sb, acc, dv);
                     }
@@ -402,6 +422,19 @@ fn avx512_rows(width: usize) -> bool {
     false
 }
 
+/// Whether [`avx2`]'s kernels take rows of `width` values where AVX-512's do not: the CPU
+/// has AVX2, FMA and F16C and `width` is a multiple of 8.
+fn avx2_rows(width: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if width.is_multiple_of(8) {
+        return std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c");
+    }
+    let _ = width;
+    false
+}
+
 /// `s[i] = scale · x · row(j + i)` for the first `s.len() ≤ SUB` of the SUB rows from row
 /// `j` at `p` (`st` apart; f32, or half precision widened as it loads), read in place.
 ///
@@ -450,6 +483,52 @@ unsafe fn add_weighted(
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, st, j, n, w, bc, sb, acc, dv); // `avx512_rows` is false there
+}
+
+/// [`scores16`] over 8 rows without AVX-512.
+///
+/// # Safety
+/// [`avx2_rows`] holds for `x.len()`; rows `j..j + 8` lie in the storage; `s` holds 8.
+unsafe fn scores8(p: KvPtr, st: usize, j: usize, x: &[f32], scale: f32, s: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let sums = match p {
+            KvPtr::F16(p) => avx2::scores8(p.add(j * st), st, x),
+            KvPtr::BF16(p) => avx2::scores8(p.add(j * st), st, x),
+            KvPtr::F32(p) => avx2::scores8(p.add(j * st), st, x),
+        };
+        for (s, v) in s.iter_mut().zip(sums) {
+            *s = v * scale;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, st, j, x, scale, s); // `avx2_rows` is false there
+}
+
+/// [`add_weighted`] without AVX-512.
+///
+/// # Safety
+/// [`avx2_rows`] holds for `dv`; as [`add_weighted`] otherwise.
+#[allow(clippy::too_many_arguments)]
+unsafe fn add_weighted8(
+    p: KvPtr,
+    st: usize,
+    j: usize,
+    n: usize,
+    w: &[f32],
+    bc: usize,
+    sb: usize,
+    acc: &mut [f32],
+    dv: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    match p {
+        KvPtr::F16(p) => avx2::add_weighted(p.add(j * st), st, n, w, bc, sb, acc, dv),
+        KvPtr::BF16(p) => avx2::add_weighted(p.add(j * st), st, n, w, bc, sb, acc, dv),
+        KvPtr::F32(p) => avx2::add_weighted(p.add(j * st), st, n, w, bc, sb, acc, dv),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, st, j, n, w, bc, sb, acc, dv); // `avx2_rows` is false there
 }
 
 /// Rows `j..j + 4` at `p` (`st` apart, `width` values each), the last of them repeated
@@ -682,6 +761,140 @@ mod avx512 {
     }
 }
 
+/// [`avx512`]'s kernels over eight lanes, for CPUs with AVX2, FMA and F16C alone.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use gpt_kernels::simd::Load8 as Load;
+
+    /// Lane `j` of the result: the sum of the 8 lanes of `t[j]`. Pairs are added
+    /// horizontally (twice), then the two 128-bit halves of each result added: a transpose
+    /// of 8 × 8 that adds as it goes. (No closures, as in `avx512::reduce16`.)
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn reduce8(t: &[__m256; 8]) -> __m256 {
+        // [a01, a23, b01, b23 | a45, a67, b45, b67] for a = t[2i], b = t[2i + 1].
+        let u = [0, 1, 2, 3].map(|i| _mm256_hadd_ps(t[2 * i], t[2 * i + 1]));
+        // [t0, t1, t2, t3 | t0, t1, t2, t3] (each a half's sum), and t4..t7.
+        let (v0, v1) = (_mm256_hadd_ps(u[0], u[1]), _mm256_hadd_ps(u[2], u[3]));
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(v0, v1),
+            _mm256_permute2f128_ps::<0x31>(v0, v1),
+        )
+    }
+
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn reduce_rows(v: &[f32]) -> [f32; 8] {
+        let mut t = [_mm256_setzero_ps(); 8];
+        for (j, t) in t.iter_mut().enumerate() {
+            *t = _mm256_loadu_ps(v.as_ptr().add(8 * j));
+        }
+        let mut out = [0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), reduce8(&t));
+        out
+    }
+
+    /// The dot products of `x` (a multiple of 8 long) with 8 rows `st` apart (f32, or half
+    /// precision widened as they are read): 8 accumulators and `x`, 10 of the 16 registers.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scores8<E: Load>(rows: *const E, st: usize, x: &[f32]) -> [f32; 8] {
+        let mut t = [_mm256_setzero_ps(); 8];
+        for c in (0..x.len()).step_by(8) {
+            let xv = _mm256_loadu_ps(x.as_ptr().add(c));
+            for (j, t) in t.iter_mut().enumerate() {
+                *t = _mm256_fmadd_ps(xv, E::load8(rows.add(j * st + c)), *t);
+            }
+        }
+        let mut out = [0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), reduce8(&t));
+        out
+    }
+
+    /// `Q` query rows by `8·C` columns from `c0`: `acc[q] += Σ_j p[q][j] · row(j)`, the
+    /// accumulators held in registers across the `n` rows (`Q·C + C + 1` of the 16).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    #[allow(clippy::needless_range_loop)] // a[q][c] beside acc[q], p[q] and v[c]
+    unsafe fn tile<E: Load, const Q: usize, const C: usize>(
+        rows: *const E,
+        st: usize,
+        n: usize,
+        p: [*const f32; Q],
+        acc: [*mut f32; Q],
+        c0: usize,
+    ) {
+        let mut a = [[_mm256_setzero_ps(); C]; Q];
+        for q in 0..Q {
+            for c in 0..C {
+                a[q][c] = _mm256_loadu_ps(acc[q].add(c0 + 8 * c));
+            }
+        }
+        for j in 0..n {
+            let r = rows.add(j * st + c0);
+            let mut v = [_mm256_setzero_ps(); C];
+            for (c, v) in v.iter_mut().enumerate() {
+                *v = E::load8(r.add(8 * c));
+            }
+            for q in 0..Q {
+                let w = _mm256_set1_ps(*p[q].add(j));
+                for c in 0..C {
+                    a[q][c] = _mm256_fmadd_ps(w, v[c], a[q][c]);
+                }
+            }
+        }
+        for q in 0..Q {
+            for c in 0..C {
+                _mm256_storeu_ps(acc[q].add(c0 + 8 * c), a[q][c]);
+            }
+        }
+    }
+
+    /// As [`super::add_weighted`], `dv` a multiple of 8: one or two query rows by 32
+    /// columns at a time, three or four by 16, then 8 columns at a time.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn add_weighted<E: Load>(
+        rows: *const E,
+        st: usize,
+        n: usize,
+        p: &[f32],
+        bc: usize,
+        sb: usize,
+        acc: &mut [f32],
+        dv: usize,
+    ) {
+        let nq = acc.len() / dv;
+        let (pp, ap) = (p.as_ptr(), acc.as_mut_ptr());
+        for q0 in (0..nq).step_by(4) {
+            let ps = |i: usize| pp.add((q0 + i) * bc + sb);
+            let accs = |i: usize| ap.add((q0 + i) * dv);
+            macro_rules! tiles {
+                ($q:literal, $c:literal) => {{
+                    let p: [*const f32; $q] = std::array::from_fn(ps);
+                    let a: [*mut f32; $q] = std::array::from_fn(accs);
+                    let mut c0 = 0;
+                    while c0 + 8 * $c <= dv {
+                        tile::<E, $q, $c>(rows, st, n, p, a, c0);
+                        c0 += 8 * $c;
+                    }
+                    while c0 < dv {
+                        tile::<E, $q, 1>(rows, st, n, p, a, c0);
+                        c0 += 8;
+                    }
+                }};
+            }
+            match nq - q0 {
+                1 => tiles!(1, 4),
+                2 => tiles!(2, 4),
+                3 => tiles!(3, 2),
+                _ => tiles!(4, 2),
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -707,10 +920,25 @@ mod tests {
         }
     }
 
-    /// Both readers of a cache (the row kernels, and AVX-512's where the CPU has it and
-    /// the width is a multiple of 16, a short block's keys through `widen` too): f32, f16
-    /// and bf16 rows, counts that are not multiples of four, against the f64 sums of the
-    /// same values as stored.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn reduce8_sums_each_register() {
+        if !avx2_rows(8) {
+            return;
+        }
+        let v: Vec<f32> = values(64, 2);
+        // SAFETY: AVX2, FMA and F16C are present; 64 values are 8 rows of 8.
+        let got = unsafe { avx2::reduce_rows(&v) };
+        for j in 0..8 {
+            let want: f32 = v[j * 8..(j + 1) * 8].iter().sum();
+            assert!((got[j] - want).abs() < 1e-4, "{j}: {got:?}");
+        }
+    }
+
+    /// Every reader of a cache (the row kernels; AVX2's where the CPU has it and the width
+    /// is a multiple of 8; AVX-512's where the CPU has it and the width is a multiple of
+    /// 16, a short block's keys through `widen` too): f32, f16 and bf16 rows, counts that
+    /// are not multiples of four, against the f64 sums of the same values as stored.
     #[test]
     fn readers_equal_f64_sums() {
         use half::{bf16, f16};
@@ -755,6 +983,12 @@ mod tests {
                 // SAFETY: rows j..j + n of `st` values lie in the storage.
                 unsafe { scores_rows(p, st, j, &x, 0.5, &mut s) };
                 check_scores(&s, "rows");
+                if avx2_rows(width) {
+                    let mut s8 = vec![0f32; 8];
+                    // SAFETY: rows j..j + 8 lie in the storage; `avx2_rows` held.
+                    unsafe { scores8(p, st, j, &x, 0.5, &mut s8) };
+                    check_scores(&s8, "avx2");
+                }
                 if avx512_rows(width) {
                     s.fill(0.0);
                     // SAFETY: rows j..j + SUB lie in the storage; `avx512_rows` held.
@@ -793,6 +1027,12 @@ mod tests {
                     // SAFETY: as above; w holds nq rows of bc, acc nq rows of width.
                     unsafe { add_rows(p, st, j, n, &w, bc, 2, &mut acc, width) };
                     check(&acc, "rows");
+                    if avx2_rows(width) {
+                        let mut acc = before.clone();
+                        // SAFETY: as above; `avx2_rows` held.
+                        unsafe { add_weighted8(p, st, j, n, &w, bc, 2, &mut acc, width) };
+                        check(&acc, "avx2");
+                    }
                     if avx512_rows(width) {
                         let mut acc = before.clone();
                         // SAFETY: as above; `avx512_rows` held.
