@@ -17,8 +17,8 @@ use scalar::*;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 
-/// [`avx2`]'s loads of eight values as f32 lanes (f16 by `vcvtph2ps`, bf16 by a shift), for
-/// the decoding attention of `mha` on CPUs with AVX2 alone.
+/// The AVX2 kernels' loads of eight values as f32 lanes (f16 by `vcvtph2ps`, bf16 by a
+/// shift), for the decoding attention of `mha` on CPUs with AVX2 alone.
 #[cfg(target_arch = "x86_64")]
 pub use avx2::Load as Load8;
 
